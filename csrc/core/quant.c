@@ -1,0 +1,165 @@
+/*
+ * Blockwise quantization: argument checks, dispatch, and the CPU loops.
+ *
+ * The CPU path runs one OpenMP iteration per block. Half-precision input is widened
+ * into a per-thread float buffer first so the absmax pass and the code search run on
+ * plain floats. Element math: quant.h (shared with cuda/quant.cu).
+ */
+#include <stdlib.h>
+
+#include "memfit/quant.h"
+#ifdef MEMFIT_WITH_CUDA
+#include "memfit/cuda_launch.h"
+#endif
+
+int mf_quant_block_size_ok(int64_t bs) {
+  return bs >= MF_QUANT_MIN_BLOCK && bs <= MF_QUANT_MAX_BLOCK && (bs & (bs - 1)) == 0;
+}
+
+int64_t mf_quant_num_blocks(int64_t numel, int64_t bs) { return (numel + bs - 1) / bs; }
+
+static mf_status no_cuda(const char *what) {
+  return mf_error(MF_ERR_NO_CUDA,
+                  "%s: got CUDA arrays, but this memfit was built without CUDA support "
+                  "(rebuild where nvcc is installed, or with -C cmake.define.MEMFIT_CUDA=ON)",
+                  what);
+}
+
+/* Checks shared by both directions; names the arguments as the Python API does. */
+static mf_status check_common(const mf_tensor *values, const char *values_name,
+                              const mf_tensor *code, const mf_tensor *codes,
+                              const mf_tensor *absmax, int64_t bs) {
+  mf_status st;
+  if (!mf_quant_block_size_ok(bs))
+    return mf_error(MF_ERR_VALUE,
+                    "block_size: must be one of 64, 128, 256, 512, 1024, 2048, 4096, got %lld",
+                    (long long)bs);
+  if ((st = mf_check_float(values, values_name))) return st;
+  if (values->numel <= 0)
+    return mf_error(MF_ERR_VALUE, "%s: empty arrays cannot be quantized (numel must be > 0)", values_name);
+  if ((st = mf_check_dtype(code, "code", MF_FLOAT32))) return st;
+  if ((st = mf_check_numel(code, "code", MF_CODE_SIZE))) return st;
+  if ((st = mf_check_dtype(codes, "codes", MF_UINT8))) return st;
+  if ((st = mf_check_numel(codes, "codes", values->numel))) return st;
+  if ((st = mf_check_dtype(absmax, "absmax", MF_FLOAT32))) return st;
+  if ((st = mf_check_numel(absmax, "absmax", mf_quant_num_blocks(values->numel, bs)))) return st;
+  if ((st = mf_check_same_device(values, values_name, code, "code"))) return st;
+  if ((st = mf_check_same_device(values, values_name, codes, "codes"))) return st;
+  if ((st = mf_check_same_device(values, values_name, absmax, "absmax"))) return st;
+  return MF_OK;
+}
+
+static mf_status check_code_sorted(const float *code) {
+  for (int i = 0; i < MF_CODE_SIZE; i++) {
+    if (!(code[i] >= -1.0f && code[i] <= 1.0f))
+      return mf_error(MF_ERR_VALUE, "code: values must lie in [-1, 1], code[%d] = %g", i,
+                      (double)code[i]);
+    if (i > 0 && code[i] < code[i - 1])
+      return mf_error(MF_ERR_VALUE, "code: must be sorted ascending (code[%d] < code[%d])", i,
+                      i - 1);
+  }
+  return MF_OK;
+}
+
+static void quantize_block_cpu(const float *x, int64_t n, int64_t first, const float *code,
+                               uint8_t *out, float *absmax, mf_rounding rounding,
+                               uint64_t seed) {
+  float m = 0.0f;
+  for (int64_t i = 0; i < n; i++) m = mf_absmax_step(m, x[i]);
+  *absmax = m;
+  float inv = mf_absmax_inverse(m);
+  if (rounding == MF_ROUND_STOCHASTIC) {
+    for (int64_t i = 0; i < n; i++)
+      out[i] = mf_quantize_stochastic(code, x[i] * inv, mf_uniform(seed, (uint64_t)(first + i)));
+  } else {
+    for (int64_t i = 0; i < n; i++) out[i] = mf_quantize_nearest(code, x[i] * inv);
+  }
+}
+
+static mf_status quantize_cpu(const mf_tensor *x, const float *code, uint8_t *codes,
+                              float *absmax, int64_t bs, mf_rounding rounding, uint64_t seed) {
+  const int64_t numel = x->numel, nblocks = mf_quant_num_blocks(numel, bs);
+  int failed = 0;
+#pragma omp parallel num_threads(mf_get_num_threads()) if (nblocks > 4)
+  {
+    float *buf = NULL;
+    if (x->dtype != MF_FLOAT32) {
+      buf = (float *)malloc((size_t)bs * sizeof(float));
+      if (!buf) {
+#pragma omp atomic write
+        failed = 1;
+      }
+    }
+#pragma omp for schedule(static)
+    for (int64_t b = 0; b < nblocks; b++) {
+      if (x->dtype != MF_FLOAT32 && !buf) continue;
+      int64_t first = b * bs;
+      int64_t n = numel - first < bs ? numel - first : bs;
+      const float *src;
+      if (x->dtype == MF_FLOAT32) {
+        src = (const float *)x->data + first;
+      } else {
+        for (int64_t i = 0; i < n; i++) buf[i] = mf_load_f32(x->data, first + i, x->dtype);
+        src = buf;
+      }
+      quantize_block_cpu(src, n, first, code, codes + first, absmax + b, rounding, seed);
+    }
+    free(buf);
+  }
+  if (failed) return mf_error(MF_ERR_NOMEM, "quantize_blockwise: out of host memory");
+  return MF_OK;
+}
+
+mf_status mf_quantize_blockwise(const mf_tensor *x, const mf_tensor *code, mf_tensor *codes,
+                                mf_tensor *absmax, int64_t block_size, mf_rounding rounding,
+                                uint64_t seed, void *stream) {
+  mf_status st = check_common(x, "x", code, codes, absmax, block_size);
+  if (st) return st;
+  if (rounding != MF_ROUND_NEAREST && rounding != MF_ROUND_STOCHASTIC)
+    return mf_error(MF_ERR_VALUE, "rounding: unknown mode %d", (int)rounding);
+  if (x->device == MF_CUDA) {
+#ifdef MEMFIT_WITH_CUDA
+    return mf_cuda_quantize_blockwise(x, code, codes, absmax, block_size, rounding, seed,
+                                      stream);
+#else
+    (void)stream;
+    return no_cuda("quantize_blockwise");
+#endif
+  }
+  if ((st = check_code_sorted((const float *)code->data))) return st;
+  return quantize_cpu(x, (const float *)code->data, (uint8_t *)codes->data,
+                      (float *)absmax->data, block_size, rounding, seed);
+}
+
+mf_status mf_dequantize_blockwise(const mf_tensor *codes, const mf_tensor *absmax,
+                                  const mf_tensor *code, mf_tensor *out, int64_t block_size,
+                                  void *stream) {
+  mf_status st = check_common(out, "out", code, codes, absmax, block_size);
+  if (st) return st;
+  if (out->device == MF_CUDA) {
+#ifdef MEMFIT_WITH_CUDA
+    return mf_cuda_dequantize_blockwise(codes, absmax, code, out, block_size, stream);
+#else
+    (void)stream;
+    return no_cuda("dequantize_blockwise");
+#endif
+  }
+  const float *cd = (const float *)code->data, *am = (const float *)absmax->data;
+  const uint8_t *c = (const uint8_t *)codes->data;
+  const int64_t numel = out->numel, nblocks = mf_quant_num_blocks(numel, block_size);
+  const mf_dtype dt = out->dtype;
+  void *dst = out->data;
+#pragma omp parallel for schedule(static) num_threads(mf_get_num_threads()) if (nblocks > 4)
+  for (int64_t b = 0; b < nblocks; b++) {
+    int64_t first = b * block_size;
+    int64_t end = numel - first < block_size ? numel : first + block_size;
+    float a = am[b];
+    if (dt == MF_FLOAT32) {
+      float *o = (float *)dst;
+      for (int64_t i = first; i < end; i++) o[i] = mf_dequantize_one(cd, c[i], a);
+    } else {
+      for (int64_t i = first; i < end; i++) mf_store_f32(dst, i, dt, mf_dequantize_one(cd, c[i], a));
+    }
+  }
+  return MF_OK;
+}

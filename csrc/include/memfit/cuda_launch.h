@@ -1,0 +1,36 @@
+/*
+ * memfit core -> CUDA: launchers implemented in cuda/*.cu, called by the core's
+ * dispatch code only after it has validated every argument. They run on the given
+ * stream (a cudaStream_t; NULL is the default stream) on the device of their views,
+ * never synchronize, and return MF_ERR_CUDA with the CUDA error string on failure.
+ * Only declared when the library is built with CUDA (MEMFIT_WITH_CUDA).
+ */
+#ifndef MEMFIT_CUDA_LAUNCH_H
+#define MEMFIT_CUDA_LAUNCH_H
+
+#include "memfit/common.h"
+#include "memfit/quant.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* Runtime queries (cuda/device.cu). A machine without a GPU or driver gives count 0. */
+mf_status mf_cuda_device_count(int *count);
+mf_status mf_cuda_device_info(int device, char *name, size_t name_len, int *major,
+                              int *minor, int64_t *total_memory);
+mf_status mf_cuda_versions(int *driver, int *runtime);
+
+/* cuda/quant.cu */
+mf_status mf_cuda_quantize_blockwise(const mf_tensor *x, const mf_tensor *code,
+                                     mf_tensor *codes, mf_tensor *absmax,
+                                     int64_t block_size, mf_rounding rounding,
+                                     uint64_t seed, void *stream);
+mf_status mf_cuda_dequantize_blockwise(const mf_tensor *codes, const mf_tensor *absmax,
+                                       const mf_tensor *code, mf_tensor *out,
+                                       int64_t block_size, void *stream);
+
+#ifdef __cplusplus
+}
+#endif
+#endif /* MEMFIT_CUDA_LAUNCH_H */

@@ -1,0 +1,138 @@
+/*
+ * memfit core: scalar conversions and a counter-based RNG, written once for the
+ * CPU (C11) and the GPU (nvcc). Integer-only bit manipulation on purpose: it cannot
+ * be changed by FMA contraction, flush-to-zero or fast-math flags, so the CPU loop
+ * and the CUDA kernel produce the same bits.
+ *
+ * Rounding: float -> bfloat16 and float -> float16 round to nearest, ties to even,
+ * bit-identical to torch's scalar conversions (c10::BFloat16 / c10::Half). NaN maps
+ * to the canonical quiet NaN torch's scalar path uses (bf16 0x7FC0, fp16 0x7E00 with
+ * the sign kept); float16 overflow (|x| >= 65520) gives +-inf.
+ */
+#ifndef MEMFIT_NUMERIC_H
+#define MEMFIT_NUMERIC_H
+
+#include <stdint.h>
+#include <string.h>
+
+#include "memfit/common.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+static inline MF_HD uint32_t mf_f32_bits(float f) {
+#ifdef __CUDA_ARCH__
+  return __float_as_uint(f);
+#else
+  uint32_t u;
+  memcpy(&u, &f, sizeof u);
+  return u;
+#endif
+}
+
+static inline MF_HD float mf_f32_from_bits(uint32_t u) {
+#ifdef __CUDA_ARCH__
+  return __uint_as_float(u);
+#else
+  float f;
+  memcpy(&f, &u, sizeof f);
+  return f;
+#endif
+}
+
+/* ---- bfloat16 ---------------------------------------------------------- */
+
+static inline MF_HD float mf_bf16_to_f32(uint16_t h) {
+  return mf_f32_from_bits((uint32_t)h << 16);
+}
+
+static inline MF_HD uint16_t mf_f32_to_bf16(float f) {
+  uint32_t u = mf_f32_bits(f);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return 0x7fc0u;
+  /* add 0x7fff plus the lowest kept bit: ties go to the even neighbour */
+  return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+
+/* ---- float16 ----------------------------------------------------------- */
+
+static inline MF_HD float mf_f16_to_f32(uint16_t h) {
+  uint32_t sign = (uint32_t)(h & 0x8000u) << 16;
+  uint32_t e = (h >> 10) & 0x1fu;
+  uint32_t m = h & 0x3ffu;
+  if (e == 0x1f) return mf_f32_from_bits(sign | 0x7f800000u | (m << 13));
+  if (e == 0) {
+    if (m == 0) return mf_f32_from_bits(sign);
+    /* subnormal: shift the mantissa up until its leading one is the implicit bit */
+    int32_t ee = 1;
+    while (!(m & 0x400u)) {
+      m <<= 1;
+      ee--;
+    }
+    m &= 0x3ffu;
+    return mf_f32_from_bits(sign | ((uint32_t)(ee + 112) << 23) | (m << 13));
+  }
+  return mf_f32_from_bits(sign | ((e + 112u) << 23) | (m << 13));
+}
+
+static inline MF_HD uint16_t mf_f32_to_f16(float f) {
+  uint32_t u = mf_f32_bits(f);
+  uint16_t sign = (uint16_t)((u >> 16) & 0x8000u);
+  uint32_t a = u & 0x7fffffffu;
+  if (a > 0x7f800000u) return (uint16_t)(sign | 0x7e00u);  /* NaN */
+  if (a >= 0x477ff000u) return (uint16_t)(sign | 0x7c00u); /* >= 65520: inf */
+  if (a >= 0x38800000u) {                                 /* normal half */
+    /* rebias the exponent (127 -> 15) and round the 13 dropped bits, ties to even */
+    a += 0xc8000fffu + ((a >> 13) & 1u);
+    return (uint16_t)(sign | (a >> 13));
+  }
+  if (a < 0x33000000u) return sign; /* below half the smallest subnormal: zero */
+  /* subnormal half: value / 2^-24 = m * 2^(e-126), rounded to nearest even */
+  uint32_t e = a >> 23;
+  uint32_t m = (a & 0x7fffffu) | 0x800000u;
+  uint32_t shift = 126u - e; /* 14..24 */
+  uint32_t r = m >> shift;
+  uint32_t rem = m & ((1u << shift) - 1u);
+  uint32_t half = 1u << (shift - 1u);
+  if (rem > half || (rem == half && (r & 1u))) r++;
+  return (uint16_t)(sign | r);
+}
+
+/* ---- load / store any float dtype as float32 ---------------------------- */
+
+static inline MF_HD float mf_load_f32(const void *p, int64_t i, mf_dtype dt) {
+  switch (dt) {
+    case MF_FLOAT16: return mf_f16_to_f32(((const uint16_t *)p)[i]);
+    case MF_BFLOAT16: return mf_bf16_to_f32(((const uint16_t *)p)[i]);
+    default: return ((const float *)p)[i];
+  }
+}
+
+static inline MF_HD void mf_store_f32(void *p, int64_t i, mf_dtype dt, float v) {
+  switch (dt) {
+    case MF_FLOAT16: ((uint16_t *)p)[i] = mf_f32_to_f16(v); break;
+    case MF_BFLOAT16: ((uint16_t *)p)[i] = mf_f32_to_bf16(v); break;
+    default: ((float *)p)[i] = v; break;
+  }
+}
+
+/* ---- counter-based random numbers --------------------------------------- */
+
+/* splitmix64's finaliser over (seed, counter): stateless, so element i gets the same
+ * number on the CPU and the GPU whatever the thread layout. */
+static inline MF_HD uint64_t mf_hash64(uint64_t seed, uint64_t counter) {
+  uint64_t z = seed + 0x9e3779b97f4a7c15ull * (counter + 1u);
+  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+  z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+  return z ^ (z >> 31);
+}
+
+/* Uniform float in [0, 1) with 24 random bits (exactly representable). */
+static inline MF_HD float mf_uniform(uint64_t seed, uint64_t counter) {
+  return (float)(mf_hash64(seed, counter) >> 40) * (1.0f / 16777216.0f);
+}
+
+#ifdef __cplusplus
+}
+#endif
+#endif /* MEMFIT_NUMERIC_H */

@@ -1,0 +1,44 @@
+/*
+ * Shared pieces of the CPython bindings (module memfit._C).
+ *
+ * Each capability has one binding file <cap>_py.c that defines a NULL-terminated
+ * PyMethodDef table, listed in module.c. Bindings turn Python objects into mf_tensor
+ * views (views.c), release the GIL around the core call, and map an mf_status to an
+ * exception with mf_py_raise().
+ */
+#ifndef MEMFIT_BINDINGS_H
+#define MEMFIT_BINDINGS_H
+
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+
+#include "memfit/common.h"
+
+/* Exception classes created in module.c: memfit.Error and subclasses that also
+ * derive from the matching builtin (TypeError, ValueError, RuntimeError). */
+extern PyObject *mf_py_Error, *mf_py_TypeError, *mf_py_ValueError, *mf_py_CudaError;
+
+/* Raises the exception for `status` with the core's thread-local message; returns NULL. */
+PyObject *mf_py_raise(mf_status status);
+
+/* A borrowed view of a Python array: DLPack (torch, CuPy, JAX, NumPy) or NumPy's
+ * __array_interface__ (which also carries ml_dtypes.bfloat16). Holds what keeps the
+ * memory alive until mf_py_view_release(). */
+typedef struct {
+  mf_tensor t;
+  PyObject *owner;   /* the object itself (array interface) or the DLPack capsule */
+  void *managed;     /* DLPack managed tensor we must delete, or NULL */
+  int versioned;     /* managed is a versioned DLPack tensor */
+} mf_py_view;
+
+/* Fills *v from obj. `name` is the argument's name for error messages; `writable`
+ * rejects read-only memory; `stream` is the CUDA stream the caller will launch on
+ * (passed to __dlpack__ so the producer orders its work before ours; 0 = default).
+ * Returns 0, or -1 with TypeError/ValueError set. Must be paired with release. */
+int mf_py_view_get(PyObject *obj, const char *name, int writable, uintptr_t stream,
+                   mf_py_view *v);
+void mf_py_view_release(mf_py_view *v);
+
+extern PyMethodDef mf_quant_methods[];
+
+#endif /* MEMFIT_BINDINGS_H */

@@ -1,0 +1,131 @@
+/*
+ * memfit._C: the CPython module. Creates the exception classes, answers build and
+ * runtime queries, and merges the method tables of the capability bindings.
+ */
+#include "bindings.h"
+#ifdef MEMFIT_WITH_CUDA
+#include "memfit/cuda_launch.h"
+#endif
+
+PyObject *mf_py_Error, *mf_py_TypeError, *mf_py_ValueError, *mf_py_CudaError;
+
+PyObject *mf_py_raise(mf_status status) {
+  const char *msg = mf_last_error();
+  if (!msg || !msg[0]) msg = "memfit: unknown error";
+  switch (status) {
+    case MF_ERR_TYPE: PyErr_SetString(mf_py_TypeError, msg); break;
+    case MF_ERR_VALUE: PyErr_SetString(mf_py_ValueError, msg); break;
+    case MF_ERR_NOMEM: PyErr_SetString(PyExc_MemoryError, msg); break;
+    case MF_ERR_CUDA:
+    case MF_ERR_NO_CUDA: PyErr_SetString(mf_py_CudaError, msg); break;
+    default: PyErr_SetString(mf_py_Error, msg); break;
+  }
+  return NULL;
+}
+
+static PyObject *py_build_info(PyObject *self, PyObject *noargs) {
+  (void)self;
+  (void)noargs;
+  return Py_BuildValue("{s:s,s:O,s:s,s:O,s:s}", "version", mf_version(), "cuda",
+                       mf_built_with_cuda() ? Py_True : Py_False, "cuda_archs",
+                       mf_cuda_archs(), "openmp", mf_built_with_openmp() ? Py_True : Py_False,
+                       "compiler", mf_compiler());
+}
+
+static PyObject *py_set_num_threads(PyObject *self, PyObject *arg) {
+  (void)self;
+  long n = PyLong_AsLong(arg);
+  if (n == -1 && PyErr_Occurred()) return NULL;
+  if (n < 0) {
+    PyErr_SetString(mf_py_ValueError, "n: must be >= 0 (0 restores the OpenMP default)");
+    return NULL;
+  }
+  mf_set_num_threads((int)n);
+  Py_RETURN_NONE;
+}
+
+static PyObject *py_get_num_threads(PyObject *self, PyObject *noargs) {
+  (void)self;
+  (void)noargs;
+  return PyLong_FromLong(mf_get_num_threads());
+}
+
+static PyObject *py_cuda_device_count(PyObject *self, PyObject *noargs) {
+  (void)self;
+  (void)noargs;
+#ifdef MEMFIT_WITH_CUDA
+  int n = 0;
+  mf_status st = mf_cuda_device_count(&n);
+  if (st) return mf_py_raise(st);
+  return PyLong_FromLong(n);
+#else
+  return PyLong_FromLong(0);
+#endif
+}
+
+static PyObject *py_cuda_device_info(PyObject *self, PyObject *arg) {
+  (void)self;
+  long dev = PyLong_AsLong(arg);
+  if (dev == -1 && PyErr_Occurred()) return NULL;
+#ifdef MEMFIT_WITH_CUDA
+  char name[256];
+  int major = 0, minor = 0, driver = 0, runtime = 0;
+  int64_t mem = 0;
+  mf_status st = mf_cuda_device_info((int)dev, name, sizeof name, &major, &minor, &mem);
+  if (!st) st = mf_cuda_versions(&driver, &runtime);
+  if (st) return mf_py_raise(st);
+  return Py_BuildValue("{s:s,s:(ii),s:L,s:i,s:i}", "name", name, "capability", major, minor,
+                       "total_memory", (long long)mem, "driver_version", driver,
+                       "runtime_version", runtime);
+#else
+  (void)dev;
+  mf_error(MF_ERR_NO_CUDA, "cuda_device_info: this memfit was built without CUDA support");
+  return mf_py_raise(MF_ERR_NO_CUDA);
+#endif
+}
+
+static PyMethodDef core_methods[] = {
+    {"build_info", py_build_info, METH_NOARGS, "What this build of memfit was compiled with."},
+    {"set_num_threads", py_set_num_threads, METH_O, "Threads for CPU kernels (0: default)."},
+    {"get_num_threads", py_get_num_threads, METH_NOARGS, "Threads CPU kernels use."},
+    {"cuda_device_count", py_cuda_device_count, METH_NOARGS, "Visible CUDA devices (0 without)."},
+    {"cuda_device_info", py_cuda_device_info, METH_O, "Name, capability and memory of a GPU."},
+    {NULL, NULL, 0, NULL}};
+
+/* Every capability's table; module init adds them all. */
+static PyMethodDef *method_tables[] = {core_methods, mf_quant_methods};
+
+static struct PyModuleDef module_def = {PyModuleDef_HEAD_INIT, "memfit._C",
+                                        "memfit's C core (see the memfit package).", -1,
+                                        NULL, NULL, NULL, NULL, NULL};
+
+static PyObject *new_error(PyObject *module, const char *name, PyObject *builtin) {
+  char full[64];
+  snprintf(full, sizeof full, "memfit.%s", name);
+  PyObject *bases = builtin ? PyTuple_Pack(2, mf_py_Error, builtin) : NULL;
+  if (builtin && !bases) return NULL;
+  PyObject *cls = PyErr_NewException(full, builtin ? bases : PyExc_Exception, NULL);
+  Py_XDECREF(bases);
+  if (!cls) return NULL;
+  if (PyModule_AddObjectRef(module, name, cls) < 0) {
+    Py_DECREF(cls);
+    return NULL;
+  }
+  return cls;
+}
+
+PyMODINIT_FUNC PyInit__C(void) {
+  PyObject *m = PyModule_Create(&module_def);
+  if (!m) return NULL;
+  for (size_t i = 0; i < sizeof method_tables / sizeof method_tables[0]; i++) {
+    if (PyModule_AddFunctions(m, method_tables[i]) < 0) goto fail;
+  }
+  if (!(mf_py_Error = new_error(m, "Error", NULL))) goto fail;
+  if (!(mf_py_TypeError = new_error(m, "MemfitTypeError", PyExc_TypeError))) goto fail;
+  if (!(mf_py_ValueError = new_error(m, "MemfitValueError", PyExc_ValueError))) goto fail;
+  if (!(mf_py_CudaError = new_error(m, "CudaError", PyExc_RuntimeError))) goto fail;
+  return m;
+fail:
+  Py_DECREF(m);
+  return NULL;
+}

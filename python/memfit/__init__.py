@@ -1,0 +1,68 @@
+"""memfit: train bigger models in less GPU memory.
+
+A C core with CUDA kernels for blockwise quantization, 8-bit optimizers, a GradScaler
+state machine, mixed-precision kernels and planned checkpointing. The core takes any
+array through DLPack (torch, NumPy, CuPy, JAX); torch is imported only by the torch
+adapters, so ``import memfit`` stays light.
+
+    >>> import memfit
+    >>> memfit.build_info()["version"]  # doctest: +SKIP
+    '0.1.0'
+"""
+
+from memfit import _C
+from memfit._C import CudaError, Error, MemfitTypeError, MemfitValueError
+
+__version__ = _C.build_info()["version"]
+
+__all__ = [
+    "CudaError",
+    "Error",
+    "MemfitTypeError",
+    "MemfitValueError",
+    "build_info",
+    "cuda_device_count",
+    "get_num_threads",
+    "quant",
+    "set_num_threads",
+]
+
+
+def build_info() -> dict:
+    """What this build of memfit was compiled with.
+
+    Returns a dict with ``version``, ``cuda`` (True when the CUDA kernels were built),
+    ``cuda_archs`` (the GPU architectures compiled for), ``openmp`` and ``compiler``.
+
+    >>> sorted(memfit.build_info())  # doctest: +SKIP
+    ['compiler', 'cuda', 'cuda_archs', 'openmp', 'version']
+    """
+    return dict(_C.build_info())
+
+
+def cuda_device_count() -> int:
+    """Number of CUDA devices memfit can use (0 on a CPU-only build or machine)."""
+    return _C.cuda_device_count()
+
+
+def set_num_threads(n: int) -> None:
+    """Set the number of CPU threads memfit's kernels use; 0 restores the default
+    (``OMP_NUM_THREADS``, else one per core). Match ``torch.get_num_threads()`` when
+    torch runs work beside memfit, so the two do not oversubscribe the cores."""
+    if isinstance(n, bool) or not isinstance(n, int):
+        raise TypeError(f"n: expected an int, got {type(n).__name__}")
+    _C.set_num_threads(n)
+
+
+def get_num_threads() -> int:
+    """Number of CPU threads memfit's kernels use."""
+    return _C.get_num_threads()
+
+
+def __getattr__(name):
+    # Submodules load on first use so `import memfit` stays cheap.
+    if name in ("quant", "cli", "doctor"):
+        import importlib
+
+        return importlib.import_module(f"memfit.{name}")
+    raise AttributeError(f"module 'memfit' has no attribute {name!r}")

@@ -1,0 +1,75 @@
+"""`memfit doctor`: what was built, and what this machine offers at run time."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import platform
+
+from memfit import _C
+
+
+def report() -> dict:
+    """Build information plus run-time facts: GPUs (name, compute capability, whether
+    bfloat16 is native), CPU threads memfit uses, and the frameworks it can see."""
+    info = {"build": dict(_C.build_info())}
+    gpus = []
+    for i in range(_C.cuda_device_count()):
+        d = dict(_C.cuda_device_info(i))
+        major, minor = d["capability"]
+        d["capability"] = f"{major}.{minor}"
+        d["bf16_native"] = major >= 8
+        d["total_memory_gb"] = round(d.pop("total_memory") / 2**30, 2)
+        gpus.append(d)
+    info["runtime"] = {
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "cpu_count": os.cpu_count(),
+        "threads": _C.get_num_threads(),
+        "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
+        "gpus": gpus,
+        "cuda_usable": bool(gpus) and info["build"]["cuda"],
+    }
+    frameworks = {}
+    for name in ("torch", "numpy", "ml_dtypes", "cupy", "jax", "bitsandbytes"):
+        if importlib.util.find_spec(name) is None:
+            continue
+        try:
+            mod = importlib.import_module(name)
+            frameworks[name] = getattr(mod, "__version__", "?")
+        except Exception as e:  # a broken install should not break the doctor
+            frameworks[name] = f"import failed: {e}"
+    info["frameworks"] = frameworks
+    return info
+
+
+def format_report(info: dict) -> str:
+    b, r = info["build"], info["runtime"]
+    lines = [
+        f"memfit {b['version']}",
+        f"  built with   : {b['compiler']}, OpenMP {'yes' if b['openmp'] else 'no'}, "
+        f"CUDA {'yes (archs ' + b['cuda_archs'] + ')' if b['cuda'] else 'no'}",
+        f"  python       : {r['python']} on {r['platform']}",
+        f"  CPU threads  : {r['threads']} of {r['cpu_count']} cores"
+        + (f" (OMP_NUM_THREADS={r['omp_num_threads']})" if r["omp_num_threads"] else ""),
+    ]
+    if r["gpus"]:
+        for i, g in enumerate(r["gpus"]):
+            lines.append(
+                f"  GPU {i}        : {g['name']}, compute {g['capability']}, "
+                f"{g['total_memory_gb']} GB, bf16 {'native' if g['bf16_native'] else 'not native (use fp16 + GradScaler)'}"
+            )
+    elif b["cuda"]:
+        lines.append("  GPU          : none visible (CUDA kernels built; CPU kernels in use)")
+    else:
+        lines.append("  GPU          : not used (CPU-only build)")
+    fw = ", ".join(f"{k} {v}" for k, v in info["frameworks"].items()) or "none"
+    lines.append(f"  frameworks   : {fw}")
+    return "\n".join(lines)
+
+
+def main(as_json: bool = False) -> int:
+    info = report()
+    print(json.dumps(info, indent=2) if as_json else format_report(info))
+    return 0
