@@ -481,29 +481,32 @@ mf_status mf_plan_budget(int64_t n, const int64_t *input_bytes,
   for (int64_t i = 0; i < n; i++) P[i + 1] = P[i] + forward_cost[i];
   const double tol = 1e-12 * (P[n] > 1.0 ? P[n] : 1.0);
 
-  /* 2. The classic candidates: store everything, the sqrt(n) plan. They make the
-   * "never worse than sqrt(n) or no checkpointing" promise hold even when the DP
-   * below has to round sizes. */
-  {
+  /* 2. The classic candidates: store everything, checkpoint every stage, the
+   * sqrt(n) plan. They make "never worse than these" hold even when the DP below
+   * has to round sizes. */
+  for (int pass = 0; pass < 3; pass++) {
     int64_t ns, mem;
     double c;
-    tmp_end[0] = n;
-    tmp_ckpt[0] = 0;
-    evaluate(n, input_bytes, saved_bytes, forward_cost, 1, tmp_end, tmp_ckpt, &mem, &c);
-    for (int pass = 0; pass < 2; pass++) {
-      if (pass == 1) {
-        ns = sqrt_plan(n, tmp_end, tmp_ckpt);
-        evaluate(n, input_bytes, saved_bytes, forward_cost, ns, tmp_end, tmp_ckpt, &mem, &c);
-      } else {
-        ns = 1;
+    if (pass == 0) {
+      ns = 1;
+      tmp_end[0] = n;
+      tmp_ckpt[0] = 0;
+    } else if (pass == 1) {
+      ns = n;
+      for (int64_t i = 0; i < n; i++) {
+        tmp_end[i] = i + 1;
+        tmp_ckpt[i] = 1;
       }
-      if (mem <= budget_bytes && better(c, mem, best_cost, best_mem, tol)) {
-        memcpy(seg_end, tmp_end, sizeof(int64_t) * (size_t)ns);
-        memcpy(seg_ckpt, tmp_ckpt, (size_t)ns);
-        best_ns = ns;
-        best_mem = mem;
-        best_cost = c;
-      }
+    } else {
+      ns = sqrt_plan(n, tmp_end, tmp_ckpt);
+    }
+    evaluate(n, input_bytes, saved_bytes, forward_cost, ns, tmp_end, tmp_ckpt, &mem, &c);
+    if (mem <= budget_bytes && better(c, mem, best_cost, best_mem, tol)) {
+      memcpy(seg_end, tmp_end, sizeof(int64_t) * (size_t)ns);
+      memcpy(seg_ckpt, tmp_ckpt, (size_t)ns);
+      best_ns = ns;
+      best_mem = mem;
+      best_cost = c;
     }
   }
 

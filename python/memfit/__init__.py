@@ -21,6 +21,7 @@ __all__ = [
     "MemfitTypeError",
     "MemfitValueError",
     "build_info",
+    "checkpoint",
     "cuda_device_count",
     "get_num_threads",
     "quant",
@@ -61,7 +62,7 @@ def get_num_threads() -> int:
 
 def __getattr__(name):
     # Submodules load on first use so `import memfit` stays cheap.
-    if name in ("quant", "cli", "doctor"):
+    if name in ("quant", "checkpoint", "cli", "doctor"):
         import importlib
 
         return importlib.import_module(f"memfit.{name}")
