@@ -984,11 +984,14 @@ def measure(model_or_blocks, example_input, *, blocks=None, cost: str = "time",
                         devices.add(v.device.index)
             inb[i] = max(inb[i], sum(seen.values()))
             saved = {}
+            alive = []  # until the stage returns, so freed memory is not reused and
+                        # two saved tensors never share an address in `saved`
 
             def pack(x):
                 k, nb = _storage_key(x)
                 if k not in params:
                     saved[k] = nb
+                    alive.append(x)
                 return None
 
             if cost == "flops":
@@ -1006,6 +1009,7 @@ def measure(model_or_blocks, example_input, *, blocks=None, cost: str = "time",
                 _sync(devices)
                 cst[i] = min(cst[i], time.perf_counter() - t0)
             sab[i] = max(sab[i], sum(saved.values()))
+            del alive[:]
             return out
         return wrapper
 
