@@ -219,6 +219,37 @@ def test_recompute_stops_early():
     assert torch.allclose(x.grad, 2 * x.exp())
 
 
+def test_nothing_outlives_the_backward():
+    import gc
+
+    def live_frames():
+        return sum(1 for o in gc.get_objects() if type(o) is mc._Frame)
+
+    before = live_frames()
+    lin = nn.Linear(8, 8)
+    x = torch.randn(4, 8, requires_grad=True)
+    # tanh, sigmoid and exp save their outputs: the case where keeping the saved
+    # tensor with its grad_fn would make a reference cycle
+    y = mc.checkpoint(lambda t: lin(t).tanh().sigmoid().exp(), x)
+    assert live_frames() == before + 1
+    y.sum().backward()
+    del y
+    assert live_frames() == before
+    # the same with a region of several blocks (auto)
+    net = nn.Sequential(*[nn.Sequential(nn.Linear(8, 8), nn.Tanh()) for _ in range(4)])
+    p = mc.auto(net, x.detach(), budget=mc.min_budget(*_sizes(net, x.detach())))
+    try:
+        net(x).sum().backward()
+    finally:
+        p.remove()
+    assert live_frames() == before
+
+
+def _sizes(net, x):
+    m = mc.measure(net, x)
+    return m.input_bytes, m.saved_bytes
+
+
 def test_mismatched_recompute_is_detected():
     flag = {"double": False, "half": False, "extra": False}
     lin = nn.Linear(4, 4)

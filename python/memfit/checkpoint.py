@@ -702,7 +702,10 @@ class _Frame:
                 made.append(v)
             if count[0] == n:
                 raise _StopRecompute
-            return x
+            # The detached tensor, not x: a saved output x holds its own grad_fn, and
+            # storing x in that node's saved variables would make a cycle that keeps
+            # the whole recomputed graph (and this frame) alive.
+            return v
 
         def unpack(x):
             return x
