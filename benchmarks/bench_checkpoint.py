@@ -14,8 +14,9 @@ Memory columns:
   model     the planner's accounting measured with memfit's ActivationMeter
             (saved tensors + checkpoint inputs + largest recompute); memfit only
   plan      the plan's memory under the planner's model (what the budget bounds)
-Time: median of --reps interleaved steps (forward + backward), ratio to no
-checkpointing. grad err: relative L2 error of all parameter gradients against no
+Time: median and minimum of --reps interleaved steps (forward + backward), and the
+ratio of the medians to no checkpointing. On a shared CPU the minimum is the least
+disturbed number; compare implementations only within one run. grad err: relative L2 error of all parameter gradients against no
 checkpointing (dropout on, same seed): 0 means bitwise identical.
 
 Writes benchmarks/out/checkpoint.json.
@@ -206,7 +207,7 @@ def main(argv=None):
     ap.add_argument("--seq", type=int, default=128)
     ap.add_argument("--batch", type=int, default=4)
     ap.add_argument("--dropout", type=float, default=0.1)
-    ap.add_argument("--reps", type=int, default=7)
+    ap.add_argument("--reps", type=int, default=15)
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)),
                                                   "out", "checkpoint.json"))
@@ -273,6 +274,7 @@ def main(argv=None):
     base = statistics.median(rows[0]["times"])
     for row in rows:
         row["median_s"] = statistics.median(row["times"])
+        row["min_s"] = min(row["times"])
         row["vs_none"] = row["median_s"] / base
 
     env = {
@@ -291,7 +293,7 @@ def main(argv=None):
         "plans": {str(k): v.to_dict() for k, v in plans.items()},
     }
 
-    head = (f"{'config':<18}{'impl':<8}{'step ms':>9}{'x none':>8}{'kept MiB':>10}"
+    head = (f"{'config':<18}{'impl':<8}{'step ms':>9}{'min ms':>8}{'x none':>8}{'kept MiB':>10}"
             f"{'peak MiB':>10}{'model MiB':>11}{'plan MiB':>10}{'recomp':>8}{'grad err':>10}")
     print(f"checkpoint benchmark on {env['device']}, torch {env['torch']}, "
           f"commit {env['commit']}, {env['date']}")
@@ -301,7 +303,8 @@ def main(argv=None):
     print(head)
     print("-" * len(head))
     for r in rows:
-        print(f"{r['config']:<18}{r['impl']:<8}{r['median_s'] * 1e3:>9.1f}{r['vs_none']:>8.2f}"
+        print(f"{r['config']:<18}{r['impl']:<8}{r['median_s'] * 1e3:>9.1f}{r['min_s'] * 1e3:>8.1f}"
+              f"{r['vs_none']:>8.2f}"
               f"{mib(r['kept_bytes']):>10}{mib(r['peak_bytes']):>10}{mib(r['model_bytes']):>11}"
               f"{mib(r['plan_bytes']):>10}{100 * r['recompute_share']:>7.0f}%"
               f"{r['grad_rel_err']:>10.1e}")

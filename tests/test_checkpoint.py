@@ -603,3 +603,34 @@ def test_cuda_rng_and_int8_on_gpu():
     y = mc.checkpoint(net, mid, compress="int8")
     y.sum().backward()
     assert h.grad is not None and torch.isfinite(h.grad).all()
+
+
+# ------------------------------------------------------------- README --
+
+def _doc_blocks():
+    import os
+    import re
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    blocks = []
+    for name in ("docs/checkpoint.md", "README.md"):
+        path = os.path.join(root, name)
+        if not os.path.exists(path):
+            continue
+        with open(path) as f:
+            text = f.read()
+        for code in re.findall(r"```python\n(.*?)```", text, flags=re.S):
+            if "memfit.checkpoint" in code:
+                blocks.append((name, code))
+    return blocks
+
+
+def test_readme_section_examples_run(capsys):
+    blocks = _doc_blocks()
+    assert blocks, "docs/checkpoint.md (or README.md) has no memfit.checkpoint example"
+    for name, code in blocks:
+        exec(compile(code, name, "exec"), {"__name__": "__doc_example__"})
+    out = capsys.readouterr().out
+    assert "[(0, 1, True), (1, 2, True), (2, 4, False)]" in out
+    assert "smallest feasible budget for this chain is 18 bytes" in out
+    assert "checkpoint plan: 12 stages" in out

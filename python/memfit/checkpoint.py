@@ -162,9 +162,9 @@ class Plan:
         input_bytes, saved_bytes, forward_cost: the chain it was planned on.
         names: optional stage names (for printing).
 
-    >>> p = plan([4, 4, 4, 4], [10, 10, 10, 10], [1, 1, 1, 1], budget_bytes=28)
+    >>> p = plan([2, 2, 2, 2], [10, 10, 10, 10], [1, 1, 1, 1], budget_bytes=34)
     >>> p.segments, p.memory_bytes, p.recompute_cost
-    ([(0, 2, True), (2, 4, True)], 28, 4.0)
+    ([(0, 1, True), (1, 2, True), (2, 4, False)], 34, 2.0)
     """
 
     def __init__(self, segments, memory_bytes=None, recompute_cost=None, *, budget_bytes=None,
@@ -307,9 +307,9 @@ def plan(input_bytes: Sequence[int], saved_bytes: Sequence[int],
 
     Exact dynamic program in C, O(n * slots * caps); 1000 stages plan in ~0.1 s.
 
-    >>> p = plan([4, 4, 4, 4], [10, 10, 10, 10], [1, 1, 1, 1], "70%")
-    >>> p.segments, p.memory_bytes
-    ([(0, 2, True), (2, 4, False)], 44)
+    >>> p = plan([2, 2, 2, 2], [10, 10, 10, 10], None, "85%")  # 85% of 40 bytes
+    >>> p.segments, p.memory_bytes, p.recompute_cost
+    ([(0, 1, True), (1, 2, True), (2, 4, False)], 34, 2.0)
     """
     ib, sb, fc = _chain_args(input_bytes, saved_bytes, forward_cost)
     if budget_bytes is None:
