@@ -46,11 +46,17 @@ def reference_quantize(x, code, block_size):
     inv = np.where(absmax > 0, np.float32(1.0) / np.maximum(absmax, np.float32(1e-38)), np.float32(0))
     inv = inv.astype(np.float32)
     xn = (x32 * np.repeat(inv, block_size)[: x32.size]).astype(np.float32)
-    dist = np.abs(xn.astype(np.float64)[:, None] - code.astype(np.float32).astype(np.float64)[None, :])
-    codes = dist.argmin(axis=1).astype(np.uint8)
-    best = dist[np.arange(dist.shape[0]), codes]
-    dist[np.arange(dist.shape[0]), codes] = np.inf
-    ties = dist.min(axis=1) == best
+    codes = np.empty(xn.size, np.uint8)
+    ties = np.empty(xn.size, bool)
+    c64 = code.astype(np.float32).astype(np.float64)[None, :]
+    for start in range(0, xn.size, 4096):  # chunks keep the distance matrix small
+        dist = np.abs(xn[start:start + 4096].astype(np.float64)[:, None] - c64)
+        rows = np.arange(dist.shape[0])
+        best_idx = dist.argmin(axis=1)
+        best = dist[rows, best_idx]
+        dist[rows, best_idx] = np.inf
+        codes[start:start + 4096] = best_idx
+        ties[start:start + 4096] = dist.min(axis=1) == best
     return codes, absmax, ties
 
 

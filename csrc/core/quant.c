@@ -3,11 +3,14 @@
  *
  * The CPU path runs one OpenMP iteration per block. Half-precision input is widened
  * into a per-thread float buffer first so the absmax pass and the code search run on
- * plain floats. Element math: quant.h (shared with cuda/quant.cu).
+ * plain floats. Element math: quant.h (shared with cuda/quant.cu). Nearest rounding
+ * of large arrays goes through the exact lookup table of quant_lut.c (same codes as
+ * the binary search, several times faster).
  */
 #include <stdlib.h>
 
 #include "memfit/quant.h"
+#include "quant_lut.h"
 #ifdef MEMFIT_WITH_CUDA
 #include "memfit/cuda_launch.h"
 #endif
@@ -61,24 +64,43 @@ static mf_status check_code_sorted(const float *code) {
   return MF_OK;
 }
 
-static void quantize_block_cpu(const float *x, int64_t n, int64_t first, const float *code,
-                               uint8_t *out, float *absmax, mf_rounding rounding,
-                               uint64_t seed) {
+/* Same value as folding mf_absmax_step over the block (NaN when any element is
+ * non-finite), written so the compiler can vectorise it. */
+static float block_absmax_cpu(const float *x, int64_t n) {
   float m = 0.0f;
-  for (int64_t i = 0; i < n; i++) m = mf_absmax_step(m, x[i]);
+  int bad = 0;
+  for (int64_t i = 0; i < n; i++) {
+    float a = fabsf(x[i]);
+    bad |= !(a <= 3.402823466e38f);
+    m = a > m ? a : m;
+  }
+  return bad ? mf_quiet_nan() : m;
+}
+
+static void quantize_block_cpu(const float *x, int64_t n, int64_t first, const float *code,
+                               const uint16_t *lut, uint8_t *out, float *absmax,
+                               mf_rounding rounding, uint64_t seed) {
+  float m = block_absmax_cpu(x, n);
   *absmax = m;
   float inv = mf_absmax_inverse(m);
   if (rounding == MF_ROUND_STOCHASTIC) {
     for (int64_t i = 0; i < n; i++)
       out[i] = mf_quantize_stochastic(code, x[i] * inv, mf_uniform(seed, (uint64_t)(first + i)));
+  } else if (lut) {
+    for (int64_t i = 0; i < n; i++) out[i] = mf_quantize_nearest_lut(lut, code, x[i] * inv);
   } else {
     for (int64_t i = 0; i < n; i++) out[i] = mf_quantize_nearest(code, x[i] * inv);
   }
 }
 
+/* Below this many elements building (or looking up) the table is not worth it. */
+#define MF_LUT_MIN_NUMEL 32768
+
 static mf_status quantize_cpu(const mf_tensor *x, const float *code, uint8_t *codes,
                               float *absmax, int64_t bs, mf_rounding rounding, uint64_t seed) {
   const int64_t numel = x->numel, nblocks = mf_quant_num_blocks(numel, bs);
+  const uint16_t *lut =
+      rounding == MF_ROUND_NEAREST && numel >= MF_LUT_MIN_NUMEL ? mf_quant_lut_get(code) : NULL;
   int failed = 0;
 #pragma omp parallel num_threads(mf_get_num_threads()) if (nblocks > 4)
   {
@@ -102,7 +124,7 @@ static mf_status quantize_cpu(const mf_tensor *x, const float *code, uint8_t *co
         for (int64_t i = 0; i < n; i++) buf[i] = mf_load_f32(x->data, first + i, x->dtype);
         src = buf;
       }
-      quantize_block_cpu(src, n, first, code, codes + first, absmax + b, rounding, seed);
+      quantize_block_cpu(src, n, first, code, lut, codes + first, absmax + b, rounding, seed);
     }
     free(buf);
   }

@@ -11,6 +11,7 @@
 
 #include "memfit/numeric.h"
 #include "memfit/quant.h"
+#include "quant_lut.h" /* private to the core: the CPU lookup table */
 
 static int failures = 0;
 
@@ -87,6 +88,46 @@ static void test_search_matches_exhaustive(void) {
             "x=%.9g: search %d (%.9g), exhaustive %d (%.9g)", (double)x, got, (double)code[got],
             want, (double)code[want]);
   }
+}
+
+/* The lookup table must give exactly the binary search's answer: around every
+ * decision boundary (+-64 ulps of each code midpoint), at random, and at the
+ * special values. */
+static void test_lut_is_exact(int is_signed) {
+  float code[256];
+  mf_dynamic_map(code, 256, is_signed, 8, 7);
+  const uint16_t *lut = mf_quant_lut_get(code);
+  CHECK(lut != NULL, "lookup table");
+  if (!lut) return;
+  CHECK(mf_quant_lut_get(code) == lut, "the table is cached");
+  int64_t fallbacks = 0, buckets = 0;
+  for (int32_t i = 0; i < MF_LUT_SIZE; i++) {
+    buckets++;
+    fallbacks += lut[i] == MF_LUT_FALLBACK;
+  }
+  CHECK(fallbacks < buckets / 10, "too many fallback buckets: %lld of %lld", (long long)fallbacks,
+        (long long)buckets);
+  for (int k = 0; k + 1 < 256; k++) {
+    float mid = 0.5f * (code[k] + code[k + 1]);
+    uint32_t u = mf_f32_bits(mid);
+    for (int d = -64; d <= 64; d++) {
+      float x = mf_f32_from_bits(u + (uint32_t)d);
+      CHECK(mf_quantize_nearest_lut(lut, code, x) == mf_quantize_nearest(code, x),
+            "lut differs at %.9g", (double)x);
+    }
+  }
+  for (int k = 0; k < 1000000; k++) {
+    uint32_t u = (uint32_t)(uniform01() * 4294967296.0);
+    float x = mf_f32_from_bits(u);
+    if (!(fabsf(x) <= 1.5f)) x = (float)(2.0 * uniform01() - 1.0);
+    CHECK(mf_quantize_nearest_lut(lut, code, x) == mf_quantize_nearest(code, x),
+          "lut differs at %.9g", (double)x);
+  }
+  float specials[] = {0.0f, -0.0f, 1.0f, -1.0f, 1.0000001f, -1.0000001f, 2.0f, INFINITY, -INFINITY,
+                      NAN, 1e-40f, -1e-40f, 2.3283064e-10f};
+  for (size_t k = 0; k < sizeof specials / sizeof specials[0]; k++)
+    CHECK(mf_quantize_nearest_lut(lut, code, specials[k]) == mf_quantize_nearest(code, specials[k]),
+          "lut differs at special %g", (double)specials[k]);
 }
 
 static void test_round_trip(mf_dtype dt, int64_t bs, int64_t numel) {
@@ -203,6 +244,8 @@ static void test_stochastic_unbiased(void) {
 int main(void) {
   test_maps();
   test_search_matches_exhaustive();
+  test_lut_is_exact(1);
+  test_lut_is_exact(0);
   mf_dtype dts[] = {MF_FLOAT32, MF_FLOAT16, MF_BFLOAT16};
   for (int d = 0; d < 3; d++)
     for (int64_t bs = 64; bs <= 4096; bs *= 2) test_round_trip(dts[d], bs, 3 * bs + 17);
