@@ -21,6 +21,7 @@ __all__ = [
     "MemfitTypeError",
     "MemfitValueError",
     "build_info",
+    "cast",
     "cuda_device_count",
     "get_num_threads",
     "quant",
@@ -57,6 +58,14 @@ def set_num_threads(n: int) -> None:
 def get_num_threads() -> int:
     """Number of CPU threads memfit's kernels use."""
     return _C.get_num_threads()
+
+
+def cast(x, dtype, rounding="nearest", seed=None, out=None):
+    """Cast between float32/float16/bfloat16 with nearest-even or stochastic
+    rounding; see :func:`memfit._cast.cast`."""
+    from memfit._cast import cast as _cast
+
+    return _cast(x, dtype, rounding=rounding, seed=seed, out=out)
 
 
 def __getattr__(name):

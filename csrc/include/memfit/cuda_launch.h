@@ -30,6 +30,10 @@ mf_status mf_cuda_dequantize_blockwise(const mf_tensor *codes, const mf_tensor *
                                        const mf_tensor *code, mf_tensor *out,
                                        int64_t block_size, void *stream);
 
+/* cuda/cast.cu */
+mf_status mf_cuda_cast(const mf_tensor *x, mf_tensor *out, int stochastic, uint64_t seed,
+                       void *stream);
+
 #ifdef __cplusplus
 }
 #endif
