@@ -41,5 +41,6 @@ void mf_py_view_release(mf_py_view *v);
 
 extern PyMethodDef mf_quant_methods[];
 extern PyMethodDef mf_cast_methods[];
+extern PyMethodDef mf_gemm_methods[];
 
 #endif /* MEMFIT_BINDINGS_H */

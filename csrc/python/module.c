@@ -97,6 +97,7 @@ static PyMethodDef *method_tables[] = {
     core_methods,
     mf_quant_methods,
     mf_cast_methods,
+    mf_gemm_methods,
 };
 
 static struct PyModuleDef module_def = {PyModuleDef_HEAD_INIT, "memfit._C",

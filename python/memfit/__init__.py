@@ -70,7 +70,7 @@ def cast(x, dtype, rounding="nearest", seed=None, out=None):
 
 def __getattr__(name):
     # Submodules load on first use so `import memfit` stays cheap.
-    if name in ("quant", "cli", "doctor"):
+    if name in ("quant", "cli", "doctor", "nn"):
         import importlib
 
         return importlib.import_module(f"memfit.{name}")
