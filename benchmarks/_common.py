@@ -118,7 +118,10 @@ def write_json(name: str, payload: dict) -> Path:
     OUT_DIR.mkdir(parents=True, exist_ok=True)
     path = OUT_DIR / f"{name}.json"
     path.write_text(json.dumps(payload, indent=2))
-    return path
+    try:
+        return path.relative_to(Path.cwd())
+    except ValueError:
+        return path
 
 
 def markdown_table(headers: list, rows: list) -> str:
