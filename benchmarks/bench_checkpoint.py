@@ -19,19 +19,16 @@ ratio of the medians to no checkpointing. On a shared CPU the minimum is the lea
 disturbed number; compare implementations only within one run. grad err: relative L2 error of all parameter gradients against no
 checkpointing (dropout on, same seed): 0 means bitwise identical.
 
-Writes benchmarks/out/checkpoint.json.
+Prints a markdown table; writes benchmarks/out/checkpoint.json.
 """
 
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
 import math
 import os
-import platform
 import statistics
-import subprocess
+import sys
 import time
 
 import torch
@@ -39,8 +36,10 @@ import torch.nn as nn
 import torch.nn.functional as F
 import torch.utils.checkpoint as tuc
 
-import memfit
 import memfit.checkpoint as mc
+
+sys.path.insert(0, os.path.dirname(__file__))
+from _common import markdown_table, metadata, write_json  # noqa: E402
 
 
 class Block(nn.Module):
@@ -185,15 +184,6 @@ def timed_step(model, x, run, device):
 
 # ------------------------------------------------------------------ main --
 
-def git_commit():
-    try:
-        here = os.path.dirname(os.path.abspath(__file__))
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=here,
-                              capture_output=True, text=True, check=True).stdout.strip()
-    except Exception:
-        return "unknown"
-
-
 def mib(v):
     return "-" if v is None else f"{v / 2**20:.2f}"
 
@@ -209,8 +199,6 @@ def main(argv=None):
     ap.add_argument("--dropout", type=float, default=0.1)
     ap.add_argument("--reps", type=int, default=15)
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
-    ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)),
-                                                  "out", "checkpoint.json"))
     args = ap.parse_args(argv)
 
     device = torch.device(args.device)
@@ -229,8 +217,12 @@ def main(argv=None):
     plan_time = {}
     for pct in (25, 50, 75):
         t0 = time.perf_counter()
-        plans[pct] = mc.plan(chain.input_bytes, chain.saved_bytes, chain.forward_cost,
-                             f"{pct}%", names=chain.names)
+        try:
+            plans[pct] = mc.plan(chain.input_bytes, chain.saved_bytes, chain.forward_cost,
+                                 f"{pct}%", names=chain.names)
+        except ValueError as e:  # too small for this chain: say so, skip its rows
+            print(f"plan at {pct}%: {e}", file=sys.stderr)
+            plans[pct] = None
         plan_time[pct] = time.perf_counter() - t0
     n = len(model)
     every = mc.Plan.from_segments([(i, i + 1, True) for i in range(n)], chain.input_bytes,
@@ -251,6 +243,7 @@ def main(argv=None):
         ("every block int8", "memfit", lambda m, t: run_memfit_every(m, t, "int8"), every),
         ("plan 25% int8", "memfit", run_memfit_plan(plans[25], "int8"), plans[25]),
     ]
+    configs = [c for c in configs if c[3] is not None]
 
     ref_grad = grads(model, x, run_none)
     rows = []
@@ -277,44 +270,38 @@ def main(argv=None):
         row["min_s"] = min(row["times"])
         row["vs_none"] = row["median_s"] / base
 
-    env = {
-        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-        "commit": git_commit(),
-        "device": (torch.cuda.get_device_name(device) if device.type == "cuda"
-                   else f"CPU ({os.cpu_count()} cores visible, torch threads "
-                        f"{torch.get_num_threads()}) {platform.processor() or platform.machine()}"),
-        "torch": torch.__version__,
-        "memfit": memfit.__version__,
+    meta = metadata(device.type)
+    meta.update({
         "model": {k: getattr(args, k) for k in ("n_layer", "d_model", "heads", "seq", "batch",
-                                                "dropout", "dtype")},
+                                                "dropout", "dtype", "reps")},
         "full_activation_bytes": full,
         "measure_s": t_measure,
         "plan_s": plan_time,
-        "plans": {str(k): v.to_dict() for k, v in plans.items()},
-    }
-
-    head = (f"{'config':<18}{'impl':<8}{'step ms':>9}{'min ms':>8}{'x none':>8}{'kept MiB':>10}"
-            f"{'peak MiB':>10}{'model MiB':>11}{'plan MiB':>10}{'recomp':>8}{'grad err':>10}")
-    print(f"checkpoint benchmark on {env['device']}, torch {env['torch']}, "
-          f"commit {env['commit']}, {env['date']}")
-    print(f"model: {args.n_layer} blocks, d={args.d_model}, seq={args.seq}, batch={args.batch},"
-          f" {args.dtype}; full activations (measured) {mib(full)} MiB; "
-          f"measure {t_measure:.2f} s, plan {max(plan_time.values()) * 1e3:.1f} ms")
-    print(head)
-    print("-" * len(head))
-    for r in rows:
-        print(f"{r['config']:<18}{r['impl']:<8}{r['median_s'] * 1e3:>9.1f}{r['min_s'] * 1e3:>8.1f}"
-              f"{r['vs_none']:>8.2f}"
-              f"{mib(r['kept_bytes']):>10}{mib(r['peak_bytes']):>10}{mib(r['model_bytes']):>11}"
-              f"{mib(r['plan_bytes']):>10}{100 * r['recompute_share']:>7.0f}%"
-              f"{r['grad_rel_err']:>10.1e}")
+        "plans": {str(k): (v.to_dict() if v else None) for k, v in plans.items()},
+    })
+    where = meta.get("gpu") or f"{meta['cpu']} CPU, {meta['cores']} cores, torch threads " \
+                               f"{meta.get('torch_threads')}"
+    print(f"{device.type}: {where}, memfit {meta['memfit']} @ {meta['commit']}, "
+          f"torch {meta.get('torch')}, {meta['date']}")
+    print(f"model: {args.n_layer} GPT-style blocks, d={args.d_model}, seq={args.seq}, "
+          f"batch={args.batch}, {args.dtype}, dropout {args.dropout}; activations with no "
+          f"checkpointing (measured) {mib(full)} MiB; measure {t_measure:.2f} s, plan "
+          f"{max(plan_time.values()) * 1e3:.1f} ms; {args.reps} interleaved steps\n")
+    print(markdown_table(
+        ["config", "impl", "step ms (median)", "min ms", "x none", "kept MiB", "peak MiB",
+         "model MiB", "plan MiB", "recompute", "grad rel err"],
+        [[r["config"], r["impl"], f"{r['median_s'] * 1e3:.1f}", f"{r['min_s'] * 1e3:.1f}",
+          f"{r['vs_none']:.2f}", mib(r["kept_bytes"]), mib(r["peak_bytes"]),
+          mib(r["model_bytes"]), mib(r["plan_bytes"]), f"{100 * r['recompute_share']:.0f}%",
+          f"{r['grad_rel_err']:.1e}"] for r in rows]))
+    print("\nkept: allocated by the forward and alive when backward starts; peak: over the "
+          "whole step (CPU: torch profiler memory events; CUDA: allocator); model: memfit's "
+          "ActivationMeter (saved tensors + checkpoint inputs + largest recompute), the "
+          "quantity the plan bounds; recompute: share of one forward run again.")
     for pct in (25, 50, 75):
-        print(f"\nplan at {pct}%:\n{plans[pct]}")
-
-    os.makedirs(os.path.dirname(args.out), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump({"env": env, "rows": rows}, f, indent=1)
-    print(f"\nwrote {args.out}")
+        if plans[pct] is not None:
+            print(f"\nplan at {pct}%:\n```\n{plans[pct]}\n```")
+    print(f"\nwrote {write_json('checkpoint', {'meta': meta, 'rows': rows})}")
 
 
 if __name__ == "__main__":
