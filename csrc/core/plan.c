@@ -7,8 +7,9 @@
  * polynomial in n alone. Like the rotor/revolve planners we discretize memory
  * into slots of `unit` bytes. When every size is a multiple of the unit (we take
  * the gcd of all sizes, which for a chain of identical transformer blocks is
- * large) the answer is exact; otherwise sizes are rounded up to a coarser unit,
- * the plan still fits (its memory is recomputed in bytes) and info->exact = 0.
+ * large) the answer is exact; otherwise sizes are rounded to a coarser unit (up,
+ * which always fits, and to nearest, checked in bytes and retried), the plan's
+ * memory is recomputed in bytes, and info->exact = 0.
  *
  * The "max over checkpointed segments" term couples segments, so we iterate over
  * a cap M on that max: for a fixed M every checkpointed segment must satisfy
@@ -22,7 +23,9 @@
  * deque per m, O(1) amortized per cell.
  * Time: O(n * B * K), K = number of distinct segment sums <= B tried (<= B + 1),
  * cut short by a lower bound from the uncapped DP; memory O(n * B).
- * The auto slot count keeps n * B * B / 2 near 3e8; see auto_slots().
+ * Exact when budget / gcd(sizes) slots keep that affordable (chains of identical
+ * blocks have K <= n + 1); otherwise B = auto_slots(n) (~550 for n = 1000) and
+ * rounding: 1000 heterogeneous stages plan in 0.1-0.3 s on one core.
  *
  * The smallest feasible budget is computed exactly in bytes (no slots): for a cap
  * x, f(x) = least rest memory is an O(n) sliding-window DP, f is non-increasing
@@ -327,13 +330,41 @@ static int64_t gcd64(int64_t a, int64_t b) {
 
 static int64_t ceil_div(int64_t a, int64_t b) { return a / b + (a % b != 0); }
 
-/* Slot count that keeps the worst case n * B * B / 2 cell updates near 3e8
- * (about 0.1-0.2 s; the lower bound usually stops the cap loop well before). */
+/* Non-exact mode: a slot count that keeps the worst case n * B * B / 2 cell
+ * updates near 1.5e8 per DP run (about 0.05 s; up to four runs). */
 static int64_t auto_slots(int64_t n) {
-  double b = sqrt(6e8 / (double)n);
+  double b = sqrt(3e8 / (double)n);
   if (b < 64) b = 64;
   if (b > 4096) b = 4096;
   return (int64_t)b;
+}
+
+static int cmp_i64(const void *x, const void *y) {
+  int64_t a = *(const int64_t *)x, b = *(const int64_t *)y;
+  return (a > b) - (a < b);
+}
+
+/* Number of distinct sums saved[k..i) that are <= limit (the caps the exact DP
+ * would try), or -1 when there are more than max_count segment sums to look at. */
+static int64_t count_caps(int64_t n, const int64_t *pre, int64_t limit, int64_t max_count) {
+  int64_t *sums = malloc(sizeof(int64_t) * (size_t)(max_count + 1));
+  if (!sums) return -1;
+  int64_t c = 0;
+  sums[c++] = 0;
+  for (int64_t k = 0; k < n; k++)
+    for (int64_t i = k + 1; i <= n && pre[i] - pre[k] <= limit; i++) {
+      if (c > max_count) {
+        free(sums);
+        return -1;
+      }
+      sums[c++] = pre[i] - pre[k];
+    }
+  qsort(sums, (size_t)c, sizeof(int64_t), cmp_i64);
+  int64_t distinct = 0;
+  for (int64_t j = 0; j < c; j++)
+    if (j == 0 || sums[j] != sums[j - 1]) distinct++;
+  free(sums);
+  return distinct;
 }
 
 typedef struct {
@@ -427,6 +458,51 @@ static int better(double c1, int64_t m1, double c2, int64_t m2, double tol) {
   return m1 < m2;
 }
 
+/* The cap loop over a filled cost_ws (a, b, pre, B set): writes the least-cost
+ * plan for the slot sizes and returns its segment count, or 0 when none fits.
+ * is_cap and G are scratch of B + 1 entries. */
+static int64_t slot_dp(cost_ws *w, uint8_t *is_cap, double *G, double tol, int64_t *seg_end,
+                       uint8_t *seg_ckpt) {
+  const int64_t n = w->n, B = w->B;
+  const size_t W = (size_t)B + 1;
+  /* Every cap worth trying is a segment sum (or 0); a plan with max segment M is
+   * found by the run with cap M. */
+  memset(is_cap, 0, W);
+  is_cap[0] = 1;
+  for (int64_t k = 0; k < n; k++)
+    for (int64_t i = k + 1; i <= n && w->pre[i] - w->pre[k] <= B; i++)
+      is_cap[w->pre[i] - w->pre[k]] = 1;
+
+  /* Lower bound: without the cap, G(r) = D[n][r] is the least cost with rest
+   * memory <= r; any cap M then costs at least G(B - M), which grows with M. */
+  least_cost(w, INT64_MAX, B, 0);
+  memcpy(G, w->D + (size_t)n * W, sizeof(double) * W);
+
+  double dp_cost = MF_COST_INF;
+  int64_t dp_slots = INT64_MAX, dp_cap = -1, dp_m = -1;
+  for (int64_t M = 0; M <= B; M++) {
+    if (!is_cap[M]) continue;
+    const int64_t R = B - M;
+    if (G[R] == MF_COST_INF) continue;     /* nothing fits with this cap       */
+    if (G[R] > dp_cost + tol) break;       /* and so for every larger cap      */
+    least_cost(w, M, R, 0);
+    const double *Dn = w->D + (size_t)n * W;
+    double c = Dn[R];
+    if (c == MF_COST_INF) continue;
+    int64_t m = 0;
+    while (Dn[m] > c + tol) m++;           /* least memory at (about) that cost */
+    if (better(c, M + m, dp_cost, dp_slots, tol)) {
+      dp_cost = c;
+      dp_slots = M + m;
+      dp_cap = M;
+      dp_m = m;
+    }
+  }
+  if (dp_cap < 0) return 0;
+  least_cost(w, dp_cap, B - dp_cap, 1);
+  return plan_from_cost(w, dp_m, seg_end, seg_ckpt);
+}
+
 mf_status mf_plan_budget(int64_t n, const int64_t *input_bytes,
                          const int64_t *saved_bytes, const double *forward_cost,
                          int64_t budget_bytes, int64_t max_slots, int64_t *seg_end,
@@ -450,6 +526,7 @@ mf_status mf_plan_budget(int64_t n, const int64_t *input_bytes,
   double *P = malloc(sizeof(double) * (N + 1));
   int64_t *pre = malloc(sizeof(int64_t) * (N + 1));
   uint8_t *is_cap = NULL;
+  double *G = NULL;
   cost_ws w;
   memset(&w, 0, sizeof w);
   minmem_ws mw;
@@ -517,11 +594,19 @@ mf_status mf_plan_budget(int64_t n, const int64_t *input_bytes,
   int64_t unit = 0;
   for (int64_t i = 0; i < n; i++) unit = gcd64(gcd64(unit, input_bytes[i]), saved_bytes[i]);
   if (unit == 0) unit = 1;
-  int exact = 1;
-  if (eff_budget / unit > slots) {
-    unit = ceil_div(eff_budget, slots);
-    exact = 0;
+  int exact = eff_budget / unit <= slots;
+  if (!exact && max_slots == 0) {
+    /* The exact DP costs n * B * K for B = budget / gcd slots and K distinct
+     * segment sums. Chains of identical blocks have few sums (K <= n) and can
+     * afford many slots: plan them exactly when the table (~24 bytes a cell)
+     * stays under ~100 MB and the work under ~4e8 cell updates. */
+    const double cells = (double)(n + 1) * (double)(eff_budget / unit + 1);
+    if (cells <= 4e6) {
+      int64_t k_caps = count_caps(n, mw.pre, eff_budget, 4000000);
+      exact = k_caps > 0 && cells * (double)k_caps <= 4e8;
+    }
   }
+  if (!exact) unit = ceil_div(eff_budget, slots);
   for (int64_t i = 0; i < n; i++) {
     a[i] = ceil_div(input_bytes[i], unit);
     b[i] = ceil_div(saved_bytes[i], unit);
@@ -530,9 +615,7 @@ mf_status mf_plan_budget(int64_t n, const int64_t *input_bytes,
   pre[0] = 0;
   for (int64_t i = 0; i < n; i++) pre[i + 1] = pre[i] + b[i];
 
-  /* Every cap worth trying is a segment sum (or 0); a plan with max segment M is
-   * found by the run with cap M. */
-  is_cap = calloc((size_t)B + 1, 1);
+  is_cap = malloc((size_t)B + 1);
   w.n = n;
   w.B = B;
   w.a = a;
@@ -551,51 +634,16 @@ mf_status mf_plan_budget(int64_t n, const int64_t *input_bytes,
   w.qv = malloc(sizeof(double) * N * W);
   w.qh = malloc(sizeof(int64_t) * W);
   w.qt = malloc(sizeof(int64_t) * W);
-  if (!is_cap || !w.D || !w.par || !w.qi || !w.qv || !w.qh || !w.qt) {
+  G = malloc(sizeof(double) * W);
+  if (!is_cap || !w.D || !w.par || !w.qi || !w.qv || !w.qh || !w.qt || !G) {
     st = mf_error(MF_ERR_NOMEM,
                   "checkpoint planner: out of host memory (n=%lld, %lld slots); "
                   "lower max_slots",
                   (long long)n, (long long)slots);
     goto finish;
   }
-  is_cap[0] = 1;
-  for (int64_t k = 0; k < n; k++)
-    for (int64_t i = k + 1; i <= n && pre[i] - pre[k] <= B; i++) is_cap[pre[i] - pre[k]] = 1;
-
-  /* Lower bound: without the cap, G(r) = D[n][r] is the least cost with rest
-   * memory <= r; any cap M then costs at least G(B - M), which grows with M. */
-  least_cost(&w, INT64_MAX, B, 0);
-  double *G = malloc(sizeof(double) * W);
-  if (!G) {
-    st = mf_error(MF_ERR_NOMEM, "checkpoint planner: out of host memory");
-    goto finish;
-  }
-  memcpy(G, w.D + (size_t)n * W, sizeof(double) * W);
-
-  double dp_cost = MF_COST_INF;
-  int64_t dp_slots = INT64_MAX, dp_cap = -1, dp_m = -1;
-  for (int64_t M = 0; M <= B; M++) {
-    if (!is_cap[M]) continue;
-    const int64_t R = B - M;
-    if (G[R] == MF_COST_INF) continue;     /* nothing fits with this cap       */
-    if (G[R] > dp_cost + tol) break;       /* and so for every larger cap      */
-    least_cost(&w, M, R, 0);
-    const double *Dn = w.D + (size_t)n * W;
-    double c = Dn[R];
-    if (c == MF_COST_INF) continue;
-    int64_t m = 0;
-    while (Dn[m] > c + tol) m++;           /* least memory at (about) that cost */
-    if (better(c, M + m, dp_cost, dp_slots, tol)) {
-      dp_cost = c;
-      dp_slots = M + m;
-      dp_cap = M;
-      dp_m = m;
-    }
-  }
-  free(G);
-  if (dp_cap >= 0) {
-    least_cost(&w, dp_cap, B - dp_cap, 1);
-    int64_t ns = plan_from_cost(&w, dp_m, tmp_end, tmp_ckpt);
+  int64_t ns = slot_dp(&w, is_cap, G, tol, tmp_end, tmp_ckpt);
+  if (ns > 0) {
     int64_t mem;
     double c;
     evaluate(n, input_bytes, saved_bytes, forward_cost, ns, tmp_end, tmp_ckpt, &mem, &c);
@@ -610,6 +658,37 @@ mf_status mf_plan_budget(int64_t n, const int64_t *input_bytes,
       best_ns = ns;
       best_mem = mem;
       best_cost = c;
+    }
+  }
+  if (!exact) {
+    /* Rounding every size up overstates a plan's memory by up to one unit per
+     * term, which adds up over many stages; sizes rounded to the nearest unit err
+     * both ways and mostly cancel. Such a plan may not fit, so check it in bytes
+     * and, if it does not, retry with the slot budget lowered by the excess. */
+    for (int64_t i = 0; i < n; i++) {
+      a[i] = (input_bytes[i] + unit / 2) / unit;
+      b[i] = (saved_bytes[i] + unit / 2) / unit;
+      pre[i + 1] = pre[i] + b[i];
+    }
+    int64_t bt = B;
+    for (int attempt = 0; attempt < 3 && bt >= 0; attempt++) {
+      w.B = bt;
+      ns = slot_dp(&w, is_cap, G, tol, tmp_end, tmp_ckpt);
+      if (ns == 0) break;
+      int64_t mem;
+      double c;
+      evaluate(n, input_bytes, saved_bytes, forward_cost, ns, tmp_end, tmp_ckpt, &mem, &c);
+      if (mem <= budget_bytes) {
+        if (better(c, mem, best_cost, best_mem, tol)) {
+          memcpy(seg_end, tmp_end, sizeof(int64_t) * (size_t)ns);
+          memcpy(seg_ckpt, tmp_ckpt, (size_t)ns);
+          best_ns = ns;
+          best_mem = mem;
+          best_cost = c;
+        }
+        break;
+      }
+      bt -= ceil_div(mem - budget_bytes, unit);
     }
   }
   info->n_segments = best_ns;
@@ -628,6 +707,7 @@ finish:
   free(P);
   free(pre);
   free(is_cap);
+  free(G);
   free(w.D);
   free(w.par);
   free(w.qi);

@@ -305,7 +305,7 @@ def plan(input_bytes: Sequence[int], saved_bytes: Sequence[int],
         ValueError: when no plan fits; the message gives the smallest feasible budget
             (also available as :func:`min_budget`).
 
-    Exact dynamic program in C, O(n * slots * caps); 1000 stages plan in ~0.1 s.
+    Exact dynamic program in C, O(n * slots * caps); 1000 stages plan in 0.1-0.3 s.
 
     >>> p = plan([2, 2, 2, 2], [10, 10, 10, 10], None, "85%")  # 85% of 40 bytes
     >>> p.segments, p.memory_bytes, p.recompute_cost
