@@ -559,6 +559,36 @@ def test_auto_multi_block_segment_keeps_one_input():
         seg.remove()
 
 
+def test_auto_with_int8_boundaries():
+    pytest.importorskip("memfit.quant")
+    model = gpt_blocks(n=6, p=0.0)
+    x = torch.randn(2, 16, 32)
+    ref_out, ref_grads = loss_and_grads(model, x, seed=0)
+    metered = {}
+    for compress in (None, "int8"):
+        plan = mc.auto(model, x, budget="30%", compress=compress)
+        try:
+            with mc.ActivationMeter(exclude=model) as meter:
+                model.zero_grad(set_to_none=True)
+                h = model(x)
+            h.pow(2).mean().backward()
+            grads = [p.grad.clone() for p in model.parameters()]
+        finally:
+            plan.remove()
+        assert torch.equal(h.detach(), ref_out)  # the forward is exact either way
+        metered[compress] = (meter, grads, plan)
+    m_plain, g_plain, p_plain = metered[None]
+    m_q, g_q, p_q = metered["int8"]
+    assert p_plain.segments == p_q.segments
+    assert_same(ref_grads, g_plain)
+    n_ck = sum(1 for *_, c in p_q.segments if c)
+    kept = x.numel() * x.element_size()
+    assert m_plain.boundary_bytes == n_ck * kept
+    assert m_q.boundary_bytes <= n_ck * kept * 0.26
+    err = max(((a - b).norm() / b.norm()).item() for a, b in zip(g_q, ref_grads))
+    assert 0 < err < 0.05
+
+
 def test_measure_restores_rng_and_buffers():
     net = nn.Sequential(nn.Linear(8, 8), nn.BatchNorm1d(8), nn.Dropout(0.5), nn.Linear(8, 8))
     x = torch.randn(16, 8)
