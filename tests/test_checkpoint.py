@@ -539,6 +539,44 @@ def test_auto_on_a_hf_style_block_list():
     assert all("forward" not in b.__dict__ for b in model.h)
 
 
+@pytest.mark.parametrize("arch", ["gpt2", "llama"])
+def test_auto_on_hugging_face_models(arch):
+    transformers = pytest.importorskip("transformers")
+    if arch == "gpt2":
+        cfg = transformers.GPT2Config(n_layer=6, n_embd=64, n_head=4, n_positions=64,
+                                      vocab_size=100, bos_token_id=0, eos_token_id=0)
+        make = transformers.GPT2LMHeadModel
+    else:
+        cfg = transformers.LlamaConfig(num_hidden_layers=4, hidden_size=64,
+                                       intermediate_size=128, num_attention_heads=4,
+                                       num_key_value_heads=2, vocab_size=100,
+                                       max_position_embeddings=64, attention_dropout=0.1,
+                                       bos_token_id=0, eos_token_id=0)
+        make = transformers.LlamaForCausalLM
+    torch.manual_seed(0)
+    model = make(cfg).train()
+    ids = torch.randint(0, 100, (2, 24))
+
+    def step():
+        model.zero_grad(set_to_none=True)
+        torch.manual_seed(1)
+        out = model(input_ids=ids, labels=ids, use_cache=False)
+        out.loss.backward()
+        return out.loss.detach(), [p.grad.clone() for p in model.parameters()
+                                   if p.grad is not None]
+
+    loss0, g0 = step()
+    plan = mc.auto(model, {"input_ids": ids, "use_cache": False}, budget="35%")
+    try:
+        assert plan.n_stages == cfg.num_hidden_layers  # found the decoder block list
+        assert plan.checkpointed_stages
+        loss1, g1 = step()
+    finally:
+        plan.remove()
+    assert torch.equal(loss0, loss1)
+    assert_same(g0, g1)
+
+
 def test_auto_multi_block_segment_keeps_one_input():
     model = gpt_blocks(n=8, p=0.0)
     x = torch.randn(2, 8, 32)
