@@ -577,6 +577,31 @@ def test_auto_on_hugging_face_models(arch):
     assert_same(g0, g1)
 
 
+def test_auto_survives_deepcopy():
+    import copy
+
+    model = gpt_blocks(n=6, p=0.0)
+    x = torch.randn(2, 8, 32)
+    plan = mc.auto(model, x, budget="30%")
+    try:
+        twin = copy.deepcopy(model)  # e.g. an EMA copy
+        with torch.no_grad():
+            for p in twin.parameters():
+                p.mul_(0.5)
+        # the copy runs its own (halved) weights, checkpointed, not the original's
+        out, grads = loss_and_grads(twin, x, seed=0)
+    finally:
+        plan.remove()
+    wrapped = [b for b in twin if "forward" in b.__dict__]
+    assert len(wrapped) == len(plan.checkpointed_stages) > 0
+    for b in wrapped:
+        assert b.__dict__["forward"].module is b
+        del b.__dict__["forward"]
+    ref, ref_grads = loss_and_grads(twin, x, seed=0)
+    assert torch.equal(out, ref)
+    assert_same(ref_grads, grads)
+
+
 def test_auto_multi_block_segment_keeps_one_input():
     model = gpt_blocks(n=8, p=0.0)
     x = torch.randn(2, 8, 32)

@@ -1186,10 +1186,23 @@ class _Region:
         self.prev_out = None
 
 
-def _region_wrapper(region, index, orig):
-    torch = _torch()
+class _BlockForward:
+    """The forward auto() installs on a block of a checkpointed segment. An object
+    rather than a closure so that copy.deepcopy(model) and pickling give the copy
+    its own wrapper around its own block (a closure would keep calling the
+    original block)."""
 
-    def forward(*args, **kwargs):
+    __memfit_checkpoint__ = True
+
+    def __init__(self, module, region, index):
+        self.module = module
+        self.region = region
+        self.index = index
+
+    def __call__(self, *args, **kwargs):
+        torch = _torch()
+        region, index = self.region, self.index
+        orig = type(self.module).forward.__get__(self.module)
         if not torch.is_grad_enabled():
             return orig(*args, **kwargs)
         frame = region.frame
@@ -1215,9 +1228,6 @@ def _region_wrapper(region, index, orig):
             region.expect = index + 1
             region.prev_out = out
         return out
-
-    forward.__memfit_checkpoint__ = True
-    return forward
 
 
 class AutoPlan(Plan):
@@ -1289,5 +1299,5 @@ def auto(model_or_module_list, example_input, budget="6GB", *, blocks=None,
             if "forward" in st.__dict__:
                 raise ValueError(f"blocks[{i}]: its forward is already replaced by an "
                                  "instance attribute; memfit cannot wrap it")
-            st.forward = _region_wrapper(region, i, type(st).forward.__get__(st))
+            st.forward = _BlockForward(st, region, i)
     return AutoPlan(base, stages, m)
