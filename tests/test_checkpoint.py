@@ -481,6 +481,15 @@ def test_gpt_checkpoint_sequential_budget_and_segments():
         h.pow(2).mean().backward()
         assert torch.equal(h.detach(), ref_out), kw
         assert_same(ref_grads, [p.grad for p in model.parameters()])
+    # torch's calling convention: (functions, segments, input)
+    for call in (lambda: mc.checkpoint_sequential(model, 3, x, use_reentrant=False),
+                 lambda: mc.checkpoint_sequential(functions=model, segments=3, input=x)):
+        model.zero_grad(set_to_none=True)
+        torch.manual_seed(5)
+        h = call()
+        h.pow(2).mean().backward()
+        assert torch.equal(h.detach(), ref_out)
+        assert_same(ref_grads, [p.grad for p in model.parameters()])
     with torch.no_grad():
         assert torch.equal(mc.checkpoint_sequential(model.eval(), x, segments=2), model(x))
     with pytest.raises(ValueError, match="segments"):
