@@ -674,6 +674,9 @@ def test_measure_restores_rng_and_buffers():
     assert len(m) == 4 and all(c > 0 for c in m.forward_cost)
     assert m.saved_bytes[0] == x.numel() * 4  # the Linear saves its input
     assert m.input_bytes == [x.numel() * 4] * 4
+    blocks = gpt_blocks(n=5)
+    t = mc.measure(blocks, torch.randn(2, 8, 32))
+    assert len(set(t.forward_cost)) == 1 and len(set(t.saved_bytes)) == 1  # identical blocks
     f = mc.measure(net, x, cost="flops")
     assert f.forward_cost[0] == 2 * 16 * 8 * 8 and f.forward_cost[2] == 0
 

@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import math
 import re
+import statistics
 import threading
 import time
 import warnings
@@ -933,8 +934,9 @@ def measure(model_or_blocks, example_input, *, blocks=None, cost: str = "time",
             repeats: int = 3) -> ChainMeasurement:
     """Measure each stage of a chain once: the bytes handed to it, the bytes its
     backward would keep (counted with saved-tensor hooks, parameters excluded) and
-    its forward cost (``cost="time"``: the fastest of ``repeats`` timed runs;
-    ``"flops"``: torch's FLOP counter). The measuring forward passes keep nothing
+    its forward cost (``cost="time"``: the fastest of ``repeats`` timed runs, and
+    the median of that over identical blocks; ``"flops"``: torch's FLOP counter,
+    which counts matrix products only). The measuring forward passes keep nothing
     for backward, so they need about one stage's activations, not the whole
     model's; RNG state and module buffers (e.g. BatchNorm statistics) are restored.
 
@@ -1047,6 +1049,19 @@ def measure(model_or_blocks, example_input, *, blocks=None, cost: str = "time",
     if missing:
         raise ValueError(f"measure: stage {missing[0]} was not called by the forward pass "
                          "(the chain must run every stage once per forward)")
+    if cost == "time":
+        # Identical blocks (same class, parameter shapes and sizes) cost the same; a
+        # shared machine makes single timings differ at random, which would make the
+        # planner prefer arbitrary blocks. Give each group its median time.
+        groups: dict = {}
+        for i, st in enumerate(stages):
+            key = (type(st), tuple(tuple(p.shape) for p in st.parameters()), inb[i], sab[i])
+            groups.setdefault(key, []).append(i)
+        for members in groups.values():
+            if len(members) > 1:
+                t = statistics.median(cst[i] for i in members)
+                for i in members:
+                    cst[i] = t
     return ChainMeasurement(inb, sab, cst, names)
 
 
