@@ -98,6 +98,7 @@ static PyMethodDef *method_tables[] = {
     mf_quant_methods,
     mf_cast_methods,
     mf_gemm_methods,
+    mf_plan_methods,
 };
 
 static struct PyModuleDef module_def = {PyModuleDef_HEAD_INIT, "memfit._C",
