@@ -9,6 +9,7 @@
 #define MEMFIT_CUDA_LAUNCH_H
 
 #include "memfit/common.h"
+#include "memfit/optim.h"
 #include "memfit/quant.h"
 
 #ifdef __cplusplus
@@ -29,6 +30,13 @@ mf_status mf_cuda_quantize_blockwise(const mf_tensor *x, const mf_tensor *code,
 mf_status mf_cuda_dequantize_blockwise(const mf_tensor *codes, const mf_tensor *absmax,
                                        const mf_tensor *code, mf_tensor *out,
                                        int64_t block_size, void *stream);
+
+/* cuda/optim.cu: multi-tensor optimizer step (arguments checked by mf_optim_step). */
+mf_status mf_cuda_optim_step(const mf_optim_hparams *h, mf_state_format fmt, int64_t block_size,
+                             const mf_tensor *code1, const mf_tensor *code2,
+                             const mf_optim_tensor *tensors, int64_t n,
+                             const mf_tensor *grad_scale, const mf_tensor *found_inf,
+                             void *stream);
 
 #ifdef __cplusplus
 }
