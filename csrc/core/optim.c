@@ -192,9 +192,6 @@ static mf_status check_call(const mf_optim_hparams *h, mf_state_format fmt, int6
   return MF_OK;
 }
 
-static void quantize_run(const float *restrict s, float inv, int64_t n, const float *code,
-                         int size, const uint32_t *restrict lut, uint8_t *restrict q);
-
 /* ---- fast exact code search (see the header comment) -------------------------- */
 
 #define LUT_BUCKETS 65536
@@ -268,16 +265,6 @@ static const uint32_t *get_lut(const float *code, int size) {
   return found;
 }
 
-mf_status mf_optim_quantize_fast(const float *code, int size, const float *x, int64_t n,
-                                 uint8_t *out) {
-  if (size != MF_CODE_SIZE && size != MF_CODE4_SIZE)
-    return mf_error(MF_ERR_VALUE, "size: must be 16 or 256, got %d", size);
-  const uint32_t *lut = get_lut(code, size);
-  if (!lut) return mf_error(MF_ERR_NOMEM, "quantize: no table");
-  quantize_run(x, 1.0f, n, code, size, lut, out);
-  return MF_OK;
-}
-
 /* ---- the CPU block kernel ------------------------------------------------------- */
 
 typedef struct {
@@ -308,7 +295,7 @@ MF_INLINE void update_loop(mf_optim_kind kind, const mf_optim_consts *c, int ns,
   for (int64_t i = 0; i < n; i++) mf_optim_update_one(kind, c, ns, &p[i], g[i], &s1[i], &s2[i]);
 }
 
-static void update_any(mf_optim_kind kind, const mf_optim_consts *c, int ns, int64_t n,
+MF_INLINE void update_any(mf_optim_kind kind, const mf_optim_consts *c, int ns, int64_t n,
                        float *restrict p, const float *restrict g, float *restrict s1,
                        float *restrict s2) {
   switch (kind) {
@@ -320,18 +307,18 @@ static void update_any(mf_optim_kind kind, const mf_optim_consts *c, int ns, int
   }
 }
 
-static void dequant8(const uint8_t *restrict q, const float *restrict code, float absmax,
+MF_INLINE void dequant8(const uint8_t *restrict q, const float *restrict code, float absmax,
                      int64_t n, float *restrict out) {
   for (int64_t i = 0; i < n; i++) out[i] = code[q[i]] * absmax;
 }
 
-static void dequant4(const uint8_t *restrict q, const float *restrict code, float absmax,
+MF_INLINE void dequant4(const uint8_t *restrict q, const float *restrict code, float absmax,
                      int64_t n, float *restrict out) {
   for (int64_t i = 0; i < n; i++) out[i] = code[(q[i >> 1] >> ((i & 1) * 4)) & 15] * absmax;
 }
 
 /* max |s[i]| (states are finite: see mf_optim_update_one) */
-static float block_absmax(const float *restrict s, int64_t n) {
+MF_INLINE float block_absmax(const float *restrict s, int64_t n) {
   uint32_t m = 0;
   for (int64_t i = 0; i < n; i++) {
     uint32_t u = mf_f32_bits(s[i]) & 0x7fffffffu;
@@ -341,7 +328,7 @@ static float block_absmax(const float *restrict s, int64_t n) {
 }
 
 /* q[i] = nearest code index of s[i] * inv, through the table when there is one. */
-static void quantize_run(const float *restrict s, float inv, int64_t n, const float *code,
+MF_INLINE void quantize_run(const float *restrict s, float inv, int64_t n, const float *code,
                          int size, const uint32_t *restrict lut, uint8_t *restrict q) {
   if (!lut) {
     for (int64_t i = 0; i < n; i++) q[i] = mf_optim_quantize(code, size, s[i] * inv);
@@ -361,13 +348,23 @@ static void quantize_run(const float *restrict s, float inv, int64_t n, const fl
   }
 }
 
-static void pack4(const uint8_t *restrict q, int64_t n, uint8_t *restrict out) {
+mf_status mf_optim_quantize_fast(const float *code, int size, const float *x, int64_t n,
+                                 uint8_t *out) {
+  if (size != MF_CODE_SIZE && size != MF_CODE4_SIZE)
+    return mf_error(MF_ERR_VALUE, "size: must be 16 or 256, got %d", size);
+  const uint32_t *lut = get_lut(code, size);
+  if (!lut) return mf_error(MF_ERR_NOMEM, "quantize: no table");
+  quantize_run(x, 1.0f, n, code, size, lut, out);
+  return MF_OK;
+}
+
+MF_INLINE void pack4(const uint8_t *restrict q, int64_t n, uint8_t *restrict out) {
   int64_t pairs = n / 2;
   for (int64_t j = 0; j < pairs; j++) out[j] = (uint8_t)(q[2 * j] | (q[2 * j + 1] << 4));
   if (n & 1) out[pairs] = q[n - 1];
 }
 
-static void widen(const void *src, mf_dtype dt, int64_t first, int64_t n, float *restrict out) {
+MF_INLINE void widen(const void *src, mf_dtype dt, int64_t first, int64_t n, float *restrict out) {
   if (dt == MF_BFLOAT16) {
     const uint16_t *s = (const uint16_t *)src + first;
     for (int64_t i = 0; i < n; i++) out[i] = mf_bf16_to_f32(s[i]);
@@ -376,7 +373,7 @@ static void widen(const void *src, mf_dtype dt, int64_t first, int64_t n, float 
   }
 }
 
-static void narrow(const float *restrict v, mf_dtype dt, int64_t first, int64_t n, void *dst) {
+MF_INLINE void narrow(const float *restrict v, mf_dtype dt, int64_t first, int64_t n, void *dst) {
   if (dt == MF_BFLOAT16) {
     uint16_t *d = (uint16_t *)dst + first;
     for (int64_t i = 0; i < n; i++) d[i] = mf_f32_to_bf16(v[i]);
