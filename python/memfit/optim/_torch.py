@@ -239,9 +239,11 @@ def dequantized_state(optimizer, param) -> dict:
             continue
         bits = group["bits"]
         code = torch.from_numpy(_core.code_table(bits, _core.state_signed(optimizer._kind, k))).to(s.device)
-        idx = s.reshape(-1).long()
+        idx = s.reshape(-1).to(torch.int32)
         if bits == 4:
             idx = torch.stack((idx & 15, idx >> 4), dim=1).reshape(-1)[:n]
-        absmax = state[f"absmax{k}"].repeat_interleave(group["block_size"])[:n]
-        out[nm] = (code[idx] * absmax).reshape(param.shape)
+        absmax = state[f"absmax{k}"]
+        bs = group["block_size"]
+        vals = torch.nn.functional.pad(code[idx], (0, absmax.numel() * bs - n))
+        out[nm] = (vals.view(-1, bs) * absmax[:, None]).view(-1)[:n].reshape(param.shape)
     return out
