@@ -278,15 +278,19 @@ typedef struct {
   uint8_t *q;
 } thread_bufs;
 
-#if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__) && !defined(MEMFIT_NO_CLONES)
-#define MF_CPU_CLONES __attribute__((target_clones("default", "avx2", "arch=x86-64-v4")))
-#else
-#define MF_CPU_CLONES
-#endif
 #if defined(__GNUC__)
 #define MF_INLINE static inline __attribute__((always_inline))
 #else
 #define MF_INLINE static inline
+#endif
+
+/* x86-64 with GCC or Clang: the block function is also compiled for AVX2 and AVX-512
+ * (picked at run time), and the AVX-512 one uses gathers for the two table lookups. */
+#if (defined(__GNUC__) || defined(__clang__)) && defined(__x86_64__) && !defined(MEMFIT_NO_SIMD)
+#define MF_X86_SIMD 1
+#include <immintrin.h>
+#define MF_TARGET_AVX2 __attribute__((target("avx2")))
+#define MF_TARGET_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq")))
 #endif
 
 MF_INLINE void update_loop(mf_optim_kind kind, const mf_optim_consts *c, int ns, int64_t n,
@@ -348,12 +352,86 @@ MF_INLINE void quantize_run(const float *restrict s, float inv, int64_t n, const
   }
 }
 
+#ifdef MF_X86_SIMD
+enum { ISA_GENERIC = 0, ISA_AVX2 = 1, ISA_AVX512 = 2 };
+
+/* The widest ISA this CPU runs; MEMFIT_CPU_ISA=generic|avx2|avx512 caps it (for
+ * benchmarks and tests: every variant computes the same bits). */
+static int cpu_isa(void) {
+  const char *cap = getenv("MEMFIT_CPU_ISA");
+  int max_isa = ISA_AVX512;
+  if (cap && !strcmp(cap, "generic")) max_isa = ISA_GENERIC;
+  if (cap && !strcmp(cap, "avx2")) max_isa = ISA_AVX2;
+  __builtin_cpu_init();
+  if (max_isa >= ISA_AVX512 && __builtin_cpu_supports("avx512f") &&
+      __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl") &&
+      __builtin_cpu_supports("avx512dq"))
+    return ISA_AVX512;
+  if (max_isa >= ISA_AVX2 && __builtin_cpu_supports("avx2")) return ISA_AVX2;
+  return ISA_GENERIC;
+}
+
+static int use_avx512(void) { return cpu_isa() == ISA_AVX512; }
+
+/* AVX-512 versions of dequant8 and the table search: the same arithmetic (one float
+ * multiply, integer key and compare), 16 elements at a time with gathers. */
+MF_TARGET_AVX512 static void dequant8_avx512(const uint8_t *restrict q,
+                                             const float *restrict code, float absmax,
+                                             int64_t n, float *restrict out) {
+  const __m512 a = _mm512_set1_ps(absmax);
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) {
+    __m512i idx = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(q + i)));
+    _mm512_storeu_ps(out + i, _mm512_mul_ps(_mm512_i32gather_ps(idx, code, 4), a));
+  }
+  for (; i < n; i++) out[i] = code[q[i]] * absmax;
+}
+
+MF_TARGET_AVX512 static void quantize_run_avx512(const float *restrict s, float inv, int64_t n,
+                                                 const float *code, int size,
+                                                 const uint32_t *restrict lut,
+                                                 uint8_t *restrict q) {
+  const __m512 vinv = _mm512_set1_ps(inv);
+  const __m512i sign = _mm512_set1_epi32((int)0x80000000u), low16 = _mm512_set1_epi32(0xffff),
+                low17 = _mm512_set1_epi32(0x1ffff), byte = _mm512_set1_epi32(0xff),
+                one = _mm512_set1_epi32(1);
+  __m512i slow = _mm512_setzero_si512();
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) {
+    __m512i u = _mm512_castps_si512(_mm512_mul_ps(_mm512_loadu_ps(s + i), vinv));
+    __m512i key = _mm512_xor_si512(u, _mm512_or_si512(_mm512_srai_epi32(u, 31), sign));
+    __m512i e = _mm512_i32gather_epi32(_mm512_srli_epi32(key, 16), (const void *)lut, 4);
+    __m512i base = _mm512_and_si512(_mm512_srli_epi32(e, 17), byte);
+    __mmask16 up = _mm512_cmpge_epu32_mask(_mm512_and_si512(key, low16), _mm512_and_si512(e, low17));
+    _mm_storeu_si128((__m128i *)(q + i), _mm512_cvtepi32_epi8(_mm512_mask_add_epi32(base, up, base, one)));
+    slow = _mm512_or_si512(slow, e);
+  }
+  uint32_t any = (uint32_t)_mm512_reduce_or_epi32(slow);
+  for (; i < n; i++) {
+    uint32_t k = float_key(s[i] * inv);
+    uint32_t e = lut[k >> 16];
+    q[i] = (uint8_t)(((e >> 17) & 0xffu) + ((k & 0xffffu) >= (e & 0x1ffffu)));
+    any |= e;
+  }
+  if (any & LUT_SLOW) {
+    for (int64_t j = 0; j < n; j++)
+      if (lut[float_key(s[j] * inv) >> 16] & LUT_SLOW) q[j] = mf_optim_quantize(code, size, s[j] * inv);
+  }
+}
+#endif
+
 mf_status mf_optim_quantize_fast(const float *code, int size, const float *x, int64_t n,
                                  uint8_t *out) {
   if (size != MF_CODE_SIZE && size != MF_CODE4_SIZE)
     return mf_error(MF_ERR_VALUE, "size: must be 16 or 256, got %d", size);
   const uint32_t *lut = get_lut(code, size);
   if (!lut) return mf_error(MF_ERR_NOMEM, "quantize: no table");
+#ifdef MF_X86_SIMD
+  if (use_avx512()) {
+    quantize_run_avx512(x, 1.0f, n, code, size, lut, out);
+    return MF_OK;
+  }
+#endif
   quantize_run(x, 1.0f, n, code, size, lut, out);
   return MF_OK;
 }
@@ -382,11 +460,16 @@ MF_INLINE void narrow(const float *restrict v, mf_dtype dt, int64_t first, int64
   }
 }
 
-/* One block [first, first + n) of one tensor. */
-MF_CPU_CLONES
-static void block_step(const mf_optim_hparams *h, const mf_optim_consts *c, int ns,
-                       mf_state_format fmt, int64_t bs, const quant_ctx *qc,
-                       const mf_optim_tensor *t, int64_t first, int64_t n, thread_bufs *b) {
+#ifndef MF_X86_SIMD
+enum { ISA_GENERIC = 0, ISA_AVX2 = 1, ISA_AVX512 = 2 };
+#endif
+
+/* One block [first, first + n) of one tensor; `isa` is a constant in each variant. */
+MF_INLINE void block_step_impl(const mf_optim_hparams *h, const mf_optim_consts *c, int ns,
+                               mf_state_format fmt, int64_t bs, const quant_ctx *qc,
+                               const mf_optim_tensor *t, int64_t first, int64_t n,
+                               thread_bufs *b, const int isa) {
+  (void)isa;
   const mf_dtype dt = t->param.dtype;
   float *p, *g, *s[2];
   if (dt == MF_FLOAT32) {
@@ -400,39 +483,100 @@ static void block_step(const mf_optim_hparams *h, const mf_optim_consts *c, int 
   }
   const mf_tensor *st[2] = {&t->state1, &t->state2};
   const mf_tensor *am[2] = {&t->absmax1, &t->absmax2};
-  const int64_t blk = first / (bs > 0 ? bs : 1);
+  /* the chunk [first, first + n) holds whole quantization blocks (but the last) */
+  const int64_t blk0 = fmt == MF_STATE_FP32 ? 0 : first / bs;
+  const int64_t nsub = fmt == MF_STATE_FP32 ? 0 : (n + bs - 1) / bs;
   for (int k = 0; k < 2; k++) {
     if (k >= ns) {
       s[k] = b->zero;
-    } else if (fmt == MF_STATE_FP32) {
+      continue;
+    }
+    if (fmt == MF_STATE_FP32) {
       s[k] = (float *)st[k]->data + first;
-    } else {
-      s[k] = b->s[k];
-      float a = ((const float *)am[k]->data)[blk];
-      if (fmt == MF_STATE_8BIT)
-        dequant8((const uint8_t *)st[k]->data + first, qc->code[k], a, n, s[k]);
-      else
-        dequant4((const uint8_t *)st[k]->data + first / 2, qc->code[k], a, n, s[k]);
+      continue;
+    }
+    s[k] = b->s[k];
+    const float *absmax = (const float *)am[k]->data + blk0;
+    for (int64_t j = 0; j < nsub; j++) {
+      const int64_t off = j * bs, len = n - off < bs ? n - off : bs;
+      if (fmt == MF_STATE_8BIT) {
+        const uint8_t *q = (const uint8_t *)st[k]->data + first + off;
+#ifdef MF_X86_SIMD
+        if (isa == ISA_AVX512) {
+          dequant8_avx512(q, qc->code[k], absmax[j], len, s[k] + off);
+          continue;
+        }
+#endif
+        dequant8(q, qc->code[k], absmax[j], len, s[k] + off);
+      } else {
+        dequant4((const uint8_t *)st[k]->data + (first + off) / 2, qc->code[k], absmax[j], len,
+                 s[k] + off);
+      }
     }
   }
   update_any(h->kind, c, ns, n, p, g, s[0], s[1]);
   if (dt != MF_FLOAT32) narrow(p, dt, first, n, t->param.data);
-  if (fmt == MF_STATE_FP32) return;
-  for (int k = 0; k < ns; k++) {
-    float a = block_absmax(s[k], n);
-    ((float *)am[k]->data)[blk] = a;
-    float inv = mf_absmax_inverse(a);
-    if (fmt == MF_STATE_8BIT) {
-      quantize_run(s[k], inv, n, qc->code[k], qc->code_size, qc->lut[k],
-                   (uint8_t *)st[k]->data + first);
-    } else {
-      quantize_run(s[k], inv, n, qc->code[k], qc->code_size, qc->lut[k], b->q);
-      pack4(b->q, n, (uint8_t *)st[k]->data + first / 2);
+  for (int k = 0; k < ns && fmt != MF_STATE_FP32; k++) {
+    float *absmax = (float *)am[k]->data + blk0;
+    for (int64_t j = 0; j < nsub; j++) {
+      const int64_t off = j * bs, len = n - off < bs ? n - off : bs;
+      const float *v = s[k] + off;
+      const float a = block_absmax(v, len);
+      absmax[j] = a;
+      const float inv = mf_absmax_inverse(a);
+      uint8_t *dst = fmt == MF_STATE_8BIT ? (uint8_t *)st[k]->data + first + off : b->q;
+#ifdef MF_X86_SIMD
+      if (isa == ISA_AVX512 && qc->lut[k])
+        quantize_run_avx512(v, inv, len, qc->code[k], qc->code_size, qc->lut[k], dst);
+      else
+#endif
+        quantize_run(v, inv, len, qc->code[k], qc->code_size, qc->lut[k], dst);
+      if (fmt == MF_STATE_4BIT) pack4(b->q, len, (uint8_t *)st[k]->data + (first + off) / 2);
     }
   }
 }
 
-#define FP32_CHUNK 2048
+typedef void (*block_fn)(const mf_optim_hparams *, const mf_optim_consts *, int,
+                         mf_state_format, int64_t, const quant_ctx *, const mf_optim_tensor *,
+                         int64_t, int64_t, thread_bufs *);
+
+static void block_step_generic(const mf_optim_hparams *h, const mf_optim_consts *c, int ns,
+                               mf_state_format fmt, int64_t bs, const quant_ctx *qc,
+                               const mf_optim_tensor *t, int64_t first, int64_t n,
+                               thread_bufs *b) {
+  block_step_impl(h, c, ns, fmt, bs, qc, t, first, n, b, ISA_GENERIC);
+}
+
+#ifdef MF_X86_SIMD
+MF_TARGET_AVX2 static void block_step_avx2(const mf_optim_hparams *h, const mf_optim_consts *c,
+                                           int ns, mf_state_format fmt, int64_t bs,
+                                           const quant_ctx *qc, const mf_optim_tensor *t,
+                                           int64_t first, int64_t n, thread_bufs *b) {
+  block_step_impl(h, c, ns, fmt, bs, qc, t, first, n, b, ISA_AVX2);
+}
+
+MF_TARGET_AVX512 static void block_step_avx512(const mf_optim_hparams *h,
+                                               const mf_optim_consts *c, int ns,
+                                               mf_state_format fmt, int64_t bs,
+                                               const quant_ctx *qc, const mf_optim_tensor *t,
+                                               int64_t first, int64_t n, thread_bufs *b) {
+  block_step_impl(h, c, ns, fmt, bs, qc, t, first, n, b, ISA_AVX512);
+}
+#endif
+
+static block_fn pick_block_fn(void) {
+#ifdef MF_X86_SIMD
+  switch (cpu_isa()) {
+    case ISA_AVX512: return block_step_avx512;
+    case ISA_AVX2: return block_step_avx2;
+  }
+#endif
+  return block_step_generic;
+}
+
+/* Elements per work item: a long update loop and long runs through each array (the
+ * hardware prefetchers follow runs within a 4 KB page); whole quantization blocks. */
+#define CPU_CHUNK 2048
 
 static mf_status step_cpu(const mf_optim_hparams *h, mf_state_format fmt, int64_t bs,
                           const mf_tensor *code1, const mf_tensor *code2,
@@ -449,10 +593,11 @@ static mf_status step_cpu(const mf_optim_hparams *h, mf_state_format fmt, int64_
       qc.lut[k] = get_lut(qc.code[k], qc.code_size);
     }
   }
-  const int64_t chunk = fmt == MF_STATE_FP32 ? FP32_CHUNK : bs;
+  const int64_t chunk = fmt == MF_STATE_FP32 || bs < CPU_CHUNK ? CPU_CHUNK : bs;
   int64_t total_blocks = 0;
   for (int64_t i = 0; i < n; i++) total_blocks += mf_quant_num_blocks(ts[i].param.numel, chunk);
 
+  const block_fn block_step = pick_block_fn();
   int failed = 0;
 #pragma omp parallel num_threads(mf_get_num_threads()) if (total_blocks > 8)
   {
