@@ -535,3 +535,26 @@ def test_cuda_grad_scaler_skip_without_sync():
     scaler.step(opt)
     scaler.update()
     assert_same(before, snapshot(m, opt))
+
+
+def test_cpu_isa_variants_agree_bitwise():
+    """The plain x86-64, AVX2 and AVX-512 variants of the CPU kernel (and the table
+    search vs the binary search) compute the same bits."""
+    import subprocess
+    import sys
+
+    code = ("import numpy as np, sys; from memfit.optim import functional as F\n"
+            "rng = np.random.default_rng(0); out = []\n"
+            "for kind, bits in (('adamw', 8), ('adamw', 4), ('lion', 8), ('rmsprop', 8)):\n"
+            "    p = rng.standard_normal(9001).astype(np.float32); st = F.init(kind, p, bits)\n"
+            "    for _ in range(3):\n"
+            "        g = (rng.standard_normal(9001) * 0.01).astype(np.float32)\n"
+            "        F.step(kind, p, g, st, lr=1e-2, beta1=0.9, beta2=0.99, eps=1e-8, alpha=0.99)\n"
+            "    out += [p.tobytes(), st['state1'].tobytes(), st['absmax1'].tobytes()]\n"
+            "sys.stdout.write(__import__('hashlib').sha256(b''.join(out)).hexdigest())\n")
+    digests = set()
+    for isa in ("generic", "avx2", "avx512"):
+        env = {**__import__("os").environ, "MEMFIT_CPU_ISA": isa}
+        r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+        digests.add(r.stdout)
+    assert len(digests) == 1, digests
