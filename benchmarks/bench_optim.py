@@ -1,7 +1,7 @@
 """Optimizer step speed: memfit vs torch fused AdamW vs bitsandbytes, in one process.
 
     python benchmarks/bench_optim.py                 # CPU (and GPU when one is present)
-    python benchmarks/bench_optim.py --reps 30 --numel 16777216 --markdown
+    python benchmarks/bench_optim.py --reps 31 --numel 16777216
 
 CPU: one fp32 tensor of --numel parameters (default 16M), gradients randn*0.01. Every
 repetition steps each optimizer once, in a rotating order (interleaved, so machine noise
@@ -19,34 +19,24 @@ one tensor and as a model of many small plus a few large tensors, timed with CUD
 events, against torch fused AdamW, bitsandbytes AdamW8bit, and a device-to-device copy
 of the same number of bytes (the bandwidth ceiling).
 
-Writes benchmarks/out/bench_optim-<host>-<time>.json and prints a table.
+Prints markdown tables (for RESULTS.md) and writes benchmarks/out/bench_optim.json.
 """
 
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
 import os
-import platform
-import socket
 import statistics
-import subprocess
 import sys
 import time
 
 import torch
 
-import memfit
-import memfit.optim as mo
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _common import copy_bandwidth, markdown_table, metadata, write_json  # noqa: E402
 
-
-def _git_commit():
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                              cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip()
-    except OSError:
-        return "unknown"
+import memfit  # noqa: E402
+import memfit.optim as mo  # noqa: E402
 
 
 def _bnb():
@@ -189,42 +179,35 @@ def main(argv=None):
     ap.add_argument("--regimes", default="cold,warm")
     ap.add_argument("--no-bnb", action="store_true")
     ap.add_argument("--no-gpu", action="store_true")
-    ap.add_argument("--markdown", action="store_true", help="print RESULTS.md rows")
     args = ap.parse_args(argv)
 
-    meta = {
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "commit": _git_commit(), "host": socket.gethostname(), "machine": platform.processor() or platform.machine(),
-        "cpu_count": os.cpu_count(), "torch": torch.__version__, "torch_threads": torch.get_num_threads(),
-        "memfit_threads": memfit.get_num_threads(), "memfit_build": memfit.build_info(),
-    }
+    meta = {"cpu": dict(metadata("cpu"), copy_bandwidth_gbps=copy_bandwidth("cpu") / 1e9,
+                        numel=args.numel, reps=args.reps)}
     rows = cpu_bench(args.numel, args.reps, args.regimes.split(","), not args.no_bnb)
-    print(f"CPU, {args.numel} fp32 parameters, {meta['cpu_count']} cores, torch {meta['torch']}, "
-          f"median of {args.reps} interleaved steps")
-    print(f"{'regime':6} {'optimizer':22} {'wall ms':>9} {'cpu ms':>9} {'x torch fused':>14} {'x (cpu time)':>13} {'GB/s':>7}")
-    for r in rows:
-        print(f"{r['regime']:6} {r['optimizer']:22} {r['wall_ms']:9.2f} {r['cpu_ms']:9.2f} "
-              f"{r['speedup_vs_torch_fused']:14.2f} {r['cpu_speedup_vs_torch_fused']:13.2f} {r['GB_per_s']:7.1f}")
+    m = meta["cpu"]
+    print(f"cpu: {m['cpu']}, {m['cores']} cores, copy {m['copy_bandwidth_gbps']:.1f} GB/s (read+write), "
+          f"memfit {m['memfit_threads']} / torch {m.get('torch_threads')} threads, torch {m.get('torch')}, "
+          f"commit {m['commit']}, {m['date']}")
+    print(f"AdamW step over {args.numel} fp32 parameters (one tensor, grads randn*0.01); median of "
+          f"{args.reps} interleaved steps (bitsandbytes: fewer); cold = 1 GiB written before each step\n")
+    print(markdown_table(
+        ["regime", "optimizer", "wall ms", "x torch fused (wall)", "x torch fused (CPU time)", "B/param", "GB/s"],
+        [[r["regime"], r["optimizer"], f"{r['wall_ms']:.2f}", f"{r['speedup_vs_torch_fused']:.2f}",
+          f"{r['cpu_speedup_vs_torch_fused']:.2f}", f"{r['bytes_per_param']:.1f}", f"{r['GB_per_s']:.1f}"]
+         for r in rows]))
     gpu = []
     if not args.no_gpu and torch.cuda.is_available() and memfit.build_info()["cuda"]:
+        meta["cuda"] = metadata("cuda")
         gpu = gpu_bench(max(5, args.reps // 2))
-        for r in gpu:
-            print(f"GPU {r['layout']:28} {r['dtype']:15} {r['optimizer']:18} {r['ms']:8.2f} ms "
-                  f"{r['GB_per_s']:7.1f} GB/s ({100 * r['fraction_of_copy']:.0f}% of copy)")
+        print(f"\ncuda: {meta['cuda'].get('gpu')}\n")
+        print(markdown_table(
+            ["layout", "dtype", "optimizer", "ms", "GB/s", "% of D2D copy"],
+            [[r["layout"], r["dtype"], r["optimizer"], f"{r['ms']:.2f}", f"{r['GB_per_s']:.0f}",
+              f"{100 * r['fraction_of_copy']:.0f}"] for r in gpu]))
     else:
-        print("GPU: not run (no CUDA device, or memfit built without CUDA)")
-    os.makedirs(os.path.join(os.path.dirname(os.path.abspath(__file__)), "out"), exist_ok=True)
-    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "out",
-                        f"bench_optim-{meta['host']}-{time.strftime('%Y%m%d-%H%M%S')}.json")
-    with open(path, "w") as f:
-        json.dump({"meta": meta, "cpu": rows, "gpu": gpu}, f, indent=1)
-    print(f"wrote {path}")
-    if args.markdown:
-        print("\n| regime | optimizer | wall ms | x torch fused (wall) | x torch fused (CPU time) | GB/s |")
-        print("|---|---|---:|---:|---:|---:|")
-        for r in rows:
-            print(f"| {r['regime']} | {r['optimizer']} | {r['wall_ms']:.2f} | {r['speedup_vs_torch_fused']:.2f} | "
-                  f"{r['cpu_speedup_vs_torch_fused']:.2f} | {r['GB_per_s']:.1f} |")
+        print("\nGPU: not measured here (no CUDA device, or memfit built without CUDA)")
+    path = write_json("bench_optim", {"meta": meta, "cpu": rows, "gpu": gpu})
+    print(f"\nwrote {path}")
 
 
 if __name__ == "__main__":

@@ -9,6 +9,7 @@
 #define MEMFIT_CUDA_LAUNCH_H
 
 #include "memfit/common.h"
+#include "memfit/gemm.h"
 #include "memfit/optim.h"
 #include "memfit/quant.h"
 
@@ -31,6 +32,16 @@ mf_status mf_cuda_dequantize_blockwise(const mf_tensor *codes, const mf_tensor *
                                        const mf_tensor *code, mf_tensor *out,
                                        int64_t block_size, void *stream);
 
+/* cuda/cast.cu */
+mf_status mf_cuda_cast(const mf_tensor *x, mf_tensor *out, int stochastic, uint64_t seed,
+                       void *stream);
+
+/* cuda/gemm.cu */
+mf_status mf_cuda_gemm(const mf_tensor *a, int trans_a, const mf_tensor *b, int trans_b,
+                       mf_tensor *c, int64_t m, int64_t n, int64_t k, const mf_tensor *bias,
+                       mf_activation act, mf_tensor *pre, void *stream);
+mf_status mf_cuda_act_backward(const mf_tensor *dy, const mf_tensor *pre, mf_tensor *dpre,
+                               mf_activation act, void *stream);
 /* cuda/optim.cu: multi-tensor optimizer step (arguments checked by mf_optim_step). */
 mf_status mf_cuda_optim_step(const mf_optim_hparams *h, mf_state_format fmt, int64_t block_size,
                              const mf_tensor *code1, const mf_tensor *code2,
