@@ -9,13 +9,10 @@ import numpy as np
 import pytest
 import torch
 
-import memfit
 import memfit.optim as mo
 from memfit.optim import _core
 from memfit.optim import functional as F
 
-HAS_CUDA = torch.cuda.is_available() and memfit.build_info()["cuda"] and memfit.cuda_device_count() > 0
-needs_cuda = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU and a CUDA build of memfit")
 
 ALL = [mo.AdamW8bit, mo.Adam8bit, mo.Lion8bit, mo.SGD8bit, mo.RMSprop8bit, mo.AdamW4bit,
        mo.AdamW, mo.Adam]
@@ -494,7 +491,6 @@ def test_import_memfit_optim_functional_without_torch():
 # ---- CPU vs CUDA ---------------------------------------------------------------------------
 
 @pytest.mark.cuda
-@needs_cuda
 @pytest.mark.parametrize("cls", ALL, ids=lambda c: c.__name__)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_cpu_cuda_agree_bitwise(cls, dtype):
@@ -519,7 +515,6 @@ def test_cpu_cuda_agree_bitwise(cls, dtype):
 
 
 @pytest.mark.cuda
-@needs_cuda
 def test_cuda_grad_scaler_skip_without_sync():
     m = model().cuda()
     opt = mo.AdamW8bit(m.parameters(), min_8bit_size=1000)
