@@ -93,7 +93,11 @@ static PyMethodDef core_methods[] = {
     {NULL, NULL, 0, NULL}};
 
 /* Every capability's table; module init adds them all. */
-static PyMethodDef *method_tables[] = {core_methods, mf_quant_methods};
+static PyMethodDef *method_tables[] = {
+    core_methods,
+    mf_quant_methods,
+    mf_amp_methods,
+};
 
 static struct PyModuleDef module_def = {PyModuleDef_HEAD_INIT, "memfit._C",
                                         "memfit's C core (see the memfit package).", -1,

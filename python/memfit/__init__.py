@@ -20,6 +20,7 @@ __all__ = [
     "Error",
     "MemfitTypeError",
     "MemfitValueError",
+    "amp",
     "build_info",
     "cuda_device_count",
     "get_num_threads",
@@ -61,7 +62,7 @@ def get_num_threads() -> int:
 
 def __getattr__(name):
     # Submodules load on first use so `import memfit` stays cheap.
-    if name in ("quant", "cli", "doctor"):
+    if name in ("quant", "cli", "doctor", "amp"):
         import importlib
 
         return importlib.import_module(f"memfit.{name}")

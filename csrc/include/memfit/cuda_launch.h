@@ -10,6 +10,7 @@
 
 #include "memfit/common.h"
 #include "memfit/quant.h"
+#include "memfit/scaler.h"
 
 #ifdef __cplusplus
 extern "C" {
@@ -29,6 +30,20 @@ mf_status mf_cuda_quantize_blockwise(const mf_tensor *x, const mf_tensor *code,
 mf_status mf_cuda_dequantize_blockwise(const mf_tensor *codes, const mf_tensor *absmax,
                                        const mf_tensor *code, mf_tensor *out,
                                        int64_t block_size, void *stream);
+
+/* cuda/scaler.cu */
+mf_status mf_cuda_scaler_update(mf_tensor *state, const mf_tensor *found_infs, int64_t n,
+                                const mf_tensor *loss_flag, const mf_scaler_config *cfg,
+                                void *stream);
+
+/* cuda/unscale.cu: multi-tensor kernels (one launch per MF_MT_MAX_TENSORS tensors or
+ * MF_MT_MAX_BLOCKS chunks, whichever fills first) */
+mf_status mf_cuda_unscale_grads(mf_tensor *grads, int64_t n, const mf_tensor *scale,
+                                mf_tensor *found_inf, void *stream);
+mf_status mf_cuda_grad_norm(const mf_tensor *grads, int64_t n, double norm_type,
+                            mf_tensor *workspace, mf_tensor *out, void *stream);
+mf_status mf_cuda_clip_grads(mf_tensor *grads, int64_t n, const mf_tensor *norm,
+                             float max_norm, void *stream);
 
 #ifdef __cplusplus
 }
