@@ -137,12 +137,14 @@ static void view_list_release(view_list *l) {
 static int view_list_get(PyObject *obj, const char *name, int writable, uintptr_t stream,
                          view_list *l) {
   memset(l, 0, sizeof *l);
-  l->seq = PySequence_Fast(obj, "");
-  if (!l->seq) {
+  /* only lists and tuples: an array is iterable too, and its rows are not gradients */
+  if (!PyList_Check(obj) && !PyTuple_Check(obj)) {
     PyErr_Format(mf_py_TypeError, "%s: expected a list or tuple of arrays, got %s", name,
                  Py_TYPE(obj)->tp_name);
     return -1;
   }
+  l->seq = PySequence_Fast(obj, "");
+  if (!l->seq) return -1;
   l->n = PySequence_Fast_GET_SIZE(l->seq);
   l->t = (mf_tensor *)PyMem_Calloc(l->n ? (size_t)l->n : 1, sizeof(mf_tensor));
   l->generic = (mf_py_view *)PyMem_Calloc(l->n ? (size_t)l->n : 1, sizeof(mf_py_view));
