@@ -32,17 +32,20 @@ int64_t mf_mt_num_chunks(const mf_tensor *t, int64_t n) {
 static mf_status check_tensors(const mf_tensor *t, int64_t n, const char *name) {
   if (n < 0) return mf_error(MF_ERR_VALUE, "%s: negative count %lld", name, (long long)n);
   for (int64_t i = 0; i < n; i++) {
-    char item[64];
+    const mf_dtype dt = t[i].dtype;
+    const int bad_dtype = dt != MF_FLOAT32 && dt != MF_FLOAT16 && dt != MF_BFLOAT16;
+    const int bad_device =
+        i > 0 && (t[i].device != t[0].device || t[i].device_id != t[0].device_id);
+    if (!bad_dtype && !bad_device && t[i].numel >= 0) continue;
+    char item[64]; /* formatted only for the message */
     snprintf(item, sizeof item, "%s[%lld]", name, (long long)i);
-    mf_status st = mf_check_float(&t[i], item);
-    if (st) return st;
+    if (bad_dtype) return mf_check_float(&t[i], item);
     if (t[i].numel < 0) return mf_error(MF_ERR_VALUE, "%s: negative numel", item);
-    if (i > 0 && (t[i].device != t[0].device || t[i].device_id != t[0].device_id))
-      return mf_error(MF_ERR_VALUE,
-                      "%s: all tensors must be on one device (%s:%d), got %s:%d; group them "
-                      "by device first",
-                      item, mf_device_name(t[0].device), t[0].device_id,
-                      mf_device_name(t[i].device), t[i].device_id);
+    return mf_error(MF_ERR_VALUE,
+                    "%s: all tensors must be on one device (%s:%d), got %s:%d; group them "
+                    "by device first",
+                    item, mf_device_name(t[0].device), t[0].device_id,
+                    mf_device_name(t[i].device), t[i].device_id);
   }
   return MF_OK;
 }
@@ -105,48 +108,50 @@ static int threads_for(int64_t elems) { return elems < 65536 ? 1 : mf_get_num_th
 
 /* ---- unscale + non-finite check --------------------------------------------------- */
 
-/* Returns the largest exponent field seen (0x7f800000 means non-finite). */
-static uint32_t unscale_f32(float *restrict p, int64_t n, float inv, int write) {
-  uint32_t m = 0;
+/* x86-64 with GCC: also compile the hot loops for AVX2 and AVX-512 and pick at load
+ * time (ifunc), so a portable build still uses the machine's vector width. */
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__) && defined(__linux__)
+#define MF_VEC_CLONES __attribute__((target_clones("avx512f", "avx2", "default")))
+#else
+#define MF_VEC_CLONES
+#endif
+
+/* The non-finite test is exponent == all ones, accumulated with OR of compare masks:
+ * SSE2 has 32-bit compare-equal but no unsigned max, so this is the form every x86-64
+ * vectorises. Returns nonzero if any element is NaN or +-Inf. */
+MF_VEC_CLONES static uint32_t unscale_f32(float *restrict p, int64_t n, float inv, int write) {
+  uint32_t bad = 0;
   if (write) {
     for (int64_t i = 0; i < n; i++) {
       uint32_t b;
       memcpy(&b, &p[i], sizeof b);
-      uint32_t e = b & 0x7f800000u;
-      m = e > m ? e : m;
+      bad |= -(uint32_t)((b & 0x7f800000u) == 0x7f800000u);
       p[i] = p[i] * inv;
     }
   } else {
     for (int64_t i = 0; i < n; i++) {
       uint32_t b;
       memcpy(&b, &p[i], sizeof b);
-      uint32_t e = b & 0x7f800000u;
-      m = e > m ? e : m;
+      bad |= -(uint32_t)((b & 0x7f800000u) == 0x7f800000u);
     }
   }
-  return m == 0x7f800000u;
+  return bad;
 }
 
-static uint32_t unscale_bf16(uint16_t *restrict p, int64_t n, float inv, int write) {
-  uint32_t m = 0;
-  for (int64_t i = 0; i < n; i++) {
-    uint32_t e = p[i] & 0x7f80u;
-    m = e > m ? e : m;
-  }
+MF_VEC_CLONES static uint32_t unscale_bf16(uint16_t *restrict p, int64_t n, float inv, int write) {
+  uint16_t bad = 0;
+  for (int64_t i = 0; i < n; i++) bad |= (uint16_t)-(uint16_t)((p[i] & 0x7f80u) == 0x7f80u);
   if (write)
     for (int64_t i = 0; i < n; i++) p[i] = mf_f32_to_bf16(mf_bf16_to_f32(p[i]) * inv);
-  return m == 0x7f80u;
+  return bad;
 }
 
 static uint32_t unscale_f16(uint16_t *restrict p, int64_t n, float inv, int write) {
-  uint32_t m = 0;
-  for (int64_t i = 0; i < n; i++) {
-    uint32_t e = p[i] & 0x7c00u;
-    m = e > m ? e : m;
-  }
+  uint16_t bad = 0;
+  for (int64_t i = 0; i < n; i++) bad |= (uint16_t)-(uint16_t)((p[i] & 0x7c00u) == 0x7c00u);
   if (write)
     for (int64_t i = 0; i < n; i++) p[i] = mf_f32_to_f16(mf_f16_to_f32(p[i]) * inv);
-  return m == 0x7c00u;
+  return bad;
 }
 
 static mf_status unscale_cpu(mf_tensor *g, int64_t n, float inv, int write, int *bad_out) {
@@ -155,20 +160,20 @@ static mf_status unscale_cpu(mf_tensor *g, int64_t n, float inv, int write, int 
   if (st) return st;
   int64_t elems = 0;
   for (int64_t i = 0; i < n; i++) elems += g[i].numel;
-  int bad = 0;
+  uint32_t bad = 0;
 #pragma omp parallel for schedule(static) reduction(| : bad) num_threads(threads_for(elems))
   for (int64_t c = 0; c < ct.total; c++) {
     int64_t ti, first, len;
     chunk_locate(&ct, n, c, g, &ti, &first, &len);
     switch (g[ti].dtype) {
-      case MF_FLOAT32: bad |= (int)unscale_f32((float *)g[ti].data + first, len, inv, write); break;
-      case MF_BFLOAT16: bad |= (int)unscale_bf16((uint16_t *)g[ti].data + first, len, inv, write); break;
-      case MF_FLOAT16: bad |= (int)unscale_f16((uint16_t *)g[ti].data + first, len, inv, write); break;
+      case MF_FLOAT32: bad |= unscale_f32((float *)g[ti].data + first, len, inv, write); break;
+      case MF_BFLOAT16: bad |= unscale_bf16((uint16_t *)g[ti].data + first, len, inv, write); break;
+      case MF_FLOAT16: bad |= unscale_f16((uint16_t *)g[ti].data + first, len, inv, write); break;
       default: break; /* rejected by check_tensors */
     }
   }
   free(ct.starts);
-  *bad_out = bad;
+  *bad_out = bad != 0;
   return MF_OK;
 }
 
@@ -203,7 +208,7 @@ enum { NORM_L2 = 0, NORM_L1 = 1, NORM_INF = 2, NORM_P = 3 };
 
 /* Partial of one run of floats: sum x^2, sum |x|, sum |x|^p, or max |x| (as a double;
  * NaN propagates). 16 float lanes per 256 elements, then double. */
-static double partial_f32(const float *restrict x, int64_t n, int kind, double p) {
+MF_VEC_CLONES static double partial_f32(const float *restrict x, int64_t n, int kind, double p) {
   if (kind == NORM_INF) {
     uint32_t m = 0; /* max of |x| bits: same order as the floats, NaN sorts above inf */
     for (int64_t i = 0; i < n; i++) {

@@ -20,6 +20,7 @@
 /* ---- torch fast path ------------------------------------------------------------------ */
 
 static PyObject *torch_tensor_type, *torch_f32, *torch_f16, *torch_bf16, *torch_strided;
+static int intern_names(void);
 
 static PyObject *py_register_torch(PyObject *self, PyObject *args) {
   (void)self;
@@ -31,19 +32,33 @@ static PyObject *py_register_torch(PyObject *self, PyObject *args) {
   Py_XSETREF(torch_f16, Py_NewRef(f16));
   Py_XSETREF(torch_bf16, Py_NewRef(bf16));
   Py_XSETREF(torch_strided, Py_NewRef(strided));
+  if (intern_names()) return NULL;
   Py_RETURN_NONE;
 }
 
-/* Calls obj.<name>() (or reads obj.<name> when call == 0). New reference or NULL. */
-static PyObject *attr(PyObject *obj, const char *name, int call) {
-  PyObject *a = PyObject_GetAttrString(obj, name);
-  if (!a || !call) return a;
-  PyObject *r = PyObject_CallNoArgs(a);
-  Py_DECREF(a);
-  return r;
+/* Interned attribute names (created once by register_torch). */
+static PyObject *s_dtype, *s_layout, *s_is_cuda, *s_is_cpu, *s_get_device, *s_is_contiguous,
+    *s_numel, *s_data_ptr;
+
+static int intern_names(void) {
+  struct { PyObject **slot; const char *name; } names[] = {
+      {&s_dtype, "dtype"}, {&s_layout, "layout"}, {&s_is_cuda, "is_cuda"},
+      {&s_is_cpu, "is_cpu"}, {&s_get_device, "get_device"},
+      {&s_is_contiguous, "is_contiguous"}, {&s_numel, "numel"}, {&s_data_ptr, "data_ptr"}};
+  for (size_t i = 0; i < sizeof names / sizeof names[0]; i++) {
+    if (*names[i].slot) continue;
+    *names[i].slot = PyUnicode_InternFromString(names[i].name);
+    if (!*names[i].slot) return -1;
+  }
+  return 0;
 }
 
-static int truthy(PyObject *obj, const char *name, int call) {
+/* obj.<name>() when call, else obj.<name>: new reference or NULL. */
+static PyObject *attr(PyObject *obj, PyObject *name, int call) {
+  return call ? PyObject_CallMethodNoArgs(obj, name) : PyObject_GetAttr(obj, name);
+}
+
+static int truthy(PyObject *obj, PyObject *name, int call) {
   PyObject *r = attr(obj, name, call);
   if (!r) return -1;
   int v = PyObject_IsTrue(r);
@@ -51,7 +66,7 @@ static int truthy(PyObject *obj, const char *name, int call) {
   return v;
 }
 
-static int64_t int_of(PyObject *obj, const char *name) {
+static int64_t int_of(PyObject *obj, PyObject *name) {
   PyObject *r = attr(obj, name, 1);
   if (!r) return -1;
   long long v = PyLong_AsLongLong(r);
@@ -60,59 +75,88 @@ static int64_t int_of(PyObject *obj, const char *name) {
 }
 
 /* Fills t from a torch tensor. Returns 0, 1 (not handled here: use the generic path)
- * or -1 with an exception set. */
-static int torch_view(PyObject *obj, const char *name, mf_tensor *t) {
+ * or -1 with an exception set. Six attribute reads/calls for a CPU tensor. */
+static int torch_view(PyObject *obj, const char *base, Py_ssize_t index, mf_tensor *t) {
   if (!torch_tensor_type || !PyObject_TypeCheck(obj, (PyTypeObject *)torch_tensor_type)) return 1;
-  PyObject *layout = attr(obj, "layout", 0);
-  if (!layout) return -1;
-  Py_DECREF(layout); /* the registered object stays alive, so identity is safe */
-  if (layout != torch_strided) {
-    PyErr_Format(mf_py_ValueError, "%s: sparse or other non-strided tensors are not supported "
-                 "(pass the values of a sparse gradient)", name);
-    return -1;
-  }
-  PyObject *dtype = attr(obj, "dtype", 0);
+  /* the argument's name ("grads[3]"), formatted only when an error needs it */
+  char name[96];
+#define NAME() (index < 0 ? base : (snprintf(name, sizeof name, "%s[%zd]", base, index), name))
+  PyObject *dtype = attr(obj, s_dtype, 0);
   if (!dtype) return -1;
-  Py_DECREF(dtype);
+  Py_DECREF(dtype); /* the registered dtypes stay alive, so identity is safe */
   if (dtype == torch_f32) t->dtype = MF_FLOAT32;
   else if (dtype == torch_f16) t->dtype = MF_FLOAT16;
   else if (dtype == torch_bf16) t->dtype = MF_BFLOAT16;
   else {
-    PyObject *s = PyObject_Str(dtype);
+    PyObject *str = PyObject_Str(dtype);
     PyErr_Format(mf_py_TypeError, "%s: unsupported dtype %s; expected float32, float16 or "
-                 "bfloat16", name, s ? PyUnicode_AsUTF8(s) : "?");
-    Py_XDECREF(s);
+                 "bfloat16", NAME(), str ? PyUnicode_AsUTF8(str) : "?");
+    Py_XDECREF(str);
     return -1;
   }
-  int is_cuda = truthy(obj, "is_cuda", 0);
+  int is_cuda = truthy(obj, s_is_cuda, 0);
   if (is_cuda < 0) return -1;
   if (is_cuda) {
-    int64_t dev = int_of(obj, "get_device");
+    int64_t dev = int_of(obj, s_get_device);
     if (dev == -1 && PyErr_Occurred()) return -1;
     t->device = MF_CUDA;
     t->device_id = (int)dev;
   } else {
-    int is_cpu = truthy(obj, "is_cpu", 0);
+    int is_cpu = truthy(obj, s_is_cpu, 0);
     if (is_cpu < 0) return -1;
     if (!is_cpu) return 1; /* meta, mps, xpu...: the DLPack path names the device */
     t->device = MF_CPU;
     t->device_id = 0;
   }
-  int contig = truthy(obj, "is_contiguous", 1);
-  if (contig < 0) return -1;
+  int contig = truthy(obj, s_is_contiguous, 1);
+  if (contig <= 0) {
+    /* sparse and other non-strided layouts are "not contiguous" (or raise): say what
+     * they are instead */
+    PyObject *type, *value, *tb;
+    PyErr_Fetch(&type, &value, &tb);
+    PyObject *layout = attr(obj, s_layout, 0);
+    int strided = !layout || layout == torch_strided;
+    Py_XDECREF(layout);
+    PyErr_Clear();
+    if (!strided) {
+      Py_XDECREF(type);
+      Py_XDECREF(value);
+      Py_XDECREF(tb);
+      PyErr_Format(mf_py_ValueError, "%s: sparse or other non-strided tensors are not "
+                   "supported (pass the values of a sparse gradient)", NAME());
+      return -1;
+    }
+    PyErr_Restore(type, value, tb);
+    if (contig < 0) return -1;
+  }
   if (!contig) {
     PyErr_Format(mf_py_ValueError, "%s: must be contiguous (row-major); call .contiguous() first",
-                 name);
+                 NAME());
     return -1;
   }
-  t->numel = int_of(obj, "numel");
+  t->numel = int_of(obj, s_numel);
   if (t->numel == -1 && PyErr_Occurred()) return -1;
-  PyObject *ptr = attr(obj, "data_ptr", 1);
+  PyObject *ptr = attr(obj, s_data_ptr, 1);
   if (!ptr) return -1;
   t->data = PyLong_AsVoidPtr(ptr);
   Py_DECREF(ptr);
   if (!t->data && PyErr_Occurred()) return -1;
+  if (!t->data && t->numel > 0) {
+    PyErr_Format(mf_py_ValueError, "%s: tensor has no data", NAME());
+    return -1;
+  }
   return 0;
+#undef NAME
+}
+
+/* One array: the torch fast path, else the generic view. Release with
+ * mf_py_view_release() either way (a fast-path view owns nothing). */
+static int view_get(PyObject *obj, const char *name, int writable, uintptr_t stream,
+                    mf_py_view *v) {
+  memset(v, 0, sizeof *v);
+  int rc = torch_view(obj, name, -1, &v->t);
+  if (rc == 1) return mf_py_view_get(obj, name, writable, stream, v);
+  return rc;
 }
 
 /* ---- lists of arrays ------------------------------------------------------------------- */
@@ -155,10 +199,10 @@ static int view_list_get(PyObject *obj, const char *name, int writable, uintptr_
   }
   PyObject **items = PySequence_Fast_ITEMS(l->seq);
   for (Py_ssize_t i = 0; i < l->n; i++) {
-    char item[64];
-    snprintf(item, sizeof item, "%s[%zd]", name, i);
-    int rc = torch_view(items[i], item, &l->t[i]);
+    int rc = torch_view(items[i], name, i, &l->t[i]);
     if (rc == 1) {
+      char item[96];
+      snprintf(item, sizeof item, "%s[%zd]", name, i);
       rc = mf_py_view_get(items[i], item, writable, stream, &l->generic[i]);
       if (rc == 0) l->t[i] = l->generic[i].t;
     }
@@ -194,7 +238,7 @@ static PyObject *py_scaler_state_init(PyObject *self, PyObject *args) {
   long long tracker;
   if (!PyArg_ParseTuple(args, "OdL", &ostate, &init_scale, &tracker)) return NULL;
   mf_py_view v;
-  if (mf_py_view_get(ostate, "state", 1, 0, &v)) return NULL;
+  if (view_get(ostate, "state", 1, 0, &v)) return NULL;
   mf_status st;
   if (v.t.device != MF_CPU || v.t.dtype != MF_FLOAT32)
     st = mf_error(MF_ERR_TYPE, "state: expected a float32 CPU array");
@@ -250,11 +294,11 @@ static PyObject *py_scaler_update(PyObject *self, PyObject *args) {
   mf_py_view state, loss;
   view_list flags;
   int have = 0, has_loss = oloss != Py_None;
-  if (mf_py_view_get(ostate, "state", 1, (uintptr_t)stream, &state)) goto finish;
+  if (view_get(ostate, "state", 1, (uintptr_t)stream, &state)) goto finish;
   have = 1;
   if (view_list_get(oflags, "found_inf", 0, (uintptr_t)stream, &flags)) goto finish;
   have = 2;
-  if (has_loss && mf_py_view_get(oloss, "loss_flag", 0, (uintptr_t)stream, &loss)) goto finish;
+  if (has_loss && view_get(oloss, "loss_flag", 0, (uintptr_t)stream, &loss)) goto finish;
   have = 3;
   mf_status st;
   Py_BEGIN_ALLOW_THREADS
@@ -300,9 +344,9 @@ static PyObject *py_unscale_grads(PyObject *self, PyObject *args) {
   int have = 0, has_scale = oscale != Py_None;
   if (view_list_get(ograds, "grads", 1, (uintptr_t)stream, &grads)) goto finish;
   have = 1;
-  if (mf_py_view_get(ofound, "found_inf", 1, (uintptr_t)stream, &found)) goto finish;
+  if (view_get(ofound, "found_inf", 1, (uintptr_t)stream, &found)) goto finish;
   have = 2;
-  if (has_scale && mf_py_view_get(oscale, "scale", 0, (uintptr_t)stream, &scale)) goto finish;
+  if (has_scale && view_get(oscale, "scale", 0, (uintptr_t)stream, &scale)) goto finish;
   have = 3;
   mf_status st;
   Py_BEGIN_ALLOW_THREADS
@@ -334,9 +378,9 @@ static PyObject *py_grad_norm(PyObject *self, PyObject *args) {
   int have = 0, has_ws = ows != Py_None;
   if (view_list_get(ograds, "grads", 0, (uintptr_t)stream, &grads)) goto finish;
   have = 1;
-  if (mf_py_view_get(oout, "out", 1, (uintptr_t)stream, &out)) goto finish;
+  if (view_get(oout, "out", 1, (uintptr_t)stream, &out)) goto finish;
   have = 2;
-  if (has_ws && mf_py_view_get(ows, "workspace", 1, (uintptr_t)stream, &ws)) goto finish;
+  if (has_ws && view_get(ows, "workspace", 1, (uintptr_t)stream, &ws)) goto finish;
   have = 3;
   mf_tensor none = {0};
   mf_status st;
@@ -369,7 +413,7 @@ static PyObject *py_clip_grads(PyObject *self, PyObject *args) {
   int have = 0;
   if (view_list_get(ograds, "grads", 1, (uintptr_t)stream, &grads)) goto finish;
   have = 1;
-  if (mf_py_view_get(onorm, "norm", 0, (uintptr_t)stream, &norm)) goto finish;
+  if (view_get(onorm, "norm", 0, (uintptr_t)stream, &norm)) goto finish;
   have = 2;
   mf_status st;
   Py_BEGIN_ALLOW_THREADS

@@ -65,6 +65,7 @@ __all__ = [
 _LAYOUT = _C.scaler_layout()
 _WORDS = _LAYOUT["words"]
 _HEAD = _LAYOUT["history"]  # the counters live in the first _HEAD words
+_ONE_BITS = 0x3F800000  # 1.0f
 
 # The core reads torch tensors' pointers directly (no DLPack round trip per gradient).
 _C.register_torch(torch.Tensor, torch.float32, torch.float16, torch.bfloat16, torch.strided)
@@ -119,7 +120,9 @@ def _flat_view(g: torch.Tensor):
 
 def _prepare(grads: list, write: bool):
     """Views the kernels can take, plus (original, copy) pairs to write back for
-    gradients with gaps."""
+    gradients with gaps. The common case (all contiguous) returns the list as is."""
+    if all(g.is_contiguous() for g in grads):
+        return grads, ()
     views, fixups = [], []
     for g in grads:
         v = _flat_view(g)
@@ -216,6 +219,7 @@ class GradScaler:
         self._nonfinite_loss = nonfinite_loss
         self._warn_after_skips = warn_after_skips
         self._state: torch.Tensor | None = None
+        self._scale_view: torch.Tensor | None = None
         self._loss_flag: torch.Tensor | None = None
         self._pending = None
         self._saved_words = None
@@ -290,7 +294,11 @@ class GradScaler:
     @property
     def _scale(self) -> torch.Tensor | None:
         """The scale as a 0-d float32 view of the state block (torch's ``_scale``)."""
-        return None if self._state is None else self._state[0]
+        if self._state is None:
+            return None
+        if self._scale_view is None:
+            self._scale_view = self._state[0]
+        return self._scale_view
 
     @property
     def _growth_tracker(self) -> torch.Tensor | None:
@@ -307,6 +315,7 @@ class GradScaler:
             self._saved_words = None
         state = torch.from_numpy(words)
         self._state = state if dev.type == "cpu" else state.to(dev)
+        self._scale_view = None
 
     def _check_scale_growth_tracker(self, funcname: str) -> torch.Tensor:
         if self._state is None:
@@ -387,31 +396,40 @@ class GradScaler:
     def _unscale_grads_(self, optimizer, scale, found_inf_template, allow_fp16: bool) -> dict:
         """Unscales (scale is a tensor) or only checks (scale None) the optimizer's
         gradients, one fused C call per device. Returns {device: found_inf}."""
-        per_device: dict = defaultdict(list)
+        per_device: dict = {}
+        others = False
+        fp16 = torch.float16
         with torch.no_grad():
             for group in optimizer.param_groups:
                 for param in group["params"]:
                     if not isinstance(param, torch.Tensor):
                         raise AssertionError(
                             f"expected param to be torch.Tensor, got {type(param).__name__}")
-                    if param.grad is None:
+                    g = param.grad
+                    if g is None:
                         continue
-                    if not allow_fp16 and param.grad.dtype == torch.float16:
+                    dt = g.dtype
+                    if dt is fp16 and not allow_fp16:
                         raise ValueError("Attempting to unscale FP16 gradients.")
-                    if param.grad.is_sparse:
-                        if param.grad.dtype is torch.float16:
-                            param.grad = param.grad.coalesce()
-                        g = param.grad._values()
-                    else:
-                        g = param.grad
-                    per_device[g.device].append(g)
+                    if g.is_sparse:
+                        if dt is fp16:
+                            param.grad = g = g.coalesce()
+                        g = g._values()
+                    others = others or dt not in _FUSED_DTYPES
+                    key = g.device
+                    lst = per_device.get(key)
+                    if lst is None:
+                        per_device[key] = lst = []
+                    lst.append(g)
             scale_r = None if scale is None else _Replicator(scale)
             found: dict = {}
             for device, grads in per_device.items():
                 fi = torch.zeros((), dtype=torch.float32, device=device)
-                fused = [g for g in grads if g.dtype in _FUSED_DTYPES]
-                other = [g for g in grads if g.dtype not in _FUSED_DTYPES]
-                views, fixups = _prepare(fused, write=scale is not None)
+                other = []
+                if others:
+                    other = [g for g in grads if g.dtype not in _FUSED_DTYPES]
+                    grads = [g for g in grads if g.dtype in _FUSED_DTYPES]
+                views, fixups = _prepare(grads, write=scale is not None)
                 s = None if scale_r is None else scale_r.get(device)
                 _C.unscale_grads(views, s, fi, _stream(device))
                 for g, c in fixups:
@@ -432,7 +450,7 @@ class GradScaler:
         state = self._check_scale_growth_tracker("unscale_")
         opt_state = self._per_optimizer_states[id(optimizer)]
         nxt = _C.scaler_stage_next(opt_state["stage"].value, _EVENT_UNSCALE)
-        opt_state["found_inf_per_device"] = self._unscale_grads_(optimizer, state[0], None, False)
+        opt_state["found_inf_per_device"] = self._unscale_grads_(optimizer, self._scale, None, False)
         opt_state["stage"] = OptState(nxt)
 
     def _check_inf_per_device(self, optimizer) -> dict:
@@ -566,9 +584,11 @@ class GradScaler:
 
     def _inspect(self, w: np.ndarray) -> None:
         L, seen = _LAYOUT, self._seen
+        consec, loss_bad = int(w[L["consec_inf"]]), int(w[L["loss_nonfinite"]])
+        if consec == 0 and loss_bad == seen["loss"] and (seen["below_one"] or w[0] >= _ONE_BITS):
+            return  # a clean step: nothing to say (positive floats order like their bits)
         scale = float(w[L["scale"]:L["scale"] + 1].view(np.float32)[0])
-        consec, updates = int(w[L["consec_inf"]]), int(w[L["updates"]])
-        loss_bad = int(w[L["loss_nonfinite"]])
+        updates = int(w[L["updates"]])
         if loss_bad > seen["loss"]:
             first, seen["loss"] = seen["loss"], loss_bad
             # say it the first time and then each time the count doubles
@@ -701,6 +721,7 @@ class GradScaler:
             if self._state is not None:
                 state["_saved_words"] = self._state.detach().cpu().numpy().copy()
         state["_state"] = None
+        state["_scale_view"] = None
         state["_loss_flag"] = None
         state["_pending"] = None
         state["_per_optimizer_states"] = None
