@@ -59,12 +59,14 @@ static mf_status check_scalar(const mf_tensor *s, const char *name, const mf_ten
   return MF_OK;
 }
 
+#ifndef MEMFIT_WITH_CUDA
 static mf_status no_cuda(const char *what) {
   return mf_error(MF_ERR_NO_CUDA,
                   "%s: got CUDA arrays, but this memfit was built without CUDA support "
                   "(rebuild where nvcc is installed, or with -C cmake.define.MEMFIT_CUDA=ON)",
                   what);
 }
+#endif
 
 /* Chunk c of the concatenation -> (tensor, first element, length). `starts` holds
  * each tensor's first chunk (n + 1 entries). */

@@ -257,7 +257,7 @@ class GradScaler:
 
     def set_growth_factor(self, new_factor: float) -> None:
         """Sets the growth factor (> 1; checked now, not at the next update)."""
-        old, self._growth_factor = self._growth_factor, _as_float(new_factor, "new_factor")
+        old, self._growth_factor = getattr(self, "_growth_factor", None), _as_float(new_factor, "new_factor")
         self._revert_on_error("_growth_factor", old)
 
     def get_backoff_factor(self) -> float:
@@ -266,7 +266,7 @@ class GradScaler:
 
     def set_backoff_factor(self, new_factor: float) -> None:
         """Sets the backoff factor (in (0, 1))."""
-        old, self._backoff_factor = self._backoff_factor, _as_float(new_factor, "new_factor")
+        old, self._backoff_factor = getattr(self, "_backoff_factor", None), _as_float(new_factor, "new_factor")
         self._revert_on_error("_backoff_factor", old)
 
     def get_growth_interval(self) -> int:
@@ -275,10 +275,12 @@ class GradScaler:
 
     def set_growth_interval(self, new_interval: int) -> None:
         """Sets the growth interval (>= 1)."""
-        old, self._growth_interval = self._growth_interval, _as_int(new_interval, "new_interval")
+        old, self._growth_interval = getattr(self, "_growth_interval", None), _as_int(new_interval, "new_interval")
         self._revert_on_error("_growth_interval", old)
 
     def _revert_on_error(self, attr: str, old) -> None:
+        if not self._enabled:  # torch's disabled scaler takes any value
+            return
         try:
             self._check_config()
         except ScalerConfigError:
