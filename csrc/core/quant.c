@@ -3,11 +3,14 @@
  *
  * The CPU path runs one OpenMP iteration per block. Half-precision input is widened
  * into a per-thread float buffer first so the absmax pass and the code search run on
- * plain floats. Element math: quant.h (shared with cuda/quant.cu).
+ * plain floats. Element math: quant.h (shared with cuda/quant.cu). Nearest rounding
+ * of large arrays goes through the exact lookup table of quant_lut.c (same codes as
+ * the binary search, several times faster).
  */
 #include <stdlib.h>
 
 #include "memfit/quant.h"
+#include "quant_lut.h"
 #ifdef MEMFIT_WITH_CUDA
 #include "memfit/cuda_launch.h"
 #endif
@@ -61,24 +64,54 @@ static mf_status check_code_sorted(const float *code) {
   return MF_OK;
 }
 
-static void quantize_block_cpu(const float *x, int64_t n, int64_t first, const float *code,
-                               uint8_t *out, float *absmax, mf_rounding rounding,
-                               uint64_t seed) {
+/* Same value as folding mf_absmax_step over the block (NaN when any element is
+ * non-finite), written so the compiler can vectorise it. */
+static float block_absmax_cpu(const float *x, int64_t n) {
   float m = 0.0f;
-  for (int64_t i = 0; i < n; i++) m = mf_absmax_step(m, x[i]);
+  int bad = 0;
+  for (int64_t i = 0; i < n; i++) {
+    float a = fabsf(x[i]);
+    bad |= !(a <= 3.402823466e38f);
+    m = a > m ? a : m;
+  }
+  return bad ? mf_quiet_nan() : m;
+}
+
+static void quantize_block_cpu(const float *x, int64_t n, int64_t first, const float *code,
+                               const uint16_t *lut, uint8_t *out, float *absmax,
+                               mf_rounding rounding, uint64_t seed) {
+  float m = block_absmax_cpu(x, n);
   *absmax = m;
   float inv = mf_absmax_inverse(m);
   if (rounding == MF_ROUND_STOCHASTIC) {
     for (int64_t i = 0; i < n; i++)
       out[i] = mf_quantize_stochastic(code, x[i] * inv, mf_uniform(seed, (uint64_t)(first + i)));
+  } else if (lut) {
+    for (int64_t i = 0; i < n; i++) out[i] = mf_quantize_nearest_lut(lut, code, x[i] * inv);
   } else {
     for (int64_t i = 0; i < n; i++) out[i] = mf_quantize_nearest(code, x[i] * inv);
   }
 }
 
+/* Half-precision input widened block by block; one loop per dtype so the compiler can
+ * vectorise the bfloat16 case. */
+static void widen_to_f32(const void *src, int64_t first, int64_t n, mf_dtype dt, float *dst) {
+  const uint16_t *p = (const uint16_t *)src + first;
+  if (dt == MF_BFLOAT16) {
+    for (int64_t i = 0; i < n; i++) dst[i] = mf_bf16_to_f32(p[i]);
+  } else {
+    for (int64_t i = 0; i < n; i++) dst[i] = mf_f16_to_f32(p[i]);
+  }
+}
+
+/* Below this many elements building (or looking up) the table is not worth it. */
+#define MF_LUT_MIN_NUMEL 32768
+
 static mf_status quantize_cpu(const mf_tensor *x, const float *code, uint8_t *codes,
                               float *absmax, int64_t bs, mf_rounding rounding, uint64_t seed) {
   const int64_t numel = x->numel, nblocks = mf_quant_num_blocks(numel, bs);
+  const uint16_t *lut =
+      rounding == MF_ROUND_NEAREST && numel >= MF_LUT_MIN_NUMEL ? mf_quant_lut_get(code) : NULL;
   int failed = 0;
 #pragma omp parallel num_threads(mf_get_num_threads()) if (nblocks > 4)
   {
@@ -99,10 +132,10 @@ static mf_status quantize_cpu(const mf_tensor *x, const float *code, uint8_t *co
       if (x->dtype == MF_FLOAT32) {
         src = (const float *)x->data + first;
       } else {
-        for (int64_t i = 0; i < n; i++) buf[i] = mf_load_f32(x->data, first + i, x->dtype);
+        widen_to_f32(x->data, first, n, x->dtype, buf);
         src = buf;
       }
-      quantize_block_cpu(src, n, first, code, codes + first, absmax + b, rounding, seed);
+      quantize_block_cpu(src, n, first, code, lut, codes + first, absmax + b, rounding, seed);
     }
     free(buf);
   }
@@ -157,8 +190,12 @@ mf_status mf_dequantize_blockwise(const mf_tensor *codes, const mf_tensor *absma
     if (dt == MF_FLOAT32) {
       float *o = (float *)dst;
       for (int64_t i = first; i < end; i++) o[i] = mf_dequantize_one(cd, c[i], a);
+    } else if (dt == MF_BFLOAT16) {
+      uint16_t *o = (uint16_t *)dst;
+      for (int64_t i = first; i < end; i++) o[i] = mf_f32_to_bf16(mf_dequantize_one(cd, c[i], a));
     } else {
-      for (int64_t i = first; i < end; i++) mf_store_f32(dst, i, dt, mf_dequantize_one(cd, c[i], a));
+      uint16_t *o = (uint16_t *)dst;
+      for (int64_t i = first; i < end; i++) o[i] = mf_f32_to_f16(mf_dequantize_one(cd, c[i], a));
     }
   }
   return MF_OK;

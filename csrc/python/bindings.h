@@ -40,6 +40,8 @@ int mf_py_view_get(PyObject *obj, const char *name, int writable, uintptr_t stre
 void mf_py_view_release(mf_py_view *v);
 
 extern PyMethodDef mf_quant_methods[];
+extern PyMethodDef mf_cast_methods[];
+extern PyMethodDef mf_gemm_methods[];
 extern PyMethodDef mf_amp_methods[];
 
 #endif /* MEMFIT_BINDINGS_H */

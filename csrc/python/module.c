@@ -96,6 +96,8 @@ static PyMethodDef core_methods[] = {
 static PyMethodDef *method_tables[] = {
     core_methods,
     mf_quant_methods,
+    mf_cast_methods,
+    mf_gemm_methods,
     mf_amp_methods,
 };
 

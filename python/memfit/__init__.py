@@ -22,6 +22,7 @@ __all__ = [
     "MemfitValueError",
     "amp",
     "build_info",
+    "cast",
     "cuda_device_count",
     "get_num_threads",
     "quant",
@@ -60,9 +61,17 @@ def get_num_threads() -> int:
     return _C.get_num_threads()
 
 
+def cast(x, dtype, rounding="nearest", seed=None, out=None):
+    """Cast between float32/float16/bfloat16 with nearest-even or stochastic
+    rounding; see :func:`memfit._cast.cast`."""
+    from memfit._cast import cast as _cast
+
+    return _cast(x, dtype, rounding=rounding, seed=seed, out=out)
+
+
 def __getattr__(name):
     # Submodules load on first use so `import memfit` stays cheap.
-    if name in ("quant", "cli", "doctor", "amp"):
+    if name in ("quant", "cli", "doctor", "nn", "amp"):
         import importlib
 
         return importlib.import_module(f"memfit.{name}")

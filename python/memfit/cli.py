@@ -12,7 +12,73 @@ def build_parser() -> argparse.ArgumentParser:
     sub.required = True
     d = sub.add_parser("doctor", help="show what memfit was built with and what it sees at run time")
     d.add_argument("--json", action="store_true", help="print JSON instead of text")
+    e = sub.add_parser("estimate", help="estimate training memory and whether it fits a GPU")
+    e.add_argument("model", help="a preset (gpt2, gpt2-medium, gpt2-xl, roberta-base, llama-1b, ...) "
+                                 "or a path to a Hugging Face config.json")
+    e.add_argument("--batch", type=int, default=8)
+    e.add_argument("--seq", type=int, default=1024)
+    e.add_argument("--precision", default=None, choices=["fp32", "fp16", "bf16", "bf16-pure"],
+                   help="for the single-setting line (default: the comparison table only)")
+    e.add_argument("--optimizer", default="adamw")
+    e.add_argument("--checkpoint", default="none", choices=["none", "every", "sqrt"])
+    e.add_argument("--micro-batch", type=int, default=None)
+    e.add_argument("--attention", default="sdpa", choices=["sdpa", "eager"])
+    e.add_argument("--gpu", default=None, help="t4, l4, a10, v100, a100-40, a100-80, h100, h200 or a size like 24GB")
+    e.add_argument("--cpu", action="store_true", help="training on the CPU (no CUDA context)")
+    e.add_argument("--json", action="store_true", help="print JSON instead of tables")
     return p
+
+
+def _estimate(args) -> int:
+    import json
+
+    from memfit import memory as M
+
+    try:
+        spec = M.resolve_model(args.model)
+        base = M.Setup(batch=args.batch, seq=args.seq, precision=args.precision or "fp32",
+                       optimizer=args.optimizer, checkpoint=args.checkpoint, micro_batch=args.micro_batch,
+                       attention=args.attention, gpu=not args.cpu)
+        M.validate(base)
+        bf16 = M.parse_gpu(args.gpu)[1] if args.gpu else True
+        rows = M.comparison(spec, base, bf16_native=bf16)
+        single = M.estimate(spec, base) if args.precision else None
+        rec = M.recommend(spec, base, args.gpu) if args.gpu else None
+    except ValueError as err:
+        print(f"memfit estimate: error: {err}", file=sys.stderr)
+        return 2
+    capacity = M.parse_gpu(args.gpu)[0] if args.gpu else None
+    if args.json:
+        out = {"model": spec.name, "params": spec.n_params(),
+               "rows": [dict(label=label, **est.as_dict()) for label, est in rows]}
+        if single:
+            out["setting"] = single.as_dict()
+        if args.gpu:
+            out["gpu"] = {"name": args.gpu, "bytes": capacity}
+            out["recommendation"] = None if rec is None else {
+                "setup": M.asdict(rec[0]), "total": rec[1].total, "expected_slowdown": rec[2]}
+        print(json.dumps(out, indent=2, default=str))
+        return 0
+    g = M.fmt_gb
+    print(f"{spec.name}: {spec.n_params() / 1e6:.1f}M parameters, batch {base.batch} x seq {base.seq}"
+          + (f", micro-batch {base.micro}" if base.micro != base.batch else ""))
+    print(f"{'memory in GiB':<44}| weights | grads | optimizer | activations | temporary | total"
+          + (" | fits" if capacity else ""))
+    listing = rows + ([("your setting", single)] if single else [])
+    for label, est in listing:
+        fits = (" | yes" if est.total <= capacity else " | no") if capacity else ""
+        print(f"{label:<44.44}| {g(est.weights):>7} | {g(est.gradients):>5} | {g(est.optimizer):>9} | "
+              f"{g(est.activations):>11} | {g(est.temporary):>9} | {g(est.total):>5}{fits}")
+    if args.gpu:
+        if rec is None:
+            print(f"\nNothing fits {args.gpu} ({g(capacity)} GiB) even with micro-batch 1, 4-bit states and "
+                  "full checkpointing: use a larger GPU or a smaller model/sequence.")
+        else:
+            s, est, slow = rec
+            print(f"\nFits {args.gpu} ({g(capacity)} GiB) with: precision {s.precision}, optimizer {s.optimizer}, "
+                  f"checkpoint {s.checkpoint}, micro-batch {s.micro} (x{base.batch // s.micro} accumulation) "
+                  f"-> {g(est.total)} GiB, expected slowdown about {slow:.0%}")
+    return 0
 
 
 def main(argv=None) -> int:
@@ -21,6 +87,8 @@ def main(argv=None) -> int:
         from memfit import doctor
 
         return doctor.main(as_json=args.json)
+    if args.command == "estimate":
+        return _estimate(args)
     return 2  # argparse rejects unknown commands before this
 
 

@@ -44,6 +44,9 @@ typedef enum {
 
 typedef enum { MF_CPU = 0, MF_CUDA = 1 } mf_device;
 
+/* How a value that falls between two representable ones is rounded. */
+typedef enum { MF_ROUND_NEAREST = 0, MF_ROUND_STOCHASTIC = 1 } mf_rounding;
+
 /* A view of contiguous memory owned by someone else (a torch tensor, a NumPy
  * array, ...). The core never allocates or frees what a view points to. */
 typedef struct {

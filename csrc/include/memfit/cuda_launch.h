@@ -9,6 +9,7 @@
 #define MEMFIT_CUDA_LAUNCH_H
 
 #include "memfit/common.h"
+#include "memfit/gemm.h"
 #include "memfit/quant.h"
 #include "memfit/scaler.h"
 
@@ -31,13 +32,24 @@ mf_status mf_cuda_dequantize_blockwise(const mf_tensor *codes, const mf_tensor *
                                        const mf_tensor *code, mf_tensor *out,
                                        int64_t block_size, void *stream);
 
+/* cuda/cast.cu */
+mf_status mf_cuda_cast(const mf_tensor *x, mf_tensor *out, int stochastic, uint64_t seed,
+                       void *stream);
+
+/* cuda/gemm.cu */
+mf_status mf_cuda_gemm(const mf_tensor *a, int trans_a, const mf_tensor *b, int trans_b,
+                       mf_tensor *c, int64_t m, int64_t n, int64_t k, const mf_tensor *bias,
+                       mf_activation act, mf_tensor *pre, void *stream);
+mf_status mf_cuda_act_backward(const mf_tensor *dy, const mf_tensor *pre, mf_tensor *dpre,
+                               mf_activation act, void *stream);
+
 /* cuda/scaler.cu */
 mf_status mf_cuda_scaler_update(mf_tensor *state, const mf_tensor *found_infs, int64_t n,
                                 const mf_tensor *loss_flag, const mf_scaler_config *cfg,
                                 void *stream);
 
-/* cuda/unscale.cu: multi-tensor kernels (one launch per MF_MT_MAX_TENSORS tensors or
- * MF_MT_MAX_BLOCKS chunks, whichever fills first) */
+/* cuda/unscale.cu: multi-tensor kernels (one launch covers up to 96 tensors or 320
+ * chunks of MF_MT_CHUNK elements, whichever fills first) */
 mf_status mf_cuda_unscale_grads(mf_tensor *grads, int64_t n, const mf_tensor *scale,
                                 mf_tensor *found_inf, void *stream);
 mf_status mf_cuda_grad_norm(const mf_tensor *grads, int64_t n, double norm_type,

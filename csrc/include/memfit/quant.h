@@ -30,8 +30,6 @@ extern "C" {
 #define MF_QUANT_MIN_BLOCK 64
 #define MF_QUANT_MAX_BLOCK 4096
 
-typedef enum { MF_ROUND_NEAREST = 0, MF_ROUND_STOCHASTIC = 1 } mf_rounding;
-
 /* ---- element math (host and device) -------------------------------------- */
 
 static inline MF_HD float mf_quiet_nan(void) { return mf_f32_from_bits(0x7fc00000u); }

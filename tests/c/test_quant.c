@@ -1,0 +1,261 @@
+/*
+ * C-level test of the quantization core, no Python: round trips against a float64
+ * reference, partial blocks, every dtype and block size, non-finite input, and the
+ * error paths (each must return a status with a message, never abort). Built by CMake
+ * (MEMFIT_BUILD_TESTS=ON) and run under AddressSanitizer + UBSan in CI.
+ */
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "memfit/numeric.h"
+#include "memfit/quant.h"
+#include "quant_lut.h" /* private to the core: the CPU lookup table */
+
+static int failures = 0;
+
+#define CHECK(cond, ...)                          \
+  do {                                            \
+    if (!(cond)) {                                \
+      fprintf(stderr, "FAIL %s:%d: ", __FILE__, __LINE__); \
+      fprintf(stderr, __VA_ARGS__);               \
+      fprintf(stderr, "\n");                      \
+      failures++;                                 \
+    }                                             \
+  } while (0)
+
+static uint64_t rng_state = 0x1234567887654321ull;
+static double uniform01(void) { /* xorshift64*, enough for test data */
+  rng_state ^= rng_state >> 12;
+  rng_state ^= rng_state << 25;
+  rng_state ^= rng_state >> 27;
+  return (double)((rng_state * 2685821657736338717ull) >> 11) * (1.0 / 9007199254740992.0);
+}
+static double normal01(void) {
+  double u1 = uniform01(), u2 = uniform01();
+  if (u1 < 1e-300) u1 = 1e-300;
+  return sqrt(-2.0 * log(u1)) * cos(6.283185307179586 * u2);
+}
+
+static mf_tensor view(void *data, int64_t numel, mf_dtype dt) {
+  mf_tensor t = {data, numel, dt, MF_CPU, 0};
+  return t;
+}
+
+/* Nearest code by exhaustive search in float64: the reference for the binary search. */
+static int nearest_ref(const float *code, float x) {
+  int best = 0;
+  double bd = fabs((double)x - code[0]);
+  for (int i = 1; i < MF_CODE_SIZE; i++) {
+    double d = fabs((double)x - code[i]);
+    if (d < bd) { bd = d; best = i; }
+  }
+  return best;
+}
+
+static void test_maps(void) {
+  float code[256];
+  CHECK(mf_dynamic_map(code, 256, 1, 8, 7) == MF_OK, "dynamic signed: %s", mf_last_error());
+  int pos = 0, neg = 0;
+  for (int i = 0; i < 256; i++) {
+    if (i) CHECK(code[i] >= code[i - 1], "dynamic map not sorted at %d", i);
+    pos += code[i] > 0;
+    neg += code[i] < 0;
+  }
+  CHECK(pos == 128 && neg == 127, "signed map: %d positive (127 + 1.0), %d negative", pos, neg);
+  CHECK(code[255] == 1.0f, "signed map must end at 1.0");
+  CHECK(mf_dynamic_map(code, 256, 0, 8, 7) == MF_OK, "dynamic unsigned");
+  CHECK(code[0] == 0.0f && code[1] > 0.0f && code[255] == 1.0f, "unsigned map range");
+  CHECK(mf_dynamic_map(code, 256, 1, 9, 7) == MF_ERR_VALUE, "total_bits 9 must fail");
+  CHECK(strstr(mf_last_error(), "total_bits") != NULL, "message names total_bits: %s", mf_last_error());
+  CHECK(mf_dynamic_map(code, 256, 1, 8, 8) == MF_ERR_VALUE, "max_exponent_bits 8 must fail");
+  CHECK(mf_dynamic_map(code, 100, 1, 8, 7) == MF_ERR_VALUE, "short out must fail");
+  CHECK(mf_linear_map(code, 256, 1, 8) == MF_OK, "linear map");
+  CHECK(code[0] == -1.0f && code[255] == 1.0f, "linear map ends");
+}
+
+static void test_search_matches_exhaustive(void) {
+  float code[256];
+  mf_dynamic_map(code, 256, 1, 8, 7);
+  for (int k = 0; k < 200000; k++) {
+    float x = (float)(2.0 * uniform01() - 1.0);
+    if (k % 4 == 0) x *= 1e-3f;
+    int got = mf_quantize_nearest(code, x), want = nearest_ref(code, x);
+    /* equal, or an exact tie in float64 distance */
+    if (got != want)
+      CHECK(fabs((double)x - code[got]) == fabs((double)x - code[want]),
+            "x=%.9g: search %d (%.9g), exhaustive %d (%.9g)", (double)x, got, (double)code[got],
+            want, (double)code[want]);
+  }
+}
+
+/* The lookup table must give exactly the binary search's answer: around every
+ * decision boundary (+-64 ulps of each code midpoint), at random, and at the
+ * special values. */
+static void test_lut_is_exact(int is_signed) {
+  float code[256];
+  mf_dynamic_map(code, 256, is_signed, 8, 7);
+  const uint16_t *lut = mf_quant_lut_get(code);
+  CHECK(lut != NULL, "lookup table");
+  if (!lut) return;
+  CHECK(mf_quant_lut_get(code) == lut, "the table is cached");
+  int64_t fallbacks = 0, buckets = 0;
+  for (int32_t i = 0; i < MF_LUT_SIZE; i++) {
+    buckets++;
+    fallbacks += lut[i] == MF_LUT_FALLBACK;
+  }
+  CHECK(fallbacks < buckets / 10, "too many fallback buckets: %lld of %lld", (long long)fallbacks,
+        (long long)buckets);
+  for (int k = 0; k + 1 < 256; k++) {
+    float mid = 0.5f * (code[k] + code[k + 1]);
+    uint32_t u = mf_f32_bits(mid);
+    for (int d = -64; d <= 64; d++) {
+      float x = mf_f32_from_bits(u + (uint32_t)d);
+      CHECK(mf_quantize_nearest_lut(lut, code, x) == mf_quantize_nearest(code, x),
+            "lut differs at %.9g", (double)x);
+    }
+  }
+  for (int k = 0; k < 1000000; k++) {
+    uint32_t u = (uint32_t)(uniform01() * 4294967296.0);
+    float x = mf_f32_from_bits(u);
+    if (!(fabsf(x) <= 1.5f)) x = (float)(2.0 * uniform01() - 1.0);
+    CHECK(mf_quantize_nearest_lut(lut, code, x) == mf_quantize_nearest(code, x),
+          "lut differs at %.9g", (double)x);
+  }
+  float specials[] = {0.0f, -0.0f, 1.0f, -1.0f, 1.0000001f, -1.0000001f, 2.0f, INFINITY, -INFINITY,
+                      NAN, 1e-40f, -1e-40f, 2.3283064e-10f};
+  for (size_t k = 0; k < sizeof specials / sizeof specials[0]; k++)
+    CHECK(mf_quantize_nearest_lut(lut, code, specials[k]) == mf_quantize_nearest(code, specials[k]),
+          "lut differs at special %g", (double)specials[k]);
+}
+
+static void test_round_trip(mf_dtype dt, int64_t bs, int64_t numel) {
+  float code[256];
+  mf_dynamic_map(code, 256, 1, 8, 7);
+  size_t es = mf_dtype_size(dt);
+  void *x = malloc((size_t)numel * es), *y = malloc((size_t)numel * es);
+  uint8_t *codes = malloc((size_t)numel);
+  int64_t nb = mf_quant_num_blocks(numel, bs);
+  float *absmax = malloc((size_t)nb * sizeof(float));
+  for (int64_t i = 0; i < numel; i++) mf_store_f32(x, i, dt, (float)normal01());
+  mf_tensor tx = view(x, numel, dt), tc = view(code, 256, MF_FLOAT32),
+            tq = view(codes, numel, MF_UINT8), ta = view(absmax, nb, MF_FLOAT32),
+            ty = view(y, numel, dt);
+  mf_status st = mf_quantize_blockwise(&tx, &tc, &tq, &ta, bs, MF_ROUND_NEAREST, 0, NULL);
+  CHECK(st == MF_OK, "quantize dt=%s bs=%lld: %s", mf_dtype_name(dt), (long long)bs, mf_last_error());
+  st = mf_dequantize_blockwise(&tq, &ta, &tc, &ty, bs, NULL);
+  CHECK(st == MF_OK, "dequantize: %s", mf_last_error());
+  double err = 0.0;
+  for (int64_t b = 0; b < nb; b++) {
+    double m = 0.0;
+    for (int64_t i = b * bs; i < numel && i < (b + 1) * bs; i++)
+      m = fmax(m, fabs(mf_load_f32(x, i, dt)));
+    CHECK((float)m == absmax[b], "absmax of block %lld: %g vs %g", (long long)b, m, (double)absmax[b]);
+  }
+  for (int64_t i = 0; i < numel; i++) {
+    double xv = mf_load_f32(x, i, dt), yv = mf_load_f32(y, i, dt);
+    err += fabs(xv - yv);
+    int64_t b = i / bs;
+    float xn = (float)mf_load_f32(x, i, dt) * mf_absmax_inverse(absmax[b]);
+    CHECK(codes[i] == mf_quantize_nearest(code, xn), "code of element %lld", (long long)i);
+  }
+  err /= (double)numel;
+  CHECK(err < 0.011, "mean abs error %g for dt=%s bs=%lld", err, mf_dtype_name(dt), (long long)bs);
+  free(x); free(y); free(codes); free(absmax);
+}
+
+static void test_non_finite(void) {
+  float code[256], x[300], y[300], absmax[3];
+  uint8_t codes[300];
+  mf_dynamic_map(code, 256, 1, 8, 7);
+  for (int i = 0; i < 300; i++) x[i] = (float)normal01();
+  x[5] = NAN;
+  x[150] = INFINITY;
+  mf_tensor tx = view(x, 300, MF_FLOAT32), tc = view(code, 256, MF_FLOAT32),
+            tq = view(codes, 300, MF_UINT8), ta = view(absmax, 3, MF_FLOAT32),
+            ty = view(y, 300, MF_FLOAT32);
+  CHECK(mf_quantize_blockwise(&tx, &tc, &tq, &ta, 128, MF_ROUND_NEAREST, 0, NULL) == MF_OK, "nan q");
+  CHECK(isnan(absmax[0]) && isnan(absmax[1]) && isfinite(absmax[2]), "non-finite blocks get NaN absmax");
+  CHECK(mf_dequantize_blockwise(&tq, &ta, &tc, &ty, 128, NULL) == MF_OK, "nan dq");
+  for (int i = 0; i < 256; i++) CHECK(isnan(y[i]), "element %d of a bad block must be NaN", i);
+  for (int i = 256; i < 300; i++) CHECK(isfinite(y[i]), "element %d of a good block must be finite", i);
+}
+
+static void test_errors(void) {
+  float code[256], x[256], absmax[4];
+  uint8_t codes[256];
+  mf_dynamic_map(code, 256, 1, 8, 7);
+  for (int i = 0; i < 256; i++) x[i] = (float)normal01();
+  mf_tensor tx = view(x, 256, MF_FLOAT32), tc = view(code, 256, MF_FLOAT32),
+            tq = view(codes, 256, MF_UINT8), ta = view(absmax, 4, MF_FLOAT32);
+  struct { int64_t bs; const char *needle; } cases[] = {{100, "block_size"}, {32, "block_size"}, {8192, "block_size"}};
+  for (size_t k = 0; k < sizeof cases / sizeof cases[0]; k++) {
+    CHECK(mf_quantize_blockwise(&tx, &tc, &tq, &ta, cases[k].bs, MF_ROUND_NEAREST, 0, NULL) == MF_ERR_VALUE,
+          "bs %lld must fail", (long long)cases[k].bs);
+    CHECK(strstr(mf_last_error(), cases[k].needle) != NULL, "message: %s", mf_last_error());
+  }
+  mf_tensor short_code = view(code, 100, MF_FLOAT32);
+  CHECK(mf_quantize_blockwise(&tx, &short_code, &tq, &ta, 64, MF_ROUND_NEAREST, 0, NULL) == MF_ERR_VALUE,
+        "short code must fail");
+  CHECK(strstr(mf_last_error(), "code") != NULL, "message names code: %s", mf_last_error());
+  mf_tensor bad_dtype = view(x, 256, MF_UINT8);
+  CHECK(mf_quantize_blockwise(&bad_dtype, &tc, &tq, &ta, 64, MF_ROUND_NEAREST, 0, NULL) == MF_ERR_TYPE,
+        "uint8 input must be a type error");
+  mf_tensor empty = view(x, 0, MF_FLOAT32), no_codes = view(codes, 0, MF_UINT8), no_absmax = view(absmax, 0, MF_FLOAT32);
+  CHECK(mf_quantize_blockwise(&empty, &tc, &no_codes, &no_absmax, 64, MF_ROUND_NEAREST, 0, NULL) == MF_ERR_VALUE,
+        "empty input must fail");
+  mf_tensor wrong_absmax = view(absmax, 3, MF_FLOAT32);
+  CHECK(mf_quantize_blockwise(&tx, &tc, &tq, &wrong_absmax, 64, MF_ROUND_NEAREST, 0, NULL) == MF_ERR_VALUE,
+        "absmax of the wrong size must fail");
+  mf_tensor on_gpu = tc;
+  on_gpu.device = MF_CUDA;
+  mf_status st = mf_quantize_blockwise(&tx, &on_gpu, &tq, &ta, 64, MF_ROUND_NEAREST, 0, NULL);
+  CHECK(st == MF_ERR_VALUE && strstr(mf_last_error(), "same device"), "mixed devices: %s", mf_last_error());
+  float unsorted[256];
+  memcpy(unsorted, code, sizeof unsorted);
+  unsorted[10] = 0.5f;
+  mf_tensor tu = view(unsorted, 256, MF_FLOAT32);
+  CHECK(mf_quantize_blockwise(&tx, &tu, &tq, &ta, 64, MF_ROUND_NEAREST, 0, NULL) == MF_ERR_VALUE,
+        "unsorted code must fail");
+}
+
+static void test_stochastic_unbiased(void) {
+  float code[256];
+  mf_dynamic_map(code, 256, 1, 8, 7);
+  enum { N = 4096 };
+  static float x[N], y[N];
+  static uint8_t codes[N];
+  float absmax[1];
+  /* one block: absmax pins to 1.0, the rest sit between two code values */
+  for (int i = 0; i < N; i++) x[i] = 0.3f;
+  x[0] = 1.0f;
+  mf_tensor tx = view(x, N, MF_FLOAT32), tc = view(code, 256, MF_FLOAT32),
+            tq = view(codes, N, MF_UINT8), ta = view(absmax, 1, MF_FLOAT32),
+            ty = view(y, N, MF_FLOAT32);
+  CHECK(mf_quantize_blockwise(&tx, &tc, &tq, &ta, 4096, MF_ROUND_STOCHASTIC, 42, NULL) == MF_OK, "sr");
+  mf_dequantize_blockwise(&tq, &ta, &tc, &ty, 4096, NULL);
+  double mean = 0.0;
+  for (int i = 1; i < N; i++) mean += y[i];
+  mean /= (N - 1);
+  CHECK(fabs(mean - 0.3) < 2e-3, "stochastic rounding mean %g should be close to 0.3", mean);
+}
+
+int main(void) {
+  test_maps();
+  test_search_matches_exhaustive();
+  test_lut_is_exact(1);
+  test_lut_is_exact(0);
+  mf_dtype dts[] = {MF_FLOAT32, MF_FLOAT16, MF_BFLOAT16};
+  for (int d = 0; d < 3; d++)
+    for (int64_t bs = 64; bs <= 4096; bs *= 2) test_round_trip(dts[d], bs, 3 * bs + 17);
+  test_non_finite();
+  test_errors();
+  test_stochastic_unbiased();
+  if (failures) {
+    fprintf(stderr, "%d check(s) failed\n", failures);
+    return 1;
+  }
+  printf("test_quant: all checks passed\n");
+  return 0;
+}

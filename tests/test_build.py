@@ -1,0 +1,81 @@
+"""The package itself: build info, doctor, the console script, import hygiene."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+import memfit
+
+
+def test_build_info_fields():
+    info = memfit.build_info()
+    assert set(info) == {"version", "cuda", "cuda_archs", "openmp", "compiler"}
+    assert info["version"] == memfit.__version__
+    assert isinstance(info["cuda"], bool) and isinstance(info["openmp"], bool)
+    if info["cuda"]:
+        assert info["cuda_archs"], "a CUDA build must say which archs it targets"
+    assert info["compiler"].split()[0] in ("gcc", "clang", "msvc")
+
+
+def test_import_does_not_import_torch():
+    code = "import sys, memfit, memfit.quant; print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
+
+
+def test_doctor_json_is_truthful():
+    out = subprocess.run([sys.executable, "-m", "memfit", "doctor", "--json"],
+                         capture_output=True, text=True, check=True)
+    info = json.loads(out.stdout)
+    assert info["build"] == memfit.build_info()
+    assert info["runtime"]["threads"] == memfit.get_num_threads()
+    assert len(info["runtime"]["gpus"]) == memfit.cuda_device_count()
+    for gpu in info["runtime"]["gpus"]:
+        assert gpu["bf16_native"] == (float(gpu["capability"]) >= 8.0)
+
+
+def test_doctor_text_and_console_script():
+    out = subprocess.run([sys.executable, "-m", "memfit", "doctor"], capture_output=True,
+                         text=True, check=True)
+    assert out.stdout.startswith(f"memfit {memfit.__version__}")
+    assert "CPU threads" in out.stdout
+
+
+def test_cli_rejects_unknown_command():
+    out = subprocess.run([sys.executable, "-m", "memfit", "no-such-command"],
+                         capture_output=True, text=True)
+    assert out.returncode == 2
+    assert "invalid choice" in out.stderr
+
+
+def test_num_threads_round_trip():
+    before = memfit.get_num_threads()
+    try:
+        memfit.set_num_threads(1)
+        assert memfit.get_num_threads() == 1
+        with pytest.raises(ValueError, match="n: must be >= 0"):
+            memfit.set_num_threads(-1)
+        with pytest.raises(TypeError, match="n: expected an int"):
+            memfit.set_num_threads(1.5)
+    finally:
+        memfit.set_num_threads(0)
+    assert memfit.get_num_threads() == before
+
+
+def test_exception_hierarchy():
+    assert issubclass(memfit.MemfitTypeError, TypeError)
+    assert issubclass(memfit.MemfitValueError, ValueError)
+    assert issubclass(memfit.CudaError, RuntimeError)
+    for cls in (memfit.MemfitTypeError, memfit.MemfitValueError, memfit.CudaError):
+        assert issubclass(cls, memfit.Error)
+
+
+@pytest.mark.skipif(memfit.cuda_device_count() > 0, reason="checks the error on a machine without a GPU")
+def test_cuda_query_without_gpu_raises_clearly():
+    # A CPU-only build says it has no CUDA; a CUDA build on a GPU-less machine
+    # imports fine, counts 0 devices and reports CUDA's own reason.
+    match = "CUDA error" if memfit.build_info()["cuda"] else "without CUDA"
+    with pytest.raises(memfit.CudaError, match=match):
+        memfit._C.cuda_device_info(0)

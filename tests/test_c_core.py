@@ -1,0 +1,42 @@
+"""Builds the C core's own tests (tests/c/test_*.c, no Python involved) with CMake
+under AddressSanitizer + UndefinedBehaviorSanitizer and runs them with ctest.
+
+The core is compiled CPU-only here: the sanitizers instrument C code; the CUDA
+kernels are covered by the `cuda`-marked tests on a GPU machine."""
+
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _tool(name):
+    path = shutil.which(name)
+    if path is None:
+        if os.environ.get("CI"):
+            pytest.fail(f"{name} is required in CI (pip install -r requirements-test.txt)")
+        pytest.skip(f"{name} not installed")
+    return path
+
+
+@pytest.mark.skipif(not (ROOT / "CMakeLists.txt").exists(), reason="needs the source tree")
+def test_c_core_under_sanitizers(tmp_path):
+    cmake, ctest = _tool("cmake"), _tool("ctest")
+    configure = [cmake, "-S", str(ROOT), "-B", str(tmp_path), "-DMEMFIT_PYTHON=OFF",
+                 "-DMEMFIT_CUDA=OFF", "-DMEMFIT_BUILD_TESTS=ON", "-DMEMFIT_SANITIZE=ON",
+                 "-DCMAKE_BUILD_TYPE=Debug"]
+    if shutil.which("ninja"):
+        configure += ["-G", "Ninja"]
+    subprocess.run(configure, check=True, capture_output=True, text=True)
+    build = subprocess.run([cmake, "--build", str(tmp_path), "-j2"], capture_output=True, text=True)
+    assert build.returncode == 0, build.stdout + build.stderr
+    env = dict(os.environ, ASAN_OPTIONS="detect_leaks=1:abort_on_error=0",
+               UBSAN_OPTIONS="print_stacktrace=1:halt_on_error=1", OMP_NUM_THREADS="2")
+    run = subprocess.run([ctest, "--output-on-failure"], cwd=tmp_path, capture_output=True,
+                         text=True, env=env)
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert "tests passed" in run.stdout

@@ -1,0 +1,149 @@
+"""The memory estimator: parameter counts against published numbers and real modules,
+the activation formula against Korthikanti et al. and against bytes measured with
+saved-tensor hooks, recommendations, and the `memfit estimate` command."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+import memfit.memory as M
+
+torch = pytest.importorskip("torch")
+from memfit.models import GPT, GPTConfig  # noqa: E402
+from memfit.profile import profile_steps  # noqa: E402
+
+PUBLISHED = {  # parameter counts of the reference implementations
+    "gpt2": 124_439_808, "gpt2-medium": 354_823_168, "gpt2-large": 774_030_080, "gpt2-xl": 1_557_611_200,
+    "roberta-base": 124_645_632, "roberta-large": 355_359_744,
+    "llama-7b": 6_738_415_616, "llama-1b": 1_235_814_400,
+}
+
+
+@pytest.mark.parametrize("name", sorted(PUBLISHED))
+def test_preset_parameter_counts(name):
+    assert M.PRESETS[name].n_params() == PUBLISHED[name]
+
+
+def spec_of(cfg: GPTConfig) -> M.ModelSpec:
+    return M.ModelSpec("test", cfg.n_layer, cfg.d_model, cfg.n_head, cfg.vocab, d_ff=cfg.d_ff or 0,
+                       max_pos=cfg.max_pos, dropout=cfg.dropout > 0)
+
+
+@pytest.mark.parametrize("cfg", [GPTConfig(2, 64, 4, 256, 128), GPTConfig(3, 96, 3, 1000, 64, d_ff=200)])
+def test_formula_counts_real_module_parameters(cfg):
+    model = GPT(cfg)
+    assert spec_of(cfg).n_params() == sum(p.numel() for p in model.parameters())
+    with torch.device("meta"):
+        meta = GPT(cfg)
+    assert M.from_module(meta).n_params() == spec_of(cfg).n_params()
+
+
+def test_hf_configs():
+    gpt2 = {"model_type": "gpt2", "n_layer": 12, "n_embd": 768, "n_head": 12, "vocab_size": 50257,
+            "n_positions": 1024, "activation_function": "gelu_new", "attn_pdrop": 0.1}
+    assert M.from_hf_config(gpt2).n_params() == PUBLISHED["gpt2"]
+    llama = {"model_type": "llama", "num_hidden_layers": 32, "hidden_size": 4096, "num_attention_heads": 32,
+             "num_key_value_heads": 32, "intermediate_size": 11008, "vocab_size": 32000, "hidden_act": "silu",
+             "rms_norm_eps": 1e-6, "tie_word_embeddings": False, "max_position_embeddings": 4096,
+             "rope_theta": 10000.0}
+    assert M.from_hf_config(llama).n_params() == PUBLISHED["llama-7b"]
+    roberta = {"model_type": "roberta", "num_hidden_layers": 12, "hidden_size": 768, "num_attention_heads": 12,
+               "intermediate_size": 3072, "vocab_size": 50265, "max_position_embeddings": 514,
+               "type_vocab_size": 1, "hidden_act": "gelu"}
+    assert M.from_hf_config(roberta).n_params() == PUBLISHED["roberta-base"]
+    with pytest.raises(ValueError, match="needs num_hidden_layers"):
+        M.from_hf_config({"model_type": "x"})
+
+
+def test_activation_formula_reduces_to_korthikanti():
+    # GPT-2 layout, dropout, eager attention, 16-bit everything, on a GPU: the paper's
+    # s*b*h*(34 + 5*a*s/h) per layer (plus 16 bytes/token of norm statistics).
+    spec = M.PRESETS["gpt2"]
+    s, b, h, a = 1024, 4, 768, 12
+    acts = M.activation_bytes(spec, M.Setup(batch=b, seq=s, precision="bf16-pure", attention="eager"))
+    assert acts["per_layer"] == s * b * h * 34 + 5 * a * s * s * b + 16 * s * b
+
+
+CASES = [  # attention, dropout, autocast dtype
+    ("sdpa", 0.0, None), ("eager", 0.0, None), ("eager", 0.1, None), ("sdpa", 0.1, None),
+    ("sdpa", 0.0, torch.bfloat16), ("eager", 0.0, torch.bfloat16), ("eager", 0.1, torch.bfloat16),
+]
+
+
+@pytest.mark.parametrize("attention,dropout,amp", CASES)
+def test_estimate_agrees_with_measurement(attention, dropout, amp):
+    torch.manual_seed(0)
+    cfg = GPTConfig(n_layer=3, d_model=96, n_head=4, vocab=300, max_pos=64, dropout=dropout, attention=attention)
+    model = GPT(cfg)
+    opt = torch.optim.AdamW(model.parameters())
+    b, s = 3, 64
+
+    def batches():
+        x = torch.randint(0, cfg.vocab, (b, s))
+        return x, x
+
+    measured = profile_steps(model, opt, batches, lambda m, x, y: m(x, y)[1], steps=1, autocast_dtype=amp)
+    est = M.estimate(spec_of(cfg), M.Setup(batch=b, seq=s, attention=attention, gpu=False,
+                                           precision="bf16" if amp else "fp32"))
+    assert measured["params"] == est.weights
+    assert measured["gradients"] == est.gradients
+    assert abs(measured["optimizer"] - est.optimizer) <= 8 * len(list(model.parameters()))  # step counters
+    assert abs(est.activations / measured["activations"] - 1) < 0.10, (est.activations, measured["activations"])
+
+
+def test_checkpointing_and_optimizers_shrink_their_component():
+    spec, base = M.PRESETS["gpt2-medium"], M.Setup(batch=8, seq=1024)
+    plain = M.estimate(spec, base)
+    every = M.estimate(spec, M.replace(base, checkpoint="every"))
+    sqrt = M.estimate(spec, M.replace(base, checkpoint="sqrt"))
+    assert every.activations < sqrt.activations < plain.activations
+    eight = M.estimate(spec, M.replace(base, optimizer="adamw8bit"))
+    assert eight.optimizer / plain.optimizer == pytest.approx(2.03125 / 8, rel=1e-6)
+    half = M.estimate(spec, M.replace(base, micro_batch=4))
+    assert half.activations < plain.activations and half.weights == plain.weights
+
+
+def test_recommendation_fits_and_is_none_when_impossible():
+    spec, base = M.PRESETS["gpt2-xl"], M.Setup(batch=8, seq=1024)
+    setting, est, slow = M.recommend(spec, base, "a10")
+    assert est.total <= M.parse_gpu("a10")[0]
+    assert setting.precision in ("bf16", "bf16-pure") and slow >= 0
+    heavy = M.recommend(spec, base, "t4")  # fits a T4 only with everything turned on
+    assert heavy is not None and heavy[0].checkpoint != "none" and heavy[0].micro < 8
+    assert M.recommend(M.PRESETS["llama-7b"], base, "t4") is None  # weights + grads alone exceed it
+    t4 = M.recommend(M.PRESETS["gpt2"], base, "t4")
+    assert t4 is not None and t4[0].precision == "fp16"  # no native bf16 on a T4
+    with pytest.raises(ValueError, match="gpu: expected"):
+        M.parse_gpu("tpu")
+    assert M.parse_gpu("24GB")[0] == 24 * M.GB
+
+
+def run_cli(*args):
+    return subprocess.run([sys.executable, "-m", "memfit", *args], capture_output=True, text=True)
+
+
+def test_cli_estimate_text_and_json():
+    out = run_cli("estimate", "gpt2", "--gpu", "t4")
+    assert out.returncode == 0, out.stderr
+    assert "baseline (fp32, AdamW)" in out.stdout and "Fits t4" in out.stdout
+    js = run_cli("estimate", "gpt2-medium", "--gpu", "16GB", "--json", "--precision", "bf16")
+    data = json.loads(js.stdout)
+    assert data["params"] == PUBLISHED["gpt2-medium"]
+    assert data["rows"][0]["total"] == sum(data["rows"][0][k] for k in
+                                          ("weights", "gradients", "optimizer", "activations", "temporary"))
+    assert "setting" in data and "recommendation" in data
+
+
+@pytest.mark.parametrize("args,msg", [
+    (("estimate", "no-such-model"), "model: expected a preset"),
+    (("estimate", "gpt2", "--gpu", "tpu"), "gpu: expected"),
+    (("estimate", "gpt2", "--optimizer", "adagrad"), "optimizer: expected one of"),
+    (("estimate", "gpt2", "--micro-batch", "16"), "micro_batch: must be between 1 and batch"),
+    (("estimate", "gpt2", "--batch", "x"), "invalid int value"),
+])
+def test_cli_estimate_bad_arguments(args, msg):
+    out = run_cli(*args)
+    assert out.returncode == 2
+    assert msg in out.stderr
