@@ -1,89 +1,39 @@
-"""memfit.amp against torch.amp in the same process, interleaved, medians.
+"""memfit.amp against torch.amp in the same process: interleaved, medians.
 
-1. Fused unscale + non-finite check: memfit's _C.unscale_grads against
+1. unscale: fused unscale + non-finite check, memfit's _C.unscale_grads against
    torch._amp_foreach_non_finite_check_and_unscale_ over the same gradients (10, 100,
-   1000 tensors; float32 and bfloat16), as GB/s of gradient traffic (read + write).
-2. Host overhead of scaler.step(optimizer) and scaler.update() for 10, 100 and 1000
-   small gradients (64 elements each, so the arithmetic is negligible), with an
-   optimizer whose step() does nothing: what the scaler itself costs per iteration.
-3. Global norm + clip: memfit.amp.clip_grad_norm_ against torch.nn.utils.clip_grad_norm_.
+   1000 tensors; float32 and bfloat16), as GB/s moved (read + write) and % of the
+   measured copy floor.
+2. step overhead: the host cost of scaler.step(optimizer) + scaler.update() for 10,
+   100 and 1000 small gradients (64 elements each, so the arithmetic is negligible),
+   with an optimizer whose step() does nothing: what the scaler itself costs.
+3. clip: memfit.amp.clip_grad_norm_ against torch.nn.utils.clip_grad_norm_(foreach=True),
+   once where every call clips (then both restore the gradients with one
+   _foreach_copy_, timed on both sides) and once with max_norm=1e30 (no clipping needed:
+   memfit skips the multiply by 1, torch does it).
 
-CPU by default; --device cuda times the same on a GPU (device events are not used:
-the wall clock includes a synchronize per repetition). Writes a table to stdout and
-JSON to benchmarks/out/bench_amp.json.
+    python benchmarks/bench_amp.py                    # CPU (and GPU when present)
+    python benchmarks/bench_amp.py --device cpu --threads 1 --reps 61
 
-    python benchmarks/bench_amp.py            # full run (~1-2 min on 2 cores)
-    python benchmarks/bench_amp.py --quick    # fewer repetitions
+Prints a markdown table and writes benchmarks/out/bench_amp.json.
 """
 
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
 import os
-import platform
-import statistics
-import subprocess
 import sys
-import time
 
 import torch
 
-import memfit
-import memfit.amp as amp
-from memfit import _C
+sys.path.insert(0, os.path.dirname(__file__))
+from _common import Progress, copy_bandwidth, interleaved_medians, markdown_table, metadata, write_json  # noqa: E402
 
+import memfit  # noqa: E402
+import memfit.amp as amp  # noqa: E402
+from memfit import _C  # noqa: E402
 
-def sync(device):
-    if device == "cuda":
-        torch.cuda.synchronize()
-
-
-def interleaved(fns: dict, reps: int, device: str) -> dict:
-    """Median seconds per call of each fn, calling them in alternating order."""
-    times = {k: [] for k in fns}
-    names = list(fns)
-    for fn in fns.values():  # warm up
-        fn()
-    for r in range(reps):
-        order = names if r % 2 == 0 else names[::-1]
-        for k in order:
-            sync(device)
-            t0 = time.perf_counter()
-            fns[k]()
-            sync(device)
-            times[k].append(time.perf_counter() - t0)
-    return {k: statistics.median(v) for k, v in times.items()}
-
-
-def bench_unscale(device, reps, total_elems):
-    rows = []
-    for dtype in (torch.float32, torch.bfloat16):
-        for n in (10, 100, 1000):
-            per = total_elems // n
-            gen = torch.Generator().manual_seed(0)
-            grads_m = [torch.randn(per, generator=gen).to(dtype).to(device) for _ in range(n)]
-            grads_t = [g.clone() for g in grads_m]
-            found_m = torch.zeros((), device=device)
-            found_t = torch.zeros((), device=device)
-            # scale 1/1: values stay the same across repetitions, the full
-            # read-modify-write still runs (inv != 1 is forced by 1.0000001)
-            scale = torch.full((), 1.0000001, device=device)
-            inv = scale.double().reciprocal().float()
-            stream = amp._stream(torch.device(device))
-            t = interleaved({
-                "memfit": lambda: _C.unscale_grads(grads_m, scale, found_m, stream),
-                "torch": lambda: torch._amp_foreach_non_finite_check_and_unscale_(grads_t, found_t, inv),
-            }, reps, device)
-            nbytes = 2 * per * n * grads_m[0].element_size()
-            rows.append({
-                "bench": "unscale", "dtype": str(dtype).split(".")[1], "tensors": n,
-                "elements": per * n, "memfit_ms": t["memfit"] * 1e3, "torch_ms": t["torch"] * 1e3,
-                "memfit_GBps": nbytes / t["memfit"] / 1e9, "torch_GBps": nbytes / t["torch"] / 1e9,
-                "speedup": t["torch"] / t["memfit"],
-            })
-    return rows
+COUNTS = (10, 100, 1000)
 
 
 class NoOpOptimizer(torch.optim.Optimizer):
@@ -94,9 +44,41 @@ class NoOpOptimizer(torch.optim.Optimizer):
         return None
 
 
-def bench_step_overhead(device, reps):
+def bench_unscale(device, numel, reps, bw, prog):
     rows = []
-    for n in (10, 100, 1000):
+    stream = amp._stream(torch.device(device))
+    for dtype in (torch.float32, torch.bfloat16):
+        for n in COUNTS:
+            per = numel // n
+            gen = torch.Generator().manual_seed(0)
+            gm = [torch.randn(per, generator=gen).to(dtype).to(device) for _ in range(n)]
+            gt = [g.clone() for g in gm]
+            fm = torch.zeros((), device=device)
+            ft = torch.zeros((), device=device)
+            # a scale of 1.0000001: the full read-modify-write runs (a scale of exactly 1
+            # is a check-only pass for both) and the values stay normal across repetitions
+            scale = torch.full((), 1.0000001, device=device)
+            inv = scale.double().reciprocal().float()
+            t = interleaved_medians({
+                "memfit": lambda: _C.unscale_grads(gm, scale, fm, stream),
+                "torch": lambda: torch._amp_foreach_non_finite_check_and_unscale_(gt, ft, inv),
+            }, reps, device)
+            moved = 2 * per * n * gm[0].element_size()
+            rows.append({
+                "bench": "unscale+check", "device": device, "dtype": str(dtype).split(".")[1],
+                "tensors": n, "elements": per * n,
+                "memfit_s": t["memfit"], "torch_s": t["torch"],
+                "memfit_gbps": moved / t["memfit"] / 1e9, "torch_gbps": moved / t["torch"] / 1e9,
+                "pct_of_floor": 100 * (moved / t["memfit"]) / bw,
+                "speedup": t["torch"] / t["memfit"],
+            })
+            prog.step(f"unscale {dtype} x{n}")
+    return rows
+
+
+def bench_step_overhead(device, reps, prog):
+    rows = []
+    for n in COUNTS:
         setups = {}
         for name, cls in (("memfit", amp.GradScaler), ("torch", torch.amp.GradScaler)):
             params = [torch.nn.Parameter(torch.zeros(64, device=device)) for _ in range(n)]
@@ -111,92 +93,99 @@ def bench_step_overhead(device, reps):
             s.step(opt)
             s.update()
 
-        t = interleaved({k: (lambda s=s, o=o: step_update(s, o)) for k, (s, o) in setups.items()},
-                        reps, device)
-        rows.append({"bench": "step+update host overhead", "tensors": n,
-                     "memfit_us": t["memfit"] * 1e6, "torch_us": t["torch"] * 1e6,
-                     "speedup": t["torch"] / t["memfit"]})
+        t = interleaved_medians({k: (lambda s=s, o=o: step_update(s, o))
+                                 for k, (s, o) in setups.items()}, reps, device)
+        rows.append({"bench": "step+update (host)", "device": device, "dtype": "float32",
+                     "tensors": n, "elements": 64 * n, "memfit_s": t["memfit"],
+                     "torch_s": t["torch"], "speedup": t["torch"] / t["memfit"]})
+        prog.step(f"step overhead x{n}")
     return rows
 
 
-def bench_clip(device, reps, total_elems):
+def bench_clip(device, numel, reps, prog):
     rows = []
-    for n in (10, 100, 1000):
-        per = total_elems // n
-        gen = torch.Generator().manual_seed(1)
-        pm = [torch.nn.Parameter(torch.zeros(per, device=device)) for _ in range(n)]
-        pt = [torch.nn.Parameter(torch.zeros(per, device=device)) for _ in range(n)]
-        for a, b in zip(pm, pt):
-            g = torch.randn(per, generator=gen).to(device)
-            a.grad, b.grad = g.clone(), g.clone()
-        big = 1e30  # no actual clipping: values stay put, the multiply still runs
-        t = interleaved({
-            "memfit": lambda: amp.clip_grad_norm_(pm, big),
-            "torch": lambda: torch.nn.utils.clip_grad_norm_(pt, big, foreach=True),
-        }, reps, device)
-        rows.append({"bench": "clip_grad_norm_", "tensors": n, "elements": per * n,
-                     "memfit_ms": t["memfit"] * 1e3, "torch_ms": t["torch"] * 1e3,
-                     "speedup": t["torch"] / t["memfit"]})
+    # "clips": max_norm 1 against gradients of norm ~2000, so every call clips; both
+    # sides then restore the gradients with one torch._foreach_copy_ (the same cost on
+    # each side, included in both times). "no clip": max_norm 1e30, nothing to clip
+    # (memfit skips the multiply by 1, torch does it).
+    for max_norm, label in ((1.0, "clip_grad_norm_ (clips) + restore"),
+                            (1e30, "clip_grad_norm_ (no clip)")):
+        for n in COUNTS:
+            per = numel // n
+            gen = torch.Generator().manual_seed(1)
+            pm = [torch.nn.Parameter(torch.zeros(per, device=device)) for _ in range(n)]
+            pt = [torch.nn.Parameter(torch.zeros(per, device=device)) for _ in range(n)]
+            saved = [torch.randn(per, generator=gen).to(device) for _ in range(n)]
+            for a, b, g in zip(pm, pt, saved):
+                a.grad, b.grad = g.clone(), g.clone()
+            gm, gt = [p.grad for p in pm], [p.grad for p in pt]
+            restore = max_norm < 1e30
+
+            def run_memfit():
+                amp.clip_grad_norm_(pm, max_norm)
+                if restore:
+                    torch._foreach_copy_(gm, saved)
+
+            def run_torch():
+                torch.nn.utils.clip_grad_norm_(pt, max_norm, foreach=True)
+                if restore:
+                    torch._foreach_copy_(gt, saved)
+
+            t = interleaved_medians({"memfit": run_memfit, "torch": run_torch}, reps, device)
+            rows.append({"bench": label, "device": device, "dtype": "float32",
+                         "tensors": n, "elements": per * n, "memfit_s": t["memfit"],
+                         "torch_s": t["torch"], "speedup": t["torch"] / t["memfit"]})
+            prog.step(f"clip x{n}")
     return rows
 
 
-def machine_info(device):
-    cpu = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    cpu = line.split(":", 1)[1].strip()
-                    break
-    except OSError:
-        pass
-    try:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                                text=True, cwd=os.path.dirname(__file__)).stdout.strip()
-    except OSError:
-        commit = "?"
-    info = {"cpu": cpu, "cores": os.cpu_count(), "torch_threads": torch.get_num_threads(),
-            "memfit_threads": memfit.get_num_threads(), "torch": torch.__version__,
-            "memfit": memfit.build_info(), "python": sys.version.split()[0],
-            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-            "commit": commit, "device": device}
-    if device == "cuda":
-        info["gpu"] = torch.cuda.get_device_name()
-    return info
+def fmt_time(s):
+    return f"{s * 1e6:.1f} us" if s < 1e-3 else f"{s * 1e3:.2f} ms"
 
 
-def main():
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
-    ap.add_argument("--quick", action="store_true", help="fewer repetitions")
-    ap.add_argument("--elements", type=int, default=1 << 22,
-                    help="total gradient elements for the throughput benches (default 4M)")
-    ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "out", "bench_amp.json"))
-    args = ap.parse_args()
-    reps = 15 if args.quick else 61
-    # the same number of threads for both sides (memfit's default is OMP's)
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
+    p.add_argument("--numel", type=int, default=None,
+                   help="gradient elements for unscale/clip (default 4M CPU, 64M GPU)")
+    p.add_argument("--reps", type=int, default=None)
+    p.add_argument("--threads", type=int, default=None,
+                   help="CPU threads for both memfit and torch (default: torch's default)")
+    args = p.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    devices = ["cpu"] if args.device == "cpu" else ["cuda"] if args.device == "cuda" else (
+        ["cpu", "cuda"] if torch.cuda.is_available() and memfit.cuda_device_count() else ["cpu"])
+    # the same number of CPU threads on both sides
     memfit.set_num_threads(torch.get_num_threads())
-    info = machine_info(args.device)
-    rows = bench_unscale(args.device, reps, args.elements)
-    rows += bench_step_overhead(args.device, reps * 3)
-    rows += bench_clip(args.device, reps, args.elements)
-
-    print(f"# memfit.amp vs torch.amp on {info['device']} ({info['cpu']}, "
-          f"{info['torch_threads']} threads), torch {info['torch']}, commit {info['commit']}")
-    print(f"{'bench':28} {'dtype':9} {'tensors':>7} {'memfit':>12} {'torch':>12} {'torch/memfit':>12}")
-    for r in rows:
-        if "memfit_us" in r:
-            m, t = f"{r['memfit_us']:.1f} us", f"{r['torch_us']:.1f} us"
-        elif "memfit_GBps" in r:
-            m, t = f"{r['memfit_GBps']:.2f} GB/s", f"{r['torch_GBps']:.2f} GB/s"
-        else:
-            m, t = f"{r['memfit_ms']:.3f} ms", f"{r['torch_ms']:.3f} ms"
-        print(f"{r['bench']:28} {r.get('dtype', 'float32'):9} {r['tensors']:7d} {m:>12} {t:>12} "
-              f"{r['speedup']:11.2f}x")
-    os.makedirs(os.path.dirname(args.out), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump({"machine": info, "reps": reps, "rows": rows}, f, indent=1)
-    print(f"wrote {args.out}")
+    all_rows, meta = [], {}
+    for dev in devices:
+        numel = args.numel or (4 << 20 if dev == "cpu" else 64 << 20)
+        reps = args.reps or (31 if dev == "cpu" else 100)
+        prog = Progress(5 * len(COUNTS), f"bench_amp[{dev}]")
+        bw = copy_bandwidth(dev, nbytes=8 * numel)
+        rows = bench_unscale(dev, numel, reps, bw, prog)
+        rows += bench_step_overhead(dev, 3 * reps, prog)
+        rows += bench_clip(dev, numel, reps, prog)
+        all_rows += rows
+        meta[dev] = dict(metadata(dev), copy_bandwidth_gbps=bw / 1e9, reps=reps)
+    table = markdown_table(
+        ["device", "bench", "dtype", "tensors", "elements", "memfit", "torch", "x vs torch",
+         "memfit GB/s", "torch GB/s", "% of copy floor"],
+        [[r["device"], r["bench"], r["dtype"], r["tensors"], r["elements"], fmt_time(r["memfit_s"]),
+          fmt_time(r["torch_s"]), f"{r['speedup']:.2f}",
+          f"{r['memfit_gbps']:.1f}" if "memfit_gbps" in r else "",
+          f"{r['torch_gbps']:.1f}" if "torch_gbps" in r else "",
+          f"{r['pct_of_floor']:.0f}%" if "pct_of_floor" in r else ""] for r in all_rows])
+    for dev, m in meta.items():
+        print(f"{dev}: {m.get('gpu', m['cpu'])}, {m['cores']} cores, copy "
+              f"{m['copy_bandwidth_gbps']:.1f} GB/s (read+write), memfit {m['memfit']} @ "
+              f"{m['commit']}, torch {m.get('torch')}, {m['date']}, threads memfit="
+              f"{m['memfit_threads']} torch={m.get('torch_threads')}, median of {m['reps']} "
+              f"(step overhead: {3 * m['reps']})")
+    print(table)
+    path = write_json("bench_amp", {"meta": meta, "rows": all_rows})
+    print(f"\nwrote {path}")
 
 
 if __name__ == "__main__":

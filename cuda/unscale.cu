@@ -149,6 +149,7 @@ __global__ void __launch_bounds__(kThreads)
   const Chunk c = my_chunk(a);
   float coef = (1.0f / (*norm + 1e-6f)) * max_norm; /* as torch: reciprocal * max_norm */
   coef = coef > 1.0f ? 1.0f : coef;
+  if (coef == 1.0f) return; /* x * 1 is x: skip the write (uniform across the grid) */
   for (int64_t i = c.first + threadIdx.x; i < c.first + c.len; i += blockDim.x)
     mf_store_f32(c.ptr, i, c.dtype, mf_load_f32(c.ptr, i, c.dtype) * coef);
 }

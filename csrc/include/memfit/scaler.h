@@ -185,15 +185,16 @@ mf_status mf_unscale_grads(mf_tensor *grads, int64_t n, const mf_tensor *scale,
                            mf_tensor *found_inf, void *stream);
 
 /* Global norm of all tensors together, as if concatenated: norm_type 2, 1, any p > 0,
- * or INFINITY (max |x|). Accumulates in float64 on the CPU, float32 per chunk then
- * float64 across chunks on CUDA. `workspace` is float32 with at least
+ * or INFINITY (max |x|). The CPU sums float32 lanes over 1024 elements, then float64;
+ * CUDA sums float32 per chunk, then float64 across chunks. `workspace` is float32 with at least
  * mf_mt_num_chunks() elements on the tensors' device (unused on the CPU); the result
  * goes to the one-element float32 `out` on that device. NaN anywhere gives NaN. */
 mf_status mf_grad_norm(const mf_tensor *grads, int64_t n, double norm_type,
                        mf_tensor *workspace, mf_tensor *out, void *stream);
 
 /* Multiplies every tensor by min(1, max_norm / (norm + 1e-6)) in float32 (torch's
- * clip_grad_norm_ coefficient), reading `norm` (one-element float32) on the device. */
+ * clip_grad_norm_ coefficient), reading `norm` (one-element float32) on the device.
+ * A coefficient of exactly 1 writes nothing (x * 1 == x). */
 mf_status mf_clip_grads(mf_tensor *grads, int64_t n, const mf_tensor *norm, float max_norm,
                         void *stream);
 
