@@ -43,7 +43,7 @@ def make_case(device, optimizer_ctor=torch.optim.SGD, optimizer_kwargs=None):
 
 
 def run_scaling_case(impl, device, run, unskipped, skipped, atol=1e-7,
-                     optimizer_ctor=torch.optim.SGD, optimizer_kwargs=None):
+                     optimizer_ctor=torch.optim.SGD, optimizer_kwargs=None, compare_grads=True):
     torch.manual_seed(0)
     for enabled in (True, False):
         mc, ms, oc, os_, data, loss_fn, skip_iter = make_case(device, optimizer_ctor, optimizer_kwargs)
@@ -59,7 +59,8 @@ def run_scaling_case(impl, device, run, unskipped, skipped, atol=1e-7,
         else:
             assert scaler.get_scale() == 1.0
         for c, s in zip(mc.parameters(), ms.parameters()):
-            torch.testing.assert_close(c.grad, s.grad, atol=atol, rtol=1e-5)
+            if compare_grads:
+                torch.testing.assert_close(c.grad, s.grad, atol=atol, rtol=1e-5)
             c_state, s_state = oc.state[c], os_.state[s]
             for k in c_state:
                 torch.testing.assert_close(c_state[k], s_state[k], atol=atol, rtol=1e-5, msg=k)
@@ -599,7 +600,8 @@ def _memfit_optimizers():
     except ImportError:
         return []
     out = []
-    for name in ("AdamW", "AdamW8bit", "Adam8bit", "Lion8bit"):
+    for name in ("Adam", "AdamW", "Adam8bit", "AdamW8bit", "AdamW4bit", "Lion8bit",
+                 "SGD8bit", "RMSprop8bit"):
         cls = getattr(mo, name, None)
         if cls is not None:
             out.append(pytest.param(cls, id=name))
@@ -627,5 +629,8 @@ def test_memfit_optimizers(ctor):
                 if not scaler.is_enabled() or i != skip_iter:
                     optimizer.step()
 
+    # memfit's optimizers take grad_scale/found_inf and unscale inside the kernel without
+    # writing the unscaled gradient back (torch's fused kernels do write it back), so
+    # .grad is not compared; the parameters and the optimizer states are.
     run_scaling_case("memfit", "cpu", run, unskipped=3, skipped=1, atol=1e-4,
-                     optimizer_ctor=ctor, optimizer_kwargs={"lr": 1e-3})
+                     optimizer_ctor=ctor, optimizer_kwargs={"lr": 1e-3}, compare_grads=False)
