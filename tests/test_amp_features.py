@@ -10,8 +10,7 @@ import memfit
 import memfit.amp as amp
 
 HAVE_CUDA = torch.cuda.is_available() and memfit.build_info()["cuda"]
-cuda = [pytest.mark.cuda,
-        pytest.mark.skipif(not HAVE_CUDA, reason="needs a CUDA GPU and a CUDA build of memfit")]
+cuda = [pytest.mark.cuda]  # tests/conftest.py skips these, with the reason, without a GPU
 DEVICES = ["cpu", pytest.param("cuda", marks=cuda)]
 
 

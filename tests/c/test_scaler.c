@@ -154,6 +154,18 @@ static void test_unscale_and_norm_cpu(void) {
   CHECK(mf_unscale_grads(&bytes, 1, &st, &fi, NULL) == MF_ERR_TYPE);
   CHECK(mf_grad_norm(g, 2, 0.0, NULL, &o, NULL) == MF_ERR_VALUE);
   CHECK(mf_mt_num_chunks(g, 3) == 3); /* 70000 -> 2 chunks, 5 -> 1, 0 -> 0 */
+#ifndef MEMFIT_WITH_CUDA
+  /* a CPU-only build refuses CUDA arrays with MF_ERR_NO_CUDA (nothing is dereferenced) */
+  mf_tensor dg = {(void *)0x10, 4, MF_FLOAT32, MF_CUDA, 0};
+  mf_tensor ds = {(void *)0x20, 1, MF_FLOAT32, MF_CUDA, 0}, df = {(void *)0x30, 1, MF_FLOAT32, MF_CUDA, 0};
+  CHECK(mf_unscale_grads(&dg, 1, &ds, &df, NULL) == MF_ERR_NO_CUDA);
+  CHECK(mf_clip_grads(&dg, 1, &ds, 1.0f, NULL) == MF_ERR_NO_CUDA);
+  CHECK(mf_grad_norm(&dg, 1, 2.0, &ds, &df, NULL) == MF_ERR_NO_CUDA);
+  const mf_scaler_config cfg = {2.0f, 0.5f, 10, 1, 0.0f, 0.0f, 0};
+  mf_tensor dstate = {(void *)0x40, MF_SCALER_WORDS, MF_FLOAT32, MF_CUDA, 0};
+  CHECK(mf_scaler_update(&dstate, &df, 1, NULL, &cfg, NULL) == MF_ERR_NO_CUDA);
+  CHECK(strstr(mf_last_error(), "without CUDA") != NULL);
+#endif
 }
 
 int main(void) {
