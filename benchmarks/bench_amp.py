@@ -163,7 +163,9 @@ def main(argv=None):
         numel = args.numel or (4 << 20 if dev == "cpu" else 64 << 20)
         reps = args.reps or (31 if dev == "cpu" else 100)
         prog = Progress(5 * len(COUNTS), f"bench_amp[{dev}]")
-        bw = copy_bandwidth(dev, nbytes=8 * numel)
+        # a copy with the same memory footprint as the float32 gradients (two buffers of
+        # half their size), so both stay in cache or both do not
+        bw = copy_bandwidth(dev, nbytes=2 * numel)
         rows = bench_unscale(dev, numel, reps, bw, prog)
         rows += bench_step_overhead(dev, 3 * reps, prog)
         rows += bench_clip(dev, numel, reps, prog)
