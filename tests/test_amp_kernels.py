@@ -314,16 +314,74 @@ def test_clip_grad_norm_half_grads_and_edge_cases():
         amp.clip_grad_norm_([pn], "1.0")
 
 
-def test_clip_with_scaler_needs_optimizer():
+def test_clip_with_scaler_and_optimizer_unscales_once():
     p = torch.nn.Parameter(torch.ones(3))
     opt = torch.optim.SGD([p], lr=0.1)
     s = amp.GradScaler("cpu", init_scale=4.0)
     s.scale(p.sum()).backward()
-    with pytest.raises(ValueError, match="optimizer"):
-        amp.clip_grad_norm_([p], 1.0, scaler=s)
     # the optimizer as `parameters`: unscaled once, step does not unscale again
     n = amp.clip_grad_norm_(opt, 100.0, scaler=s)
     assert n.item() == pytest.approx(3**0.5)
+    with pytest.raises(RuntimeError, match="already been called"):
+        s.unscale_(opt)
     s.step(opt)
     s.update()
     torch.testing.assert_close(p.detach(), torch.full((3,), 0.9))
+
+
+@pytest.mark.parametrize("fused", [False, True])
+@pytest.mark.parametrize("inf", [False, True])
+def test_clip_with_scaler_only(fused, inf):
+    # clip_grad_norm_(params, max_norm, scaler=s) without the optimizer: the scaler
+    # records the unscaled gradients; step() neither unscales them again nor loses
+    # their inf; a fused optimizer then gets grad_scale=None
+    torch.manual_seed(7)
+    ref = torch.nn.Linear(4, 3)
+    model = torch.nn.Linear(4, 3)
+    model.load_state_dict(ref.state_dict())
+    kw = {"lr": 0.1, "fused": True} if fused else {"lr": 0.1}
+    opt, ropt = torch.optim.AdamW(model.parameters(), **kw), torch.optim.AdamW(ref.parameters(), **kw)
+    s = amp.GradScaler("cpu", init_scale=256.0)
+    x = torch.randn(5, 4)
+    s.scale(model(x).pow(2).sum()).backward()
+    ref(x).pow(2).sum().backward()
+    if inf:
+        with torch.no_grad():
+            model.weight.grad[0, 0] = float("inf")
+    n = amp.clip_grad_norm_(model.parameters(), 0.5, scaler=s)
+    rn = torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.5)
+    s.unscale_(opt)  # legal, and must not unscale the clipped gradients again
+    s.step(opt)
+    s.update()
+    if inf:
+        assert s.get_scale() == 128.0
+        torch.testing.assert_close(model.bias.detach(), ref.bias.detach())  # skipped
+        return
+    ropt.step()
+    torch.testing.assert_close(n, rn, rtol=1e-5, atol=0)
+    assert s.get_scale() == 256.0
+    for a, b in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_clip_with_scaler_only_then_fused_step_without_unscale(fused):
+    torch.manual_seed(8)
+    ref = torch.nn.Linear(4, 3)
+    model = torch.nn.Linear(4, 3)
+    model.load_state_dict(ref.state_dict())
+    kw = {"lr": 0.1, "fused": fused}
+    opt, ropt = torch.optim.AdamW(model.parameters(), **kw), torch.optim.AdamW(ref.parameters(), **kw)
+    s = amp.GradScaler("cpu", init_scale=64.0)
+    x = torch.randn(5, 4)
+    s.scale(model(x).pow(2).sum()).backward()
+    ref(x).pow(2).sum().backward()
+    amp.clip_grad_norm_([model.weight], 0.5, scaler=s)  # only some gradients
+    torch.nn.utils.clip_grad_norm_([ref.weight], 0.5)
+    s.step(opt)
+    s.update()
+    ropt.step()
+    for a, b in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    with pytest.raises(AssertionError):  # before scale(): as unscale_ would
+        amp.clip_grad_norm_([model.weight], 0.5, scaler=amp.GradScaler("cpu"))

@@ -225,6 +225,7 @@ class GradScaler:
         self._saved_words = None
         self._seen = {"loss": 0, "min_clamps": 0, "streak_warned": -1, "below_one": False}
         self._per_optimizer_states: dict = defaultdict(_refresh_per_optimizer_state)
+        self._unscaled: dict = {}  # id(grad) -> (grad, found_inf) unscaled this iteration
         if self._enabled:
             self._init_scale = _as_float(init_scale, "init_scale")
             if not (math.isfinite(self._init_scale) and self._init_scale > 0):
@@ -387,51 +388,67 @@ class GradScaler:
                     "inputs, the loss function (log of 0, division by 0) or a learning rate that "
                     "diverged.")
             if bad:
-                flag = torch.ones((), dtype=torch.float32, device=self._state.device)
-                self._loss_flag = flag if self._loss_flag is None else self._loss_flag.add_(flag)
+                self._loss_flag = torch.ones((), dtype=torch.float32, device=self._state.device)
             return
         bad = torch.isfinite(t).logical_not_().any().to(self._state.device, torch.float32)
-        self._loss_flag = bad if self._loss_flag is None else self._loss_flag.add_(bad)
+        self._loss_flag = bad if self._loss_flag is None else torch.maximum(self._loss_flag, bad)
 
     # ---- unscale / step ----------------------------------------------------------------
 
-    def _unscale_grads_(self, optimizer, scale, found_inf_template, allow_fp16: bool) -> dict:
-        """Unscales (scale is a tensor) or only checks (scale None) the optimizer's
-        gradients, one fused C call per device. Returns {device: found_inf}."""
-        per_device: dict = {}
-        others = False
+    def _optimizer_grads(self, optimizer, allow_fp16: bool) -> list:
+        """The tensors to unscale for an optimizer (sparse gradients: their values)."""
+        grads = []
         fp16 = torch.float16
+        for group in optimizer.param_groups:
+            for param in group["params"]:
+                if not isinstance(param, torch.Tensor):
+                    raise AssertionError(
+                        f"expected param to be torch.Tensor, got {type(param).__name__}")
+                g = param.grad
+                if g is None:
+                    continue
+                if g.dtype is fp16 and not allow_fp16:
+                    raise ValueError("Attempting to unscale FP16 gradients.")
+                if g.is_sparse:
+                    if g.dtype is fp16:
+                        param.grad = g = g.coalesce()
+                    g = g._values()
+                grads.append(g)
+        return grads
+
+    def _unscale_tensors_(self, grads: list, scale) -> dict:
+        """Unscales (scale is a tensor) or only checks (scale None) `grads`, one fused C
+        call per device, and returns {device: found_inf}. Gradients already unscaled in
+        this iteration (by unscale_ or by clip_grad_norm_(..., scaler=)) are not touched
+        again: their recorded found_inf is folded in instead. Unscaled ones are recorded
+        until update()."""
+        per_device: dict = {}
+        done: dict = {}
+        others = False
+        registry = self._unscaled
+        for g in grads:
+            if registry:
+                prev = registry.get(id(g))
+                if prev is not None and prev[0] is g:
+                    done.setdefault(g.device, []).append(prev[1])
+                    continue
+            others = others or g.dtype not in _FUSED_DTYPES
+            key = g.device
+            lst = per_device.get(key)
+            if lst is None:
+                per_device[key] = lst = []
+            lst.append(g)
+        scale_r = None if scale is None else _Replicator(scale)
+        found: dict = {}
         with torch.no_grad():
-            for group in optimizer.param_groups:
-                for param in group["params"]:
-                    if not isinstance(param, torch.Tensor):
-                        raise AssertionError(
-                            f"expected param to be torch.Tensor, got {type(param).__name__}")
-                    g = param.grad
-                    if g is None:
-                        continue
-                    dt = g.dtype
-                    if dt is fp16 and not allow_fp16:
-                        raise ValueError("Attempting to unscale FP16 gradients.")
-                    if g.is_sparse:
-                        if dt is fp16:
-                            param.grad = g = g.coalesce()
-                        g = g._values()
-                    others = others or dt not in _FUSED_DTYPES
-                    key = g.device
-                    lst = per_device.get(key)
-                    if lst is None:
-                        per_device[key] = lst = []
-                    lst.append(g)
-            scale_r = None if scale is None else _Replicator(scale)
-            found: dict = {}
-            for device, grads in per_device.items():
+            for device in list(per_device) + [d for d in done if d not in per_device]:
+                dgrads = per_device.get(device, [])
                 fi = torch.zeros((), dtype=torch.float32, device=device)
                 other = []
                 if others:
-                    other = [g for g in grads if g.dtype not in _FUSED_DTYPES]
-                    grads = [g for g in grads if g.dtype in _FUSED_DTYPES]
-                views, fixups = _prepare(grads, write=scale is not None)
+                    other = [g for g in dgrads if g.dtype not in _FUSED_DTYPES]
+                    dgrads = [g for g in dgrads if g.dtype in _FUSED_DTYPES]
+                views, fixups = _prepare(dgrads, write=scale is not None)
                 s = None if scale_r is None else scale_r.get(device)
                 _C.unscale_grads(views, s, fi, _stream(device))
                 for g, c in fixups:
@@ -440,8 +457,16 @@ class GradScaler:
                     inv = (torch.ones((), device=device) if s is None
                            else s.double().reciprocal().float())
                     torch._amp_foreach_non_finite_check_and_unscale_(other, fi, inv)
+                for prev in done.get(device, ()):
+                    torch.maximum(fi, prev, out=fi)  # stays 0 or 1: fused optimizers count on it
                 found[device] = fi
+                if scale is not None:
+                    for g in per_device.get(device, ()):
+                        registry[id(g)] = (g, fi)
         return found
+
+    def _unscale_grads_(self, optimizer, scale, found_inf=None, allow_fp16: bool = False) -> dict:
+        return self._unscale_tensors_(self._optimizer_grads(optimizer, allow_fp16), scale)
 
     def unscale_(self, optimizer) -> None:
         """Divides the optimizer's gradients by the scale in place (one fused pass per
@@ -495,6 +520,11 @@ class GradScaler:
                     "directly.", FutureWarning, stacklevel=2)
                 kwargs_.update({"grad_scaler": self})
             else:
+                if opt_state["stage"] is OptState.READY and self._unscaled and any(
+                        id(g) in self._unscaled for g in self._optimizer_grads(optimizer, True)):
+                    # some gradients were unscaled already (clip_grad_norm_ with scaler=):
+                    # unscale the rest too, and step as after unscale_ (grad_scale None)
+                    self.unscale_(optimizer)
                 if opt_state["stage"] is OptState.READY:
                     self._check_inf_per_device(optimizer)
                 scale = self._scale
@@ -504,6 +534,10 @@ class GradScaler:
                 if loss is not None:
                     flags.append(loss)
                 found_inf = sum(flags)
+                if len(flags) > 1:
+                    # several devices (or the loss flag): torch passes the sum, but fused
+                    # kernels subtract found_inf from their step count, so keep it 0 or 1
+                    found_inf = found_inf.clamp_(max=1.0)
                 optimizer.grad_scale = (getattr(optimizer, "grad_scale", None)
                                         if opt_state["stage"] is OptState.UNSCALED
                                         else scale * getattr(optimizer, "grad_scale", 1))
@@ -566,6 +600,7 @@ class GradScaler:
             self._after_update()
         self._per_optimizer_states = defaultdict(_refresh_per_optimizer_state)
         self._loss_flag = None
+        self._unscaled = {}
 
     # ---- statistics and warnings --------------------------------------------------------
 
@@ -714,7 +749,7 @@ class GradScaler:
     def __getstate__(self) -> dict:
         state = self.__dict__.copy()
         if self._enabled:
-            if len(self._per_optimizer_states) != 0:
+            if len(self._per_optimizer_states) != 0 or self._unscaled:
                 raise AssertionError(
                     "A GradScaler instance may only be pickled at the beginning of an iteration, "
                     "or at the end after scaler.update().")
@@ -727,6 +762,7 @@ class GradScaler:
         state["_loss_flag"] = None
         state["_pending"] = None
         state["_per_optimizer_states"] = None
+        state["_unscaled"] = {}
         return state
 
     def __setstate__(self, state: dict) -> None:
@@ -744,11 +780,11 @@ def clip_grad_norm_(parameters, max_norm: float, norm_type: float = 2.0,
     (a float32 0-d tensor), like ``torch.nn.utils.clip_grad_norm_``, in one fused pass
     per device for the norm and one for the clip, with no host sync.
 
-    With ``scaler=`` (enabled), the gradients are unscaled first through
-    ``scaler.unscale_(optimizer)`` unless that already happened this iteration, so the
-    norm is the true one and ``scaler.step`` does not unscale twice. The scaler tracks
-    unscaling per optimizer, so pass ``optimizer=`` (or the optimizer itself as
-    ``parameters``).
+    With ``scaler=`` (enabled), the gradients are unscaled first, so the norm is the
+    true one: through ``scaler.unscale_(optimizer)`` when ``optimizer=`` is given (or
+    the optimizer is passed as ``parameters``), else directly; either way the scaler
+    records which gradients it unscaled this iteration, so ``scaler.step`` neither
+    unscales them twice nor forgets their inf/NaN.
 
     ``foreach`` is accepted for signature compatibility and ignored. Float64 or
     sparse gradients, and norm types other than p > 0 / inf, are handed to torch's
@@ -761,13 +797,21 @@ def clip_grad_norm_(parameters, max_norm: float, norm_type: float = 2.0,
         parameters = [parameters]
     params = list(parameters)
     if scaler is not None and scaler.is_enabled():
-        if optimizer is None:
-            raise MemfitValueError(
-                "optimizer: clip_grad_norm_(..., scaler=scaler) needs the optimizer that owns "
-                "the parameters (optimizer=...), so that the scaler records the unscale and "
-                "scaler.step() does not unscale again")
-        if scaler._per_optimizer_states[id(optimizer)]["stage"] is OptState.READY:
-            scaler.unscale_(optimizer)
+        if optimizer is not None:
+            if scaler._per_optimizer_states[id(optimizer)]["stage"] is OptState.READY:
+                scaler.unscale_(optimizer)
+        else:
+            # unscale these gradients now; the scaler records them, so step()/unscale_()
+            # will not unscale them again and will still skip on their inf/NaN
+            scaler._check_scale_growth_tracker("clip_grad_norm_")
+            pending = [p.grad for p in params if p.grad is not None]
+            if any(g.is_sparse for g in pending):
+                raise MemfitValueError(
+                    "parameters: sparse gradients with scaler= need optimizer=... (the scaler "
+                    "tracks their unscaling per optimizer)")
+            if any(g.dtype is torch.float16 for g in pending):
+                raise ValueError("Attempting to unscale FP16 gradients.")
+            scaler._unscale_tensors_(pending, scaler._scale)
     max_norm = _as_float(max_norm, "max_norm")
     norm_type = _as_float(norm_type, "norm_type")
     grads = [p.grad for p in params if p.grad is not None]
