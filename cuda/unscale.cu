@@ -1,12 +1,13 @@
 /*
  * Multi-tensor gradient kernels: unscale + non-finite check, global norm, clip.
  *
- * Many gradients, few launches (apex / PyTorch multi_tensor_apply): the host packs up
- * to kMaxTensors tensor pointers and kMaxBlocks (tensor, chunk) pairs into a struct
- * passed by value (under the classic 4 KB kernel-parameter limit, so any driver
- * takes it); one thread block handles one chunk of MF_MT_CHUNK elements. A model with
- * 500 small gradients costs ceil(500 / kMaxTensors) = 6 launches, not 500, and
- * nothing syncs with the host: the scale, found_inf and the norm stay on the device.
+ * Many gradients, few launches (apex / PyTorch multi_tensor_apply): mf_mt_next()
+ * (memfit/multi_tensor.h, plain C, tested on the CPU by tests/c/test_scaler.c) packs up
+ * to 96 tensor pointers and 320 (tensor, chunk) pairs into an mf_mt_args passed by
+ * value (under the classic 4 KB kernel-parameter limit, so any driver takes it); one
+ * thread block handles one chunk of MF_MT_CHUNK elements. A model with 500 small
+ * gradients costs 6 launches, not 500, and nothing syncs with the host: the scale,
+ * found_inf and the norm stay on the device.
  *
  * unscale_grads_kernel: every thread checks and rescales a strided slice of its
  *   block's chunk; __syncthreads_or() folds the non-finite flags, thread 0 sets
@@ -18,23 +19,15 @@
  */
 #include "cuda_util.cuh"
 #include "memfit/cuda_launch.h"
+#include "memfit/multi_tensor.h"
 #include "memfit/numeric.h"
 #include "memfit/scaler.h"
 
 namespace {
 
-constexpr int kMaxTensors = 96;
-constexpr int kMaxBlocks = 320;
 constexpr int kThreads = 512;
-
-/* 96 * (8 + 8 + 1) + 320 * (1 + 4) = 3232 bytes of kernel parameters */
-struct MtArgs {
-  void *ptr[kMaxTensors];
-  int64_t numel[kMaxTensors];
-  uint8_t dtype[kMaxTensors];
-  uint8_t block_tensor[kMaxBlocks];
-  int32_t block_chunk[kMaxBlocks];
-};
+typedef mf_mt_args MtArgs;
+static_assert(sizeof(MtArgs) <= 4000, "multi-tensor arguments must fit the 4 KB parameter limit");
 
 enum { kNormL2 = 0, kNormL1 = 1, kNormInf = 2, kNormP = 3 };
 
@@ -154,46 +147,20 @@ __global__ void __launch_bounds__(kThreads)
     mf_store_f32(c.ptr, i, c.dtype, mf_load_f32(c.ptr, i, c.dtype) * coef);
 }
 
-/* Packs the tensors into MtArgs and calls launch(args, nblocks, first_global_chunk)
- * whenever the tensor or block table is full, then once for the rest. Empty tensors
- * are skipped. */
+/* Calls launch(args) for each launch mf_mt_next() packs. */
 template <class Launch>
 mf_status for_each_launch(const mf_tensor *t, int64_t n, Launch launch) {
-  MtArgs a;
-  int nt = 0, nb = 0;
-  int64_t base = 0;
-  for (int64_t i = 0; i < n; i++) {
-    if (t[i].numel == 0) continue;
-    a.ptr[nt] = t[i].data;
-    a.numel[nt] = t[i].numel;
-    a.dtype[nt] = (uint8_t)t[i].dtype;
-    nt++;
-    const int64_t chunks = (t[i].numel + MF_MT_CHUNK - 1) / MF_MT_CHUNK;
-    if (chunks > 0x7fffffffLL)
+  for (int64_t i = 0; i < n; i++)
+    if ((t[i].numel + MF_MT_CHUNK - 1) / MF_MT_CHUNK > 0x7fffffffLL)
       return mf_error(MF_ERR_VALUE, "grads[%lld]: too large (%lld elements)", (long long)i,
                       (long long)t[i].numel);
-    for (int64_t ch = 0; ch < chunks; ch++) {
-      a.block_tensor[nb] = (uint8_t)(nt - 1);
-      a.block_chunk[nb] = (int32_t)ch;
-      nb++;
-      const bool last_chunk = ch == chunks - 1;
-      if (nb == kMaxBlocks || (nt == kMaxTensors && last_chunk)) {
-        mf_status st = launch(a, nb, base);
-        if (st) return st;
-        base += nb;
-        nb = 0;
-        if (last_chunk) {
-          nt = 0;
-        } else { /* the current tensor continues in the next launch */
-          a.ptr[0] = a.ptr[nt - 1];
-          a.numel[0] = a.numel[nt - 1];
-          a.dtype[0] = a.dtype[nt - 1];
-          nt = 1;
-        }
-      }
-    }
+  mf_mt_iter it;
+  mf_mt_begin(&it, t, n);
+  MtArgs a;
+  while (mf_mt_next(&it, &a) > 0) {
+    mf_status st = launch(a);
+    if (st) return st;
   }
-  if (nb > 0) return launch(a, nb, base);
   return MF_OK;
 }
 
@@ -205,8 +172,8 @@ extern "C" mf_status mf_cuda_unscale_grads(mf_tensor *grads, int64_t n, const mf
   if (guard.err != cudaSuccess) return mf_cuda_status(guard.err, "unscale_grads");
   const float *s = scale ? (const float *)scale->data : nullptr;
   float *fi = (float *)found_inf->data;
-  return for_each_launch(grads, n, [&](const MtArgs &a, int nb, int64_t) {
-    unscale_grads_kernel<<<nb, kThreads, 0, (cudaStream_t)stream>>>(a, s, fi);
+  return for_each_launch(grads, n, [&](const MtArgs &a) {
+    unscale_grads_kernel<<<a.nblocks, kThreads, 0, (cudaStream_t)stream>>>(a, s, fi);
     return mf_cuda_status(cudaGetLastError(), "unscale_grads");
   });
 }
@@ -222,9 +189,9 @@ extern "C" mf_status mf_cuda_grad_norm(const mf_tensor *grads, int64_t n, double
   if (guard.err != cudaSuccess) return mf_cuda_status(guard.err, "grad_norm");
   const int kind = norm_kind(norm_type);
   float *ws = (float *)workspace->data;
-  mf_status st = for_each_launch(grads, n, [&](const MtArgs &a, int nb, int64_t base) {
-    grad_norm_partial_kernel<<<nb, kThreads, 0, (cudaStream_t)stream>>>(a, kind, (float)norm_type,
-                                                                        ws, base);
+  mf_status st = for_each_launch(grads, n, [&](const MtArgs &a) {
+    grad_norm_partial_kernel<<<a.nblocks, kThreads, 0, (cudaStream_t)stream>>>(
+        a, kind, (float)norm_type, ws, a.base);
     return mf_cuda_status(cudaGetLastError(), "grad_norm");
   });
   if (st) return st;
@@ -239,8 +206,8 @@ extern "C" mf_status mf_cuda_clip_grads(mf_tensor *grads, int64_t n, const mf_te
   MfDeviceGuard guard(norm->device_id);
   if (guard.err != cudaSuccess) return mf_cuda_status(guard.err, "clip_grads");
   const float *nm = (const float *)norm->data;
-  return for_each_launch(grads, n, [&](const MtArgs &a, int nb, int64_t) {
-    clip_grads_kernel<<<nb, kThreads, 0, (cudaStream_t)stream>>>(a, nm, max_norm);
+  return for_each_launch(grads, n, [&](const MtArgs &a) {
+    clip_grads_kernel<<<a.nblocks, kThreads, 0, (cudaStream_t)stream>>>(a, nm, max_norm);
     return mf_cuda_status(cudaGetLastError(), "clip_grads");
   });
 }

@@ -168,12 +168,62 @@ static void test_unscale_and_norm_cpu(void) {
 #endif
 }
 
+/* The packing the CUDA launchers use: every (tensor, chunk) exactly once, in order,
+ * block b of a launch is global chunk base + b, and the limits hold. */
+static void test_multi_tensor_packing(void) {
+  enum { N = 700 };
+  static mf_tensor t[N];
+  static char dummy[N];
+  int64_t expected_chunks = 0;
+  for (int i = 0; i < N; i++) {
+    /* empty, tiny, exactly one chunk, multi-chunk, and a few huge ones */
+    int64_t numel = (i % 7 == 0) ? 0 : (i % 5 == 0) ? MF_MT_CHUNK
+                  : (i % 11 == 0) ? 3 * MF_MT_CHUNK + 1 : (i % 97 == 0) ? 700LL * MF_MT_CHUNK : i;
+    t[i] = (mf_tensor){dummy + i, numel, MF_FLOAT32, MF_CUDA, 0};
+    expected_chunks += (numel + MF_MT_CHUNK - 1) / MF_MT_CHUNK;
+  }
+  CHECK(mf_mt_num_chunks(t, N) == expected_chunks);
+  mf_mt_iter it;
+  mf_mt_begin(&it, t, N);
+  static mf_mt_args a;
+  int64_t next_tensor = 0, next_chunk = 0, global = 0;
+  int launches = 0, ok = 1;
+  while (mf_mt_next(&it, &a) > 0) {
+    launches++;
+    ok &= a.nblocks <= MF_MT_MAX_BLOCKS && a.ntensors <= MF_MT_MAX_TENSORS && a.ntensors > 0;
+    ok &= a.base == global;
+    for (int b = 0; b < a.nblocks; b++, global++) {
+      while (next_tensor < N && t[next_tensor].numel == 0) next_tensor++;
+      int ti = a.block_tensor[b];
+      ok &= ti < a.ntensors;
+      ok &= a.ptr[ti] == t[next_tensor].data && a.numel[ti] == t[next_tensor].numel;
+      ok &= a.block_chunk[b] == next_chunk;
+      if (++next_chunk * MF_MT_CHUNK >= t[next_tensor].numel) {
+        next_tensor++;
+        next_chunk = 0;
+      }
+    }
+  }
+  CHECK(ok);
+  CHECK(global == expected_chunks);
+  while (next_tensor < N && t[next_tensor].numel == 0) next_tensor++;
+  CHECK(next_tensor == N);
+  CHECK(launches >= (int)(expected_chunks / MF_MT_MAX_BLOCKS));
+  CHECK(mf_mt_next(&it, &a) == 0); /* stays done */
+  /* nothing at all, or only empty tensors: no launch */
+  mf_mt_begin(&it, t, 1);
+  CHECK(t[0].numel == 0 && mf_mt_next(&it, &a) == 0);
+  mf_mt_begin(&it, t, 0);
+  CHECK(mf_mt_next(&it, &a) == 0);
+}
+
 int main(void) {
   test_rule_matches_torch();
   test_hysteresis_and_bounds();
   test_config_and_state_checks();
   test_stage_machine();
   test_unscale_and_norm_cpu();
+  test_multi_tensor_packing();
   if (failures) {
     fprintf(stderr, "test_scaler: %d failure(s)\n", failures);
     return 1;

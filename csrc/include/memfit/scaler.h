@@ -33,6 +33,7 @@
 #include <math.h>
 
 #include "memfit/common.h"
+#include "memfit/multi_tensor.h"
 #include "memfit/numeric.h"
 
 #ifdef __cplusplus
@@ -167,10 +168,6 @@ typedef enum { MF_EVENT_UNSCALE = 0, MF_EVENT_STEP = 1 } mf_scaler_event;
 mf_status mf_scaler_stage_next(int stage, int event, int *next);
 
 /* ---- fused gradient kernels (csrc/core/unscale.c, cuda/unscale.cu) ----------------- */
-
-/* Elements per chunk of the multi-tensor loops: the unit of CPU threading and of one
- * CUDA thread block; also the unit of grad_norm's workspace (one partial per chunk). */
-#define MF_MT_CHUNK 65536
 
 /* Number of chunks the tensors are cut into (the workspace size of mf_grad_norm). */
 int64_t mf_mt_num_chunks(const mf_tensor *tensors, int64_t n);
