@@ -112,7 +112,7 @@ static int threads_for(int64_t elems) { return elems < 65536 ? 1 : mf_get_num_th
 
 /* x86-64 with GCC: also compile the hot loops for AVX2 and AVX-512 and pick at load
  * time (ifunc), so a portable build still uses the machine's vector width. */
-#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__) && defined(__linux__)
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__) && defined(__GLIBC__)
 #define MF_VEC_CLONES __attribute__((target_clones("avx512f", "avx2", "default")))
 #else
 #define MF_VEC_CLONES
