@@ -366,3 +366,36 @@ def test_fused_optimizer_step_count_survives_double_flags():
     assert float(fopt.state[q]["step"]) == 0.0
     torch.testing.assert_close(q.detach(), torch.ones(2))
     assert s.get_scale() == 8.0
+
+
+@pytest.mark.cuda
+def test_cuda_step_and_update_do_not_sync():
+    # with a fused optimizer, unscale_/step/update queue work and never wait for the GPU
+    p = torch.nn.Parameter(torch.randn(1000, device="cuda"))
+    opt = torch.optim.AdamW([p], lr=0.01, fused=True)
+    s = amp.GradScaler("cuda", init_scale=2.0**10, hysteresis=2, min_scale=1.0)
+    for i in range(3):
+        opt.zero_grad()
+        s.scale((p * p).sum()).backward()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            s.step(opt)
+            s.update()
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+    assert s.stats()["steps"] == 3
+
+
+@pytest.mark.cuda
+def test_cuda_scaler_matches_cpu_scaler():
+    pattern = [False, True, True, False, False, True, False, False, False, True, True, True]
+    results = []
+    for device in ("cpu", "cuda"):
+        L = Loop(device, init_scale=64.0, growth_interval=2, hysteresis=2, min_scale=8.0,
+                 max_scale=256.0, warn_after_skips=None)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", amp.ScalerWarning)
+            scales = [L.iteration(inf) for inf in pattern]
+        st = L.s.stats()
+        results.append((scales, {k: v for k, v in st.items() if k != "history"}, st["history"]))
+    assert results[0] == results[1]

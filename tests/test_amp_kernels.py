@@ -385,3 +385,24 @@ def test_clip_with_scaler_only_then_fused_step_without_unscale(fused):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
     with pytest.raises(AssertionError):  # before scale(): as unscale_ would
         amp.clip_grad_norm_([model.weight], 0.5, scaler=amp.GradScaler("cpu"))
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_cuda_unscale_and_norm_across_launch_boundaries(dtype):
+    # 300 tensors (> 96 per launch) and one of 400 chunks (> 320 blocks per launch)
+    gen = torch.Generator().manual_seed(9)
+    sizes = [int(s) for s in torch.randint(1, 5000, (300,), generator=gen)] + [400 * CHUNK - 7]
+    ours = random_grads(sizes, dtype, "cuda", gen)
+    ref = [g.clone() for g in ours]
+    assert memfit_unscale(ours, 1024.0).item() == torch_unscale(ref, 1024.0).item() == 0.0
+    for a, b in zip(ours, ref):
+        assert torch.equal(a, b)
+    ours[150][3] = float("nan")
+    assert memfit_unscale(ours, 2.0).item() == 1.0
+    ours[150][3] = 0.0
+    out = torch.empty((), device="cuda")
+    ws = torch.empty(_C.mt_num_chunks([g.numel() for g in ours]), device="cuda")
+    for p in (2.0, float("inf")):
+        _C.grad_norm(ours, p, ws, out, 0)
+        assert out.item() == pytest.approx(ref_norm(ours, p), rel=2e-6)
