@@ -98,6 +98,7 @@ static PyMethodDef *method_tables[] = {
     mf_quant_methods,
     mf_cast_methods,
     mf_gemm_methods,
+    mf_plan_methods,
     mf_amp_methods,
 };
 

@@ -23,6 +23,7 @@ __all__ = [
     "amp",
     "build_info",
     "cast",
+    "checkpoint",
     "cuda_device_count",
     "get_num_threads",
     "quant",
@@ -71,7 +72,7 @@ def cast(x, dtype, rounding="nearest", seed=None, out=None):
 
 def __getattr__(name):
     # Submodules load on first use so `import memfit` stays cheap.
-    if name in ("quant", "cli", "doctor", "nn", "amp"):
+    if name in ("quant", "checkpoint", "cli", "doctor", "nn", "amp"):
         import importlib
 
         return importlib.import_module(f"memfit.{name}")
