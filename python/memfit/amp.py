@@ -70,6 +70,8 @@ _ONE_BITS = 0x3F800000  # 1.0f
 # The core reads torch tensors' pointers directly (no DLPack round trip per gradient).
 _C.register_torch(torch.Tensor, torch.float32, torch.float16, torch.bfloat16, torch.strided)
 _FUSED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+_F32, _F16, _BF16 = _FUSED_DTYPES
+_is_contiguous = torch.Tensor.is_contiguous
 
 
 class ScalerConfigError(MemfitValueError, AssertionError):
@@ -121,7 +123,7 @@ def _flat_view(g: torch.Tensor):
 def _prepare(grads: list, write: bool):
     """Views the kernels can take, plus (original, copy) pairs to write back for
     gradients with gaps. The common case (all contiguous) returns the list as is."""
-    if all(g.is_contiguous() for g in grads):
+    if all(map(_is_contiguous, grads)):
         return grads, ()
     views, fixups = [], []
     for g in grads:
@@ -400,8 +402,9 @@ class GradScaler:
 
     def _optimizer_grads(self, optimizer, allow_fp16: bool) -> list:
         """The tensors to unscale for an optimizer (sparse gradients: their values)."""
-        grads = []
         fp16 = torch.float16
+        out = []
+        append = out.append
         for group in optimizer.param_groups:
             for param in group["params"]:
                 if not isinstance(param, torch.Tensor):
@@ -416,10 +419,10 @@ class GradScaler:
                     if g.dtype is fp16:
                         param.grad = g = g.coalesce()
                     g = g._values()
-                grads.append(g)
-        return grads
+                append(g)
+        return out
 
-    def _unscale_tensors_(self, grads: list, scale, skip: dict | None = None):
+    def _unscale_tensors_(self, grads, scale, skip: dict | None = None):
         """Unscales (scale is a tensor) or only checks (scale None) `grads`, one fused C
         call per device. Gradients in `skip` ({id: (grad, found_inf)}: already unscaled
         this iteration) are not touched again; their found_inf is folded in instead.
@@ -433,7 +436,9 @@ class GradScaler:
                 if prev is not None and prev[0] is g:
                     done.setdefault(g.device, []).append(prev[1])
                     continue
-            others = others or g.dtype not in _FUSED_DTYPES
+            if not others:
+                dt = g.dtype
+                others = not (dt is _F32 or dt is _BF16 or dt is _F16)
             key = g.device
             lst = per_device.get(key)
             if lst is None:
@@ -536,7 +541,8 @@ class GradScaler:
                 kwargs_.update({"grad_scaler": self})
             else:
                 if opt_state["stage"] is OptState.READY and self._clip_unscaled and any(
-                        id(g) in self._clip_unscaled for g in self._optimizer_grads(optimizer, True)):
+                        id(g) in self._clip_unscaled
+                        for g in self._optimizer_grads(optimizer, True)):
                     # some gradients were unscaled already (clip_grad_norm_ with scaler=):
                     # unscale the rest too, and step as after unscale_ (grad_scale None)
                     self.unscale_(optimizer)
