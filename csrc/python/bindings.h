@@ -53,6 +53,7 @@ extern PyMethodDef mf_quant_methods[];
 extern PyMethodDef mf_cast_methods[];
 extern PyMethodDef mf_gemm_methods[];
 extern PyMethodDef mf_plan_methods[];
+extern PyMethodDef mf_optim_methods[];
 extern PyMethodDef mf_amp_methods[];
 
 #endif /* MEMFIT_BINDINGS_H */

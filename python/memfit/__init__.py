@@ -26,6 +26,7 @@ __all__ = [
     "checkpoint",
     "cuda_device_count",
     "get_num_threads",
+    "optim",
     "quant",
     "set_num_threads",
 ]
@@ -72,7 +73,7 @@ def cast(x, dtype, rounding="nearest", seed=None, out=None):
 
 def __getattr__(name):
     # Submodules load on first use so `import memfit` stays cheap.
-    if name in ("quant", "checkpoint", "cli", "doctor", "nn", "amp"):
+    if name in ("quant", "checkpoint", "optim", "amp", "cli", "doctor", "nn"):
         import importlib
 
         return importlib.import_module(f"memfit.{name}")

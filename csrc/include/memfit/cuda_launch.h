@@ -10,6 +10,7 @@
 
 #include "memfit/common.h"
 #include "memfit/gemm.h"
+#include "memfit/optim.h"
 #include "memfit/quant.h"
 #include "memfit/scaler.h"
 
@@ -42,6 +43,12 @@ mf_status mf_cuda_gemm(const mf_tensor *a, int trans_a, const mf_tensor *b, int 
                        mf_activation act, mf_tensor *pre, void *stream);
 mf_status mf_cuda_act_backward(const mf_tensor *dy, const mf_tensor *pre, mf_tensor *dpre,
                                mf_activation act, void *stream);
+/* cuda/optim.cu: multi-tensor optimizer step (arguments checked by mf_optim_step). */
+mf_status mf_cuda_optim_step(const mf_optim_hparams *h, mf_state_format fmt, int64_t block_size,
+                             const mf_tensor *code1, const mf_tensor *code2,
+                             const mf_optim_tensor *tensors, int64_t n,
+                             const mf_tensor *grad_scale, const mf_tensor *found_inf,
+                             void *stream);
 
 /* cuda/scaler.cu */
 mf_status mf_cuda_scaler_update(mf_tensor *state, const mf_tensor *found_infs, int64_t n,
