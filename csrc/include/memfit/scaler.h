@@ -75,9 +75,6 @@ typedef struct {
                             fp16 overflow, so backing off would only hurt) */
 } mf_scaler_config;
 
-static inline MF_HD int mf_isfinite_f32(float x) {
-  return (mf_f32_bits(x) & 0x7f800000u) != 0x7f800000u;
-}
 
 /* The update rule on a state block `w` (host or device memory), given whether any
  * gradient of this step was non-finite and whether the loss already was. Writes the
