@@ -406,3 +406,24 @@ def test_cuda_unscale_and_norm_across_launch_boundaries(dtype):
     for p in (2.0, float("inf")):
         _C.grad_norm(ours, p, ws, out, 0)
         assert out.item() == pytest.approx(ref_norm(ours, p), rel=2e-6)
+
+
+def test_unscale_then_clip_with_scaler_only_does_not_unscale_twice():
+    torch.manual_seed(10)
+    ref = torch.nn.Linear(4, 3)
+    model = torch.nn.Linear(4, 3)
+    model.load_state_dict(ref.state_dict())
+    opt, ropt = torch.optim.SGD(model.parameters(), lr=0.1), torch.optim.SGD(ref.parameters(), lr=0.1)
+    s = amp.GradScaler("cpu", init_scale=512.0)
+    x = torch.randn(5, 4)
+    s.scale(model(x).pow(2).sum()).backward()
+    ref(x).pow(2).sum().backward()
+    s.unscale_(opt)
+    n = amp.clip_grad_norm_(model.parameters(), 0.5, scaler=s)
+    rn = torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.5)
+    torch.testing.assert_close(n, rn, rtol=1e-5, atol=0)
+    s.step(opt)
+    s.update()
+    ropt.step()
+    for a, b in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)

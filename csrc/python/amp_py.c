@@ -162,7 +162,7 @@ static int view_get(PyObject *obj, const char *name, int writable, uintptr_t str
 /* ---- lists of arrays ------------------------------------------------------------------- */
 
 typedef struct {
-  PyObject *seq;       /* PySequence_Fast of the argument */
+  PyObject *seq;       /* a tuple of the arrays (holds a reference to each) */
   Py_ssize_t n;
   mf_tensor *t;        /* n views */
   mf_py_view *generic; /* n slots; generic[i].owner != NULL where the generic path was used */
@@ -187,9 +187,11 @@ static int view_list_get(PyObject *obj, const char *name, int writable, uintptr_
                  Py_TYPE(obj)->tp_name);
     return -1;
   }
-  l->seq = PySequence_Fast(obj, "");
+  /* a tuple of our own: it keeps every array alive while the GIL is released, even if
+   * another thread empties the caller's list meanwhile */
+  l->seq = PyTuple_Check(obj) ? Py_NewRef(obj) : PyList_AsTuple(obj);
   if (!l->seq) return -1;
-  l->n = PySequence_Fast_GET_SIZE(l->seq);
+  l->n = PyTuple_GET_SIZE(l->seq);
   l->t = (mf_tensor *)PyMem_Calloc(l->n ? (size_t)l->n : 1, sizeof(mf_tensor));
   l->generic = (mf_py_view *)PyMem_Calloc(l->n ? (size_t)l->n : 1, sizeof(mf_py_view));
   if (!l->t || !l->generic) {
@@ -197,7 +199,7 @@ static int view_list_get(PyObject *obj, const char *name, int writable, uintptr_
     view_list_release(l);
     return -1;
   }
-  PyObject **items = PySequence_Fast_ITEMS(l->seq);
+  PyObject **items = PySequence_Fast_ITEMS(l->seq); /* valid for tuples */
   for (Py_ssize_t i = 0; i < l->n; i++) {
     int rc = torch_view(items[i], name, i, &l->t[i]);
     if (rc == 1) {

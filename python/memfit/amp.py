@@ -70,6 +70,8 @@ _ONE_BITS = 0x3F800000  # 1.0f
 # The core reads torch tensors' pointers directly (no DLPack round trip per gradient).
 _C.register_torch(torch.Tensor, torch.float32, torch.float16, torch.bfloat16, torch.strided)
 _FUSED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+_F32, _F16, _BF16 = _FUSED_DTYPES
+_is_contiguous = torch.Tensor.is_contiguous
 
 
 class ScalerConfigError(MemfitValueError, AssertionError):
@@ -121,7 +123,7 @@ def _flat_view(g: torch.Tensor):
 def _prepare(grads: list, write: bool):
     """Views the kernels can take, plus (original, copy) pairs to write back for
     gradients with gaps. The common case (all contiguous) returns the list as is."""
-    if all(g.is_contiguous() for g in grads):
+    if all(map(_is_contiguous, grads)):
         return grads, ()
     views, fixups = [], []
     for g in grads:
@@ -225,7 +227,10 @@ class GradScaler:
         self._saved_words = None
         self._seen = {"loss": 0, "min_clamps": 0, "streak_warned": -1, "below_one": False}
         self._per_optimizer_states: dict = defaultdict(_refresh_per_optimizer_state)
-        self._unscaled: dict = {}  # id(grad) -> (grad, found_inf) unscaled this iteration
+        # gradients unscaled this iteration: by unscale_ ([(grads, found_inf)], O(1) to
+        # record) and by clip_grad_norm_(..., scaler=) ({id: (grad, found_inf)})
+        self._unscaled_lists: list = []
+        self._clip_unscaled: dict = {}
         if self._enabled:
             self._init_scale = _as_float(init_scale, "init_scale")
             if not (math.isfinite(self._init_scale) and self._init_scale > 0):
@@ -397,8 +402,9 @@ class GradScaler:
 
     def _optimizer_grads(self, optimizer, allow_fp16: bool) -> list:
         """The tensors to unscale for an optimizer (sparse gradients: their values)."""
-        grads = []
         fp16 = torch.float16
+        out = []
+        append = out.append
         for group in optimizer.param_groups:
             for param in group["params"]:
                 if not isinstance(param, torch.Tensor):
@@ -413,26 +419,26 @@ class GradScaler:
                     if g.dtype is fp16:
                         param.grad = g = g.coalesce()
                     g = g._values()
-                grads.append(g)
-        return grads
+                append(g)
+        return out
 
-    def _unscale_tensors_(self, grads: list, scale) -> dict:
+    def _unscale_tensors_(self, grads, scale, skip: dict | None = None):
         """Unscales (scale is a tensor) or only checks (scale None) `grads`, one fused C
-        call per device, and returns {device: found_inf}. Gradients already unscaled in
-        this iteration (by unscale_ or by clip_grad_norm_(..., scaler=)) are not touched
-        again: their recorded found_inf is folded in instead. Unscaled ones are recorded
-        until update()."""
+        call per device. Gradients in `skip` ({id: (grad, found_inf)}: already unscaled
+        this iteration) are not touched again; their found_inf is folded in instead.
+        Returns ({device: found_inf}, {device: the gradients it unscaled or checked})."""
         per_device: dict = {}
         done: dict = {}
         others = False
-        registry = self._unscaled
         for g in grads:
-            if registry:
-                prev = registry.get(id(g))
+            if skip:
+                prev = skip.get(id(g))
                 if prev is not None and prev[0] is g:
                     done.setdefault(g.device, []).append(prev[1])
                     continue
-            others = others or g.dtype not in _FUSED_DTYPES
+            if not others:
+                dt = g.dtype
+                others = not (dt is _F32 or dt is _BF16 or dt is _F16)
             key = g.device
             lst = per_device.get(key)
             if lst is None:
@@ -460,13 +466,27 @@ class GradScaler:
                 for prev in done.get(device, ()):
                     torch.maximum(fi, prev, out=fi)  # stays 0 or 1: fused optimizers count on it
                 found[device] = fi
-                if scale is not None:
-                    for g in per_device.get(device, ()):
-                        registry[id(g)] = (g, fi)
-        return found
+        return found, per_device
 
     def _unscale_grads_(self, optimizer, scale, found_inf=None, allow_fp16: bool = False) -> dict:
-        return self._unscale_tensors_(self._optimizer_grads(optimizer, allow_fp16), scale)
+        found, unscaled = self._unscale_tensors_(self._optimizer_grads(optimizer, allow_fp16),
+                                                 scale, self._clip_unscaled)
+        if scale is not None:
+            for device, grads in unscaled.items():
+                self._unscaled_lists.append((grads, found[device]))
+        return found
+
+    def _unscale_for_clip_(self, grads: list) -> None:
+        """clip_grad_norm_(..., scaler=) without the optimizer: unscale what unscale_ has
+        not, and record it so that step()/unscale_() skip it but keep its inf/NaN."""
+        skip = dict(self._clip_unscaled)
+        for lst, fi in self._unscaled_lists:
+            for g in lst:
+                skip[id(g)] = (g, fi)
+        found, unscaled = self._unscale_tensors_(grads, self._scale, skip)
+        for device, lst in unscaled.items():
+            for g in lst:
+                self._clip_unscaled[id(g)] = (g, found[device])
 
     def unscale_(self, optimizer) -> None:
         """Divides the optimizer's gradients by the scale in place (one fused pass per
@@ -520,8 +540,9 @@ class GradScaler:
                     "directly.", FutureWarning, stacklevel=2)
                 kwargs_.update({"grad_scaler": self})
             else:
-                if opt_state["stage"] is OptState.READY and self._unscaled and any(
-                        id(g) in self._unscaled for g in self._optimizer_grads(optimizer, True)):
+                if opt_state["stage"] is OptState.READY and self._clip_unscaled and any(
+                        id(g) in self._clip_unscaled
+                        for g in self._optimizer_grads(optimizer, True)):
                     # some gradients were unscaled already (clip_grad_norm_ with scaler=):
                     # unscale the rest too, and step as after unscale_ (grad_scale None)
                     self.unscale_(optimizer)
@@ -600,7 +621,8 @@ class GradScaler:
             self._after_update()
         self._per_optimizer_states = defaultdict(_refresh_per_optimizer_state)
         self._loss_flag = None
-        self._unscaled = {}
+        self._unscaled_lists = []
+        self._clip_unscaled = {}
 
     # ---- statistics and warnings --------------------------------------------------------
 
@@ -749,7 +771,7 @@ class GradScaler:
     def __getstate__(self) -> dict:
         state = self.__dict__.copy()
         if self._enabled:
-            if len(self._per_optimizer_states) != 0 or self._unscaled:
+            if len(self._per_optimizer_states) != 0 or self._clip_unscaled:
                 raise AssertionError(
                     "A GradScaler instance may only be pickled at the beginning of an iteration, "
                     "or at the end after scaler.update().")
@@ -762,7 +784,8 @@ class GradScaler:
         state["_loss_flag"] = None
         state["_pending"] = None
         state["_per_optimizer_states"] = None
-        state["_unscaled"] = {}
+        state["_unscaled_lists"] = []
+        state["_clip_unscaled"] = {}
         return state
 
     def __setstate__(self, state: dict) -> None:
@@ -811,7 +834,7 @@ def clip_grad_norm_(parameters, max_norm: float, norm_type: float = 2.0,
                     "tracks their unscaling per optimizer)")
             if any(g.dtype is torch.float16 for g in pending):
                 raise ValueError("Attempting to unscale FP16 gradients.")
-            scaler._unscale_tensors_(pending, scaler._scale)
+            scaler._unscale_for_clip_(pending)
     max_norm = _as_float(max_norm, "max_norm")
     norm_type = _as_float(norm_type, "norm_type")
     grads = [p.grad for p in params if p.grad is not None]

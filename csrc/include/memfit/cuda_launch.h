@@ -1,5 +1,5 @@
 /*
- * memfit core -> CUDA: launchers implemented in cuda/*.cu, called by the core's
+ * memfit core -> CUDA: launchers implemented in the cuda/ folder, called by the core's
  * dispatch code only after it has validated every argument. They run on the given
  * stream (a cudaStream_t; NULL is the default stream) on the device of their views,
  * never synchronize, and return MF_ERR_CUDA with the CUDA error string on failure.

@@ -18,6 +18,9 @@
  *                       growth_factor unless that is not finite, and tracker = 0.
  *    Extras: hysteresis = N backs off only from the N-th consecutive non-finite step
  *    on (then at each further one); min_scale clamps a backoff, max_scale a growth.
+ *    One deliberate difference: growth happens when the tracker reaches *at least*
+ *    growth_interval (torch tests ==), so lowering growth_interval below the current
+ *    tracker with set_growth_interval() grows at the next finite step instead of never.
  *
  * 3. The per-optimizer stage machine READY -> UNSCALED -> STEPPED (torch's OptState):
  *    mf_scaler_stage_next() says whether an event is legal in a stage and gives the
@@ -72,9 +75,6 @@ typedef struct {
                             fp16 overflow, so backing off would only hurt) */
 } mf_scaler_config;
 
-static inline MF_HD int mf_isfinite_f32(float x) {
-  return (mf_f32_bits(x) & 0x7f800000u) != 0x7f800000u;
-}
 
 /* The update rule on a state block `w` (host or device memory), given whether any
  * gradient of this step was non-finite and whether the loss already was. Writes the
