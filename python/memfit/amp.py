@@ -40,7 +40,7 @@ import warnings
 from collections import abc, defaultdict
 from contextlib import nullcontext
 from enum import Enum
-from typing import Any, Iterable
+from typing import Any
 
 import numpy as np
 import torch
@@ -494,7 +494,7 @@ class GradScaler:
         if this was not called. Once per optimizer per iteration."""
         if not self._enabled:
             return
-        state = self._check_scale_growth_tracker("unscale_")
+        self._check_scale_growth_tracker("unscale_")
         opt_state = self._per_optimizer_states[id(optimizer)]
         nxt = _C.scaler_stage_next(opt_state["stage"].value, _EVENT_UNSCALE)
         opt_state["found_inf_per_device"] = self._unscale_grads_(optimizer, self._scale, None, False)
