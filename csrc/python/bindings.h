@@ -39,9 +39,21 @@ int mf_py_view_get(PyObject *obj, const char *name, int writable, uintptr_t stre
                    mf_py_view *v);
 void mf_py_view_release(mf_py_view *v);
 
+/* Several views at once, for bindings that take many arrays: all are acquired, or
+ * none is held and the exception is set. Per-array flags: MF_PY_WRITABLE, and
+ * MF_PY_OPTIONAL (None gives an absent view: views[i].t.data == NULL, numel 0). */
+enum { MF_PY_READ = 0, MF_PY_WRITABLE = 1, MF_PY_OPTIONAL = 2 };
+int mf_py_views_get(int n, PyObject *const *objs, const char *const *names, const int *flags,
+                    uintptr_t stream, mf_py_view *views);
+void mf_py_views_release(int n, mf_py_view *views);
+/* The view's tensor, or NULL for an absent optional view. */
+static inline mf_tensor *mf_py_tensor_or_null(mf_py_view *v) { return v->owner ? &v->t : NULL; }
+
 extern PyMethodDef mf_quant_methods[];
 extern PyMethodDef mf_cast_methods[];
 extern PyMethodDef mf_gemm_methods[];
 extern PyMethodDef mf_plan_methods[];
+extern PyMethodDef mf_optim_methods[];
+extern PyMethodDef mf_amp_methods[];
 
 #endif /* MEMFIT_BINDINGS_H */

@@ -9,19 +9,17 @@ static PyObject *py_cast(PyObject *self, PyObject *args) {
   int stochastic;
   unsigned long long seed, stream;
   if (!PyArg_ParseTuple(args, "OOpKK", &ox, &oout, &stochastic, &seed, &stream)) return NULL;
-  mf_py_view x, out;
-  if (mf_py_view_get(ox, "x", 0, (uintptr_t)stream, &x)) return NULL;
-  if (mf_py_view_get(oout, "out", 1, (uintptr_t)stream, &out)) {
-    mf_py_view_release(&x);
-    return NULL;
-  }
+  PyObject *o[2] = {ox, oout};
+  static const char *const names[] = {"x", "out"};
+  static const int flags[] = {MF_PY_READ, MF_PY_WRITABLE};
+  mf_py_view v[2];
+  if (mf_py_views_get(2, o, names, flags, (uintptr_t)stream, v)) return NULL;
   mf_status st;
   Py_BEGIN_ALLOW_THREADS
-  st = mf_cast(&x.t, &out.t, stochastic ? MF_ROUND_STOCHASTIC : MF_ROUND_NEAREST, seed,
+  st = mf_cast(&v[0].t, &v[1].t, stochastic ? MF_ROUND_STOCHASTIC : MF_ROUND_NEAREST, seed,
                (void *)(uintptr_t)stream);
   Py_END_ALLOW_THREADS
-  mf_py_view_release(&out);
-  mf_py_view_release(&x);
+  mf_py_views_release(2, v);
   if (st) return mf_py_raise(st);
   Py_RETURN_NONE;
 }

@@ -4,89 +4,50 @@
 #include "bindings.h"
 #include "memfit/gemm.h"
 
-/* Optional arrays: None -> no view. */
-static int view_opt(PyObject *o, const char *name, int writable, uintptr_t stream, mf_py_view *v,
-                    int *have) {
-  *have = 0;
-  if (o == Py_None) return 0;
-  if (mf_py_view_get(o, name, writable, stream, v)) return -1;
-  *have = 1;
-  return 0;
-}
-
 /* gemm(a, trans_a, b, trans_b, out, m, n, k, bias, act, pre, stream) */
 static PyObject *py_gemm(PyObject *self, PyObject *args) {
   (void)self;
-  PyObject *oa, *ob, *oout, *obias, *opre;
+  PyObject *o[5]; /* a, b, out, bias, pre */
   int trans_a, trans_b, act;
   long long m, n, k;
   unsigned long long stream;
-  if (!PyArg_ParseTuple(args, "OpOpOLLLOiOK", &oa, &trans_a, &ob, &trans_b, &oout, &m, &n, &k,
-                        &obias, &act, &opre, &stream))
+  if (!PyArg_ParseTuple(args, "OpOpOLLLOiOK", &o[0], &trans_a, &o[1], &trans_b, &o[2], &m, &n, &k,
+                        &o[3], &act, &o[4], &stream))
     return NULL;
-  PyObject *result = NULL;
-  mf_py_view a, b, out, bias, pre;
-  int have_a = 0, have_b = 0, have_out = 0, have_bias = 0, have_pre = 0;
-  uintptr_t s = (uintptr_t)stream;
-  if (mf_py_view_get(oa, "a", 0, s, &a)) goto finish;
-  have_a = 1;
-  if (mf_py_view_get(ob, "b", 0, s, &b)) goto finish;
-  have_b = 1;
-  if (mf_py_view_get(oout, "out", 1, s, &out)) goto finish;
-  have_out = 1;
-  if (view_opt(obias, "bias", 0, s, &bias, &have_bias)) goto finish;
-  if (view_opt(opre, "pre", 1, s, &pre, &have_pre)) goto finish;
+  static const char *const names[] = {"a", "b", "out", "bias", "pre"};
+  static const int flags[] = {MF_PY_READ, MF_PY_READ, MF_PY_WRITABLE, MF_PY_OPTIONAL,
+                              MF_PY_WRITABLE | MF_PY_OPTIONAL};
+  mf_py_view v[5];
+  if (mf_py_views_get(5, o, names, flags, (uintptr_t)stream, v)) return NULL;
   mf_status st;
   Py_BEGIN_ALLOW_THREADS
-  st = mf_gemm(&a.t, trans_a, &b.t, trans_b, &out.t, (int64_t)m, (int64_t)n, (int64_t)k,
-               have_bias ? &bias.t : NULL, (mf_activation)act, have_pre ? &pre.t : NULL,
-               (void *)s);
+  st = mf_gemm(&v[0].t, trans_a, &v[1].t, trans_b, &v[2].t, (int64_t)m, (int64_t)n, (int64_t)k,
+               mf_py_tensor_or_null(&v[3]), (mf_activation)act, mf_py_tensor_or_null(&v[4]),
+               (void *)(uintptr_t)stream);
   Py_END_ALLOW_THREADS
-  if (st) {
-    mf_py_raise(st);
-    goto finish;
-  }
-  result = Py_NewRef(Py_None);
-finish:
-  if (have_pre) mf_py_view_release(&pre);
-  if (have_bias) mf_py_view_release(&bias);
-  if (have_out) mf_py_view_release(&out);
-  if (have_b) mf_py_view_release(&b);
-  if (have_a) mf_py_view_release(&a);
-  return result;
+  mf_py_views_release(5, v);
+  if (st) return mf_py_raise(st);
+  Py_RETURN_NONE;
 }
 
 /* act_backward(dy, pre, out, act, stream) */
 static PyObject *py_act_backward(PyObject *self, PyObject *args) {
   (void)self;
-  PyObject *ody, *opre, *oout;
+  PyObject *o[3];
   int act;
   unsigned long long stream;
-  if (!PyArg_ParseTuple(args, "OOOiK", &ody, &opre, &oout, &act, &stream)) return NULL;
-  PyObject *result = NULL;
-  mf_py_view dy, pre, out;
-  int have = 0;
-  uintptr_t s = (uintptr_t)stream;
-  if (mf_py_view_get(ody, "grad_output", 0, s, &dy)) goto finish;
-  have = 1;
-  if (mf_py_view_get(opre, "pre", 0, s, &pre)) goto finish;
-  have = 2;
-  if (mf_py_view_get(oout, "out", 1, s, &out)) goto finish;
-  have = 3;
+  if (!PyArg_ParseTuple(args, "OOOiK", &o[0], &o[1], &o[2], &act, &stream)) return NULL;
+  static const char *const names[] = {"grad_output", "pre", "out"};
+  static const int flags[] = {MF_PY_READ, MF_PY_READ, MF_PY_WRITABLE};
+  mf_py_view v[3];
+  if (mf_py_views_get(3, o, names, flags, (uintptr_t)stream, v)) return NULL;
   mf_status st;
   Py_BEGIN_ALLOW_THREADS
-  st = mf_act_backward(&dy.t, &pre.t, &out.t, (mf_activation)act, (void *)s);
+  st = mf_act_backward(&v[0].t, &v[1].t, &v[2].t, (mf_activation)act, (void *)(uintptr_t)stream);
   Py_END_ALLOW_THREADS
-  if (st) {
-    mf_py_raise(st);
-    goto finish;
-  }
-  result = Py_NewRef(Py_None);
-finish:
-  if (have >= 3) mf_py_view_release(&out);
-  if (have >= 2) mf_py_view_release(&pre);
-  if (have >= 1) mf_py_view_release(&dy);
-  return result;
+  mf_py_views_release(3, v);
+  if (st) return mf_py_raise(st);
+  Py_RETURN_NONE;
 }
 
 PyMethodDef mf_gemm_methods[] = {

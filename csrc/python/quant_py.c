@@ -6,78 +6,48 @@
 /* quantize_blockwise(x, code, codes, absmax, block_size, stochastic, seed, stream) */
 static PyObject *py_quantize_blockwise(PyObject *self, PyObject *args) {
   (void)self;
-  PyObject *ox, *ocode, *ocodes, *oabsmax;
+  PyObject *o[4];
   long long block_size;
   int stochastic;
   unsigned long long seed, stream;
-  if (!PyArg_ParseTuple(args, "OOOOLpKK", &ox, &ocode, &ocodes, &oabsmax, &block_size,
-                        &stochastic, &seed, &stream))
+  if (!PyArg_ParseTuple(args, "OOOOLpKK", &o[0], &o[1], &o[2], &o[3], &block_size, &stochastic,
+                        &seed, &stream))
     return NULL;
-  PyObject *result = NULL;
-  mf_py_view x, code, codes, absmax;
-  int have = 0;
-  if (mf_py_view_get(ox, "x", 0, (uintptr_t)stream, &x)) goto finish;
-  have = 1;
-  if (mf_py_view_get(ocode, "code", 0, (uintptr_t)stream, &code)) goto finish;
-  have = 2;
-  if (mf_py_view_get(ocodes, "codes", 1, (uintptr_t)stream, &codes)) goto finish;
-  have = 3;
-  if (mf_py_view_get(oabsmax, "absmax", 1, (uintptr_t)stream, &absmax)) goto finish;
-  have = 4;
+  static const char *const names[] = {"x", "code", "codes", "absmax"};
+  static const int flags[] = {MF_PY_READ, MF_PY_READ, MF_PY_WRITABLE, MF_PY_WRITABLE};
+  mf_py_view v[4];
+  if (mf_py_views_get(4, o, names, flags, (uintptr_t)stream, v)) return NULL;
   mf_status st;
   Py_BEGIN_ALLOW_THREADS
-  st = mf_quantize_blockwise(&x.t, &code.t, &codes.t, &absmax.t, (int64_t)block_size,
+  st = mf_quantize_blockwise(&v[0].t, &v[1].t, &v[2].t, &v[3].t, (int64_t)block_size,
                              stochastic ? MF_ROUND_STOCHASTIC : MF_ROUND_NEAREST, seed,
                              (void *)(uintptr_t)stream);
   Py_END_ALLOW_THREADS
-  if (st) {
-    mf_py_raise(st);
-    goto finish;
-  }
-  result = Py_NewRef(Py_None);
-finish:
-  if (have >= 4) mf_py_view_release(&absmax);
-  if (have >= 3) mf_py_view_release(&codes);
-  if (have >= 2) mf_py_view_release(&code);
-  if (have >= 1) mf_py_view_release(&x);
-  return result;
+  mf_py_views_release(4, v);
+  if (st) return mf_py_raise(st);
+  Py_RETURN_NONE;
 }
 
 /* dequantize_blockwise(codes, absmax, code, out, block_size, stream) */
 static PyObject *py_dequantize_blockwise(PyObject *self, PyObject *args) {
   (void)self;
-  PyObject *ocodes, *oabsmax, *ocode, *oout;
+  PyObject *o[4];
   long long block_size;
   unsigned long long stream;
-  if (!PyArg_ParseTuple(args, "OOOOLK", &ocodes, &oabsmax, &ocode, &oout, &block_size, &stream))
+  if (!PyArg_ParseTuple(args, "OOOOLK", &o[0], &o[1], &o[2], &o[3], &block_size, &stream))
     return NULL;
-  PyObject *result = NULL;
-  mf_py_view codes, absmax, code, out;
-  int have = 0;
-  if (mf_py_view_get(ocodes, "codes", 0, (uintptr_t)stream, &codes)) goto finish;
-  have = 1;
-  if (mf_py_view_get(oabsmax, "absmax", 0, (uintptr_t)stream, &absmax)) goto finish;
-  have = 2;
-  if (mf_py_view_get(ocode, "code", 0, (uintptr_t)stream, &code)) goto finish;
-  have = 3;
-  if (mf_py_view_get(oout, "out", 1, (uintptr_t)stream, &out)) goto finish;
-  have = 4;
+  static const char *const names[] = {"codes", "absmax", "code", "out"};
+  static const int flags[] = {MF_PY_READ, MF_PY_READ, MF_PY_READ, MF_PY_WRITABLE};
+  mf_py_view v[4];
+  if (mf_py_views_get(4, o, names, flags, (uintptr_t)stream, v)) return NULL;
   mf_status st;
   Py_BEGIN_ALLOW_THREADS
-  st = mf_dequantize_blockwise(&codes.t, &absmax.t, &code.t, &out.t, (int64_t)block_size,
+  st = mf_dequantize_blockwise(&v[0].t, &v[1].t, &v[2].t, &v[3].t, (int64_t)block_size,
                                (void *)(uintptr_t)stream);
   Py_END_ALLOW_THREADS
-  if (st) {
-    mf_py_raise(st);
-    goto finish;
-  }
-  result = Py_NewRef(Py_None);
-finish:
-  if (have >= 4) mf_py_view_release(&out);
-  if (have >= 3) mf_py_view_release(&code);
-  if (have >= 2) mf_py_view_release(&absmax);
-  if (have >= 1) mf_py_view_release(&codes);
-  return result;
+  mf_py_views_release(4, v);
+  if (st) return mf_py_raise(st);
+  Py_RETURN_NONE;
 }
 
 /* Fills a float32 CPU array with a code table. */

@@ -289,3 +289,25 @@ int mf_py_view_get(PyObject *obj, const char *name, int writable, uintptr_t stre
                name, Py_TYPE(obj)->tp_name);
   return -1;
 }
+
+void mf_py_views_release(int n, mf_py_view *views) {
+  for (int i = n - 1; i >= 0; i--) mf_py_view_release(&views[i]);
+}
+
+int mf_py_views_get(int n, PyObject *const *objs, const char *const *names, const int *flags,
+                    uintptr_t stream, mf_py_view *views) {
+  for (int i = 0; i < n; i++) {
+    if (objs[i] == Py_None && (flags[i] & MF_PY_OPTIONAL)) {
+      memset(&views[i], 0, sizeof views[i]);
+      continue;
+    }
+    if (mf_py_view_get(objs[i], names[i], flags[i] & MF_PY_WRITABLE, stream, &views[i])) {
+      PyObject *type, *value, *tb;
+      PyErr_Fetch(&type, &value, &tb); /* releasing runs producers' deleters */
+      mf_py_views_release(i, views);
+      PyErr_Restore(type, value, tb);
+      return -1;
+    }
+  }
+  return 0;
+}

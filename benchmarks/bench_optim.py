@@ -1,0 +1,214 @@
+"""Optimizer step speed: memfit vs torch fused AdamW vs bitsandbytes, in one process.
+
+    python benchmarks/bench_optim.py                 # CPU (and GPU when one is present)
+    python benchmarks/bench_optim.py --reps 31 --numel 16777216
+
+CPU: one fp32 tensor of --numel parameters (default 16M), gradients randn*0.01. Every
+repetition steps each optimizer once, in a rotating order (interleaved, so machine noise
+hits all of them alike); we report the median wall time and the median process CPU
+time. Two cache regimes:
+  cold: a 1 GiB buffer is written before each step, so the optimizer's data comes from
+        DRAM, as in training, where forward and backward run between two steps;
+  warm: steps back to back (on a machine whose L3 holds the working set, this measures
+        the arithmetic rather than the memory system).
+Bytes per parameter moved (fp32 params and grads): torch AdamW 28 (p, g, m, v read;
+p, m, v written), memfit AdamW8bit 16 + absmax, AdamW4bit 14 + absmax; we report GB/s.
+
+GPU (when torch.cuda is available and memfit has CUDA): AdamW8bit over ~1B parameters as
+one tensor and as a model of many small plus a few large tensors, timed with CUDA
+events, against torch fused AdamW, bitsandbytes AdamW8bit, and a device-to-device copy
+of the same number of bytes (the bandwidth ceiling).
+
+Prints markdown tables (for RESULTS.md) and writes benchmarks/out/bench_optim.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _common import copy_bandwidth, markdown_table, metadata, write_json  # noqa: E402
+
+import memfit  # noqa: E402
+import memfit.optim as mo  # noqa: E402
+
+
+def _bnb():
+    try:
+        import bitsandbytes as bnb  # noqa: F401
+
+        return bnb
+    except Exception as e:  # pragma: no cover - depends on the environment
+        print(f"bitsandbytes not usable: {e!r}", file=sys.stderr)
+        return None
+
+
+BYTES = {"torch AdamW fused": 28, "torch AdamW foreach": 28, "memfit AdamW": 28,
+         "memfit AdamW8bit": 16 + 8 / 256, "memfit AdamW4bit": 14 + 8 / 128,
+         "bnb AdamW8bit": 16 + 8 / 256}
+
+
+def cpu_bench(numel, reps, regimes, with_bnb, torch_only_fused=False):
+    gen = torch.Generator().manual_seed(0)
+    base = torch.randn(numel, generator=gen) * 0.1
+    grad = torch.randn(numel, generator=gen) * 0.01
+
+    def param():
+        p = torch.nn.Parameter(base.clone())
+        p.grad = grad.clone()
+        return p
+
+    opts = {
+        "torch AdamW fused": torch.optim.AdamW([param()], lr=1e-3, fused=True),
+        "memfit AdamW8bit": mo.AdamW8bit([param()], lr=1e-3),
+        "memfit AdamW4bit": mo.AdamW4bit([param()], lr=1e-3),
+        "memfit AdamW": mo.AdamW([param()], lr=1e-3),
+    }
+    if not torch_only_fused:
+        opts["torch AdamW foreach"] = torch.optim.AdamW([param()], lr=1e-3, foreach=True)
+    bnb = _bnb() if with_bnb else None
+    if bnb is not None:
+        try:
+            o = bnb.optim.AdamW8bit([param()], lr=1e-3)
+            o.step()
+            opts["bnb AdamW8bit"] = o
+        except Exception as e:  # pragma: no cover
+            print(f"bitsandbytes AdamW8bit does not run on CPU here: {e!r}", file=sys.stderr)
+    for o in opts.values():  # warm-up: states allocated, tables built
+        o.step()
+        o.step()
+    flush = torch.empty(256 * 1024 * 1024, dtype=torch.float32)  # 1 GiB
+    names = list(opts)
+    results = {}
+    for regime in regimes:
+        wall = {k: [] for k in names}
+        cpu = {k: [] for k in names}
+        # the slow bitsandbytes CPU path gets fewer repetitions
+        for r in range(reps):
+            order = names[r % len(names):] + names[:r % len(names)]
+            for k in order:
+                if k == "bnb AdamW8bit" and r >= max(3, reps // 5):
+                    continue
+                if regime == "cold":
+                    flush.fill_(float(r))
+                t0, c0 = time.perf_counter(), time.process_time()
+                opts[k].step()
+                wall[k].append(time.perf_counter() - t0)
+                cpu[k].append(time.process_time() - c0)
+        ref = statistics.median(wall["torch AdamW fused"])
+        ref_cpu = statistics.median(cpu["torch AdamW fused"])
+        for k in names:
+            w, c = statistics.median(wall[k]), statistics.median(cpu[k])
+            results[(regime, k)] = {
+                "regime": regime, "optimizer": k, "numel": numel, "reps": len(wall[k]),
+                "wall_ms": w * 1e3, "cpu_ms": c * 1e3,
+                "wall_ms_min": min(wall[k]) * 1e3, "wall_ms_max": max(wall[k]) * 1e3,
+                "speedup_vs_torch_fused": ref / w, "cpu_speedup_vs_torch_fused": ref_cpu / c,
+                "bytes_per_param": BYTES.get(k), "GB_per_s": BYTES.get(k, 0) * numel / w / 1e9,
+            }
+    return list(results.values())
+
+
+def gpu_bench(reps):  # pragma: no cover - needs a GPU
+    dev = torch.device("cuda")
+    out = []
+
+    def timed(fn, n):
+        fn()
+        torch.cuda.synchronize()
+        ev = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(n)]
+        for a, b in ev:
+            a.record()
+            fn()
+            b.record()
+        torch.cuda.synchronize()
+        return statistics.median(a.elapsed_time(b) for a, b in ev)
+
+    total = 1 << 30
+    layouts = {
+        "one 1B tensor": [total],
+        # many small (biases, norms) and a few large (embeddings, projections)
+        "model: 2000 small + 8 large": [4096] * 2000 + [(total - 4096 * 2000) // 8] * 8,
+    }
+    bnb = _bnb()
+    for lname, sizes in layouts.items():
+        for dtype in (torch.float32, torch.bfloat16):
+            params = [torch.nn.Parameter(torch.randn(n, device=dev, dtype=dtype) * 0.1) for n in sizes]
+            for p in params:
+                p.grad = torch.randn_like(p) * 0.01
+            esz = params[0].element_size()
+            cands = {"memfit AdamW8bit": lambda: mo.AdamW8bit(params, lr=1e-3),
+                     "memfit AdamW4bit": lambda: mo.AdamW4bit(params, lr=1e-3)}
+            cands["torch AdamW fused"] = lambda: torch.optim.AdamW(params, lr=1e-3, fused=True)
+            if bnb is not None:
+                cands["bnb AdamW8bit"] = lambda: bnb.optim.AdamW8bit(params, lr=1e-3)
+            src = torch.empty(int(sum(sizes) * (2 * esz + 2)), dtype=torch.uint8, device=dev)
+            dst = torch.empty_like(src)
+            copy_ms = timed(lambda: dst.copy_(src), reps)
+            copy_gbs = 2 * src.numel() / copy_ms / 1e6
+            for name, make in cands.items():
+                try:
+                    opt = make()
+                except Exception as e:
+                    print(f"{name}: {e!r}", file=sys.stderr)
+                    continue
+                ms = timed(opt.step, reps)
+                bpp = {"memfit AdamW8bit": 3 * esz + 2 + 8 / 256, "bnb AdamW8bit": 3 * esz + 2 + 8 / 256,
+                       "memfit AdamW4bit": 3 * esz + 1 + 8 / 128, "torch AdamW fused": 3 * esz + 16}[name]
+                gbs = bpp * sum(sizes) / ms / 1e6
+                out.append({"layout": lname, "dtype": str(dtype), "optimizer": name, "ms": ms,
+                            "GB_per_s": gbs, "copy_GB_per_s": copy_gbs,
+                            "fraction_of_copy": gbs / copy_gbs, "device": torch.cuda.get_device_name()})
+                del opt
+                torch.cuda.empty_cache()
+            del params, src, dst
+            torch.cuda.empty_cache()
+    return out
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--numel", type=int, default=16 * 1024 * 1024)
+    ap.add_argument("--reps", type=int, default=21)
+    ap.add_argument("--regimes", default="cold,warm")
+    ap.add_argument("--no-bnb", action="store_true")
+    ap.add_argument("--no-gpu", action="store_true")
+    args = ap.parse_args(argv)
+
+    meta = {"cpu": dict(metadata("cpu"), copy_bandwidth_gbps=copy_bandwidth("cpu") / 1e9,
+                        numel=args.numel, reps=args.reps)}
+    rows = cpu_bench(args.numel, args.reps, args.regimes.split(","), not args.no_bnb)
+    m = meta["cpu"]
+    print(f"cpu: {m['cpu']}, {m['cores']} cores, copy {m['copy_bandwidth_gbps']:.1f} GB/s (read+write), "
+          f"memfit {m['memfit_threads']} / torch {m.get('torch_threads')} threads, torch {m.get('torch')}, "
+          f"commit {m['commit']}, {m['date']}")
+    print(f"AdamW step over {args.numel} fp32 parameters (one tensor, grads randn*0.01); median of "
+          f"{args.reps} interleaved steps (bitsandbytes: fewer); cold = 1 GiB written before each step\n")
+    print(markdown_table(
+        ["regime", "optimizer", "wall ms", "x torch fused (wall)", "x torch fused (CPU time)", "B/param", "GB/s"],
+        [[r["regime"], r["optimizer"], f"{r['wall_ms']:.2f}", f"{r['speedup_vs_torch_fused']:.2f}",
+          f"{r['cpu_speedup_vs_torch_fused']:.2f}", f"{r['bytes_per_param']:.1f}", f"{r['GB_per_s']:.1f}"]
+         for r in rows]))
+    gpu = []
+    if not args.no_gpu and torch.cuda.is_available() and memfit.build_info()["cuda"]:
+        meta["cuda"] = metadata("cuda")
+        gpu = gpu_bench(max(5, args.reps // 2))
+        print(f"\ncuda: {meta['cuda'].get('gpu')}\n")
+        print(markdown_table(
+            ["layout", "dtype", "optimizer", "ms", "GB/s", "% of D2D copy"],
+            [[r["layout"], r["dtype"], r["optimizer"], f"{r['ms']:.2f}", f"{r['GB_per_s']:.0f}",
+              f"{100 * r['fraction_of_copy']:.0f}"] for r in gpu]))
+    else:
+        print("\nGPU: not measured here (no CUDA device, or memfit built without CUDA)")
+    path = write_json("bench_optim", {"meta": meta, "cpu": rows, "gpu": gpu})
+    print(f"\nwrote {path}")
+
+
+if __name__ == "__main__":
+    main()

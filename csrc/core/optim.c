@@ -1,0 +1,655 @@
+/*
+ * Optimizer steps: argument checks, dispatch, and the CPU loops.
+ *
+ * CPU path. One OpenMP parallel region covers every tensor of the call; each tensor's
+ * blocks are shared out with `omp for nowait`, so a call with many small tensors does
+ * not pay one fork/join each. A block (block_size elements; the whole tensor in chunks
+ * of 2048 for fp32 states) goes through four short loops over per-thread buffers that
+ * stay in L1:
+ *   1. load:     widen f16/bf16 params and grads to float; dequantize the states
+ *                (code[index] * absmax)
+ *   2. update:   mf_optim_update_one() for every element (optim.h, shared with CUDA)
+ *   3. absmax:   of the new states, as the max of the float bit patterns with the
+ *                sign cleared (same order as the values for non-negative floats)
+ *   4. store:    narrow params; requantize the states with the code search below.
+ * Loops 1-3 vectorise (gathers for the code lookups); the block function is compiled
+ * for AVX-512, AVX2 and plain x86-64 (target_clones) and picked at load time. All of
+ * it is compiled with -ffp-contract=off, so no variant fuses a multiply-add: every
+ * variant, and the CUDA kernel, computes the same bits.
+ *
+ * Fast exact code search. The nearest-code function q(x) = mf_quantize_nearest(code, x)
+ * is monotone in x (for non-NaN x), so it is a step function with at most 255 jumps.
+ * We order floats by a 32-bit key that increases with the value and cut the key space
+ * into 65536 buckets (the top 16 bits: sign, exponent and 7 mantissa bits, i.e.
+ * 1/128 of an octave). For each bucket a 32-bit table entry holds q at the bucket's
+ * first key and, if q jumps once inside the bucket, the low 16 bits of the key where
+ * it jumps (found by bisection when the table is built). Then
+ *     q(x) = base[bucket] + (low16(key) >= jump[bucket])
+ * which is exact. Buckets where q jumps more than once (or that mix Inf and NaN) are
+ * flagged and those elements fall back to the binary search. Tables are built once per
+ * distinct code (a few ms) and cached for the life of the process.
+ */
+#include <stdatomic.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "memfit/optim.h"
+#ifdef MEMFIT_WITH_CUDA
+#include "memfit/cuda_launch.h"
+#endif
+
+/* ---- argument checks ------------------------------------------------------------ */
+
+int64_t mf_optim_state_numel(mf_state_format fmt, int64_t n) {
+  return fmt == MF_STATE_4BIT ? (n + 1) / 2 : n;
+}
+
+static const char *kind_name(mf_optim_kind k) {
+  switch (k) {
+    case MF_OPT_ADAMW: return "AdamW";
+    case MF_OPT_ADAM: return "Adam";
+    case MF_OPT_LION: return "Lion";
+    case MF_OPT_SGD: return "SGD";
+    case MF_OPT_RMSPROP: return "RMSprop";
+  }
+  return "unknown";
+}
+
+static int bad_num(double x) { return !(x == x) || x > 1e300 || x < -1e300; }
+
+mf_status mf_optim_check_hparams(const mf_optim_hparams *h) {
+  if (h->kind < MF_OPT_ADAMW || h->kind > MF_OPT_RMSPROP)
+    return mf_error(MF_ERR_VALUE, "kind: unknown optimizer %d", (int)h->kind);
+  const char *k = kind_name(h->kind);
+  if (bad_num(h->lr) || h->lr < 0.0)
+    return mf_error(MF_ERR_VALUE, "lr: invalid learning rate %g for %s (must be >= 0)", h->lr, k);
+  if (bad_num(h->weight_decay) || h->weight_decay < 0.0)
+    return mf_error(MF_ERR_VALUE, "weight_decay: invalid value %g for %s (must be >= 0)",
+                    h->weight_decay, k);
+  switch (h->kind) {
+    case MF_OPT_ADAMW:
+    case MF_OPT_ADAM:
+    case MF_OPT_LION:
+      if (bad_num(h->beta1) || h->beta1 < 0.0 || h->beta1 >= 1.0)
+        return mf_error(MF_ERR_VALUE, "betas: invalid beta parameter at index 0: %g (must be in [0, 1))",
+                        h->beta1);
+      if (bad_num(h->beta2) || h->beta2 < 0.0 || h->beta2 >= 1.0)
+        return mf_error(MF_ERR_VALUE, "betas: invalid beta parameter at index 1: %g (must be in [0, 1))",
+                        h->beta2);
+      if (h->kind != MF_OPT_LION && (bad_num(h->eps) || h->eps < 0.0))
+        return mf_error(MF_ERR_VALUE, "eps: invalid epsilon value %g (must be >= 0)", h->eps);
+      break;
+    case MF_OPT_SGD:
+      if (bad_num(h->momentum) || h->momentum < 0.0)
+        return mf_error(MF_ERR_VALUE, "momentum: invalid value %g (must be >= 0)", h->momentum);
+      if (bad_num(h->dampening))
+        return mf_error(MF_ERR_VALUE, "dampening: invalid value %g", h->dampening);
+      if (h->nesterov && (h->momentum <= 0.0 || h->dampening != 0.0))
+        return mf_error(MF_ERR_VALUE, "nesterov: requires a momentum and zero dampening");
+      break;
+    case MF_OPT_RMSPROP:
+      if (bad_num(h->alpha) || h->alpha < 0.0)
+        return mf_error(MF_ERR_VALUE, "alpha: invalid value %g (must be >= 0)", h->alpha);
+      if (bad_num(h->eps) || h->eps < 0.0)
+        return mf_error(MF_ERR_VALUE, "eps: invalid epsilon value %g (must be >= 0)", h->eps);
+      if (bad_num(h->momentum) || h->momentum < 0.0)
+        return mf_error(MF_ERR_VALUE, "momentum: invalid value %g (must be >= 0)", h->momentum);
+      break;
+  }
+  return MF_OK;
+}
+
+static int has(const mf_tensor *t) { return t && t->data != NULL; }
+
+static mf_status check_one(const mf_tensor *t, const char *what, int64_t i, mf_dtype dt,
+                           int64_t numel, const mf_tensor *dev) {
+  char name[64];
+  snprintf(name, sizeof name, "%s[%lld]", what, (long long)i);
+  mf_status st;
+  if (!has(t) && numel == 0) return MF_OK; /* empty parameter: nothing to point at */
+  if (!has(t))
+    return mf_error(MF_ERR_VALUE, "%s: missing (this optimizer keeps this state)", name);
+  if ((st = mf_check_dtype(t, name, dt))) return st;
+  if ((st = mf_check_numel(t, name, numel))) return st;
+  if ((st = mf_check_same_device(t, name, dev, "params[0]"))) return st;
+  return MF_OK;
+}
+
+static mf_status check_code(const mf_tensor *code, const char *name, int size,
+                            const mf_tensor *dev) {
+  mf_status st;
+  if (!has(code)) return mf_error(MF_ERR_VALUE, "%s: a code table is needed for quantized states", name);
+  if ((st = mf_check_dtype(code, name, MF_FLOAT32))) return st;
+  if ((st = mf_check_numel(code, name, size))) return st;
+  if ((st = mf_check_same_device(code, name, dev, "params[0]"))) return st;
+  if (code->device == MF_CPU) {
+    const float *c = (const float *)code->data;
+    for (int i = 0; i < size; i++) {
+      if (!(c[i] >= -1.0f && c[i] <= 1.0f))
+        return mf_error(MF_ERR_VALUE, "%s: values must lie in [-1, 1], %s[%d] = %g", name, name,
+                        i, (double)c[i]);
+      if (i > 0 && c[i] < c[i - 1])
+        return mf_error(MF_ERR_VALUE, "%s: must be sorted ascending (%s[%d] < %s[%d])", name,
+                        name, i, name, i - 1);
+    }
+  }
+  return MF_OK;
+}
+
+static mf_status check_call(const mf_optim_hparams *h, mf_state_format fmt, int64_t bs,
+                            const mf_tensor *code1, const mf_tensor *code2,
+                            const mf_optim_tensor *ts, int64_t n, const mf_tensor *grad_scale,
+                            const mf_tensor *found_inf) {
+  mf_status st;
+  if ((st = mf_optim_check_hparams(h))) return st;
+  if (fmt != MF_STATE_FP32 && fmt != MF_STATE_8BIT && fmt != MF_STATE_4BIT)
+    return mf_error(MF_ERR_VALUE, "bits: state format must be 32, 8 or 4, got %d", (int)fmt);
+  if (fmt != MF_STATE_FP32 && !mf_quant_block_size_ok(bs))
+    return mf_error(MF_ERR_VALUE,
+                    "block_size: must be one of 64, 128, 256, 512, 1024, 2048, 4096, got %lld",
+                    (long long)bs);
+  if (n < 0) return mf_error(MF_ERR_VALUE, "params: negative count");
+  if (n == 0) return MF_OK;
+  const mf_tensor *dev = &ts[0].param;
+  const int ns = mf_optim_num_states(h);
+  if (fmt != MF_STATE_FP32) {
+    const int size = fmt == MF_STATE_8BIT ? MF_CODE_SIZE : MF_CODE4_SIZE;
+    if (ns >= 1 && (st = check_code(code1, "code1", size, dev))) return st;
+    if (ns >= 2 && (st = check_code(code2, "code2", size, dev))) return st;
+  }
+  for (int64_t i = 0; i < n; i++) {
+    const mf_optim_tensor *t = &ts[i];
+    char name[64];
+    snprintf(name, sizeof name, "params[%lld]", (long long)i);
+    if ((st = mf_check_float(&t->param, name))) return st;
+    if ((st = mf_check_same_device(&t->param, name, dev, "params[0]"))) return st;
+    const int64_t pn = t->param.numel;
+    if ((st = check_one(&t->grad, "grads", i, t->param.dtype, pn, dev))) {
+      if (st == MF_ERR_TYPE)
+        return mf_error(MF_ERR_TYPE, "grads[%lld]: expected dtype %s (the dtype of params[%lld]), got %s",
+                        (long long)i, mf_dtype_name(t->param.dtype), (long long)i,
+                        mf_dtype_name(t->grad.dtype));
+      return st;
+    }
+    if ((st = check_one(&t->step, "steps", i, MF_FLOAT32, 1, dev))) return st;
+    const mf_dtype sdt = fmt == MF_STATE_FP32 ? MF_FLOAT32 : MF_UINT8;
+    const int64_t sn = mf_optim_state_numel(fmt, pn);
+    const int64_t nb = fmt == MF_STATE_FP32 ? 0 : mf_quant_num_blocks(pn, bs);
+    if (ns >= 1) {
+      if ((st = check_one(&t->state1, "state1", i, sdt, sn, dev))) return st;
+      if (fmt != MF_STATE_FP32 && (st = check_one(&t->absmax1, "absmax1", i, MF_FLOAT32, nb, dev)))
+        return st;
+    }
+    if (ns >= 2) {
+      if ((st = check_one(&t->state2, "state2", i, sdt, sn, dev))) return st;
+      if (fmt != MF_STATE_FP32 && (st = check_one(&t->absmax2, "absmax2", i, MF_FLOAT32, nb, dev)))
+        return st;
+    }
+  }
+  if (grad_scale && (st = check_one(grad_scale, "grad_scale", 0, MF_FLOAT32, 1, dev))) return st;
+  if (found_inf && (st = check_one(found_inf, "found_inf", 0, MF_FLOAT32, 1, dev))) return st;
+  return MF_OK;
+}
+
+/* ---- fast exact code search (see the header comment) -------------------------- */
+
+#define LUT_BUCKETS 65536
+#define LUT_NO_JUMP 0x10000u
+#define LUT_SLOW 0x80000000u
+
+/* Monotone key of a float: increases with the value (NaNs sort outside +-Inf). */
+static inline uint32_t float_key(float x) {
+  uint32_t u = mf_f32_bits(x);
+  uint32_t mask = (uint32_t)((int32_t)u >> 31);
+  return u ^ (mask | 0x80000000u);
+}
+
+static inline float key_float(uint32_t k) {
+  return mf_f32_from_bits((k & 0x80000000u) ? (k & 0x7fffffffu) : ~k);
+}
+
+typedef struct {
+  float code[MF_CODE_SIZE];
+  int size;
+  uint32_t *lut;
+} lut_entry;
+
+#define LUT_CACHE 16
+static lut_entry lut_cache[LUT_CACHE];
+static int lut_count = 0;
+static atomic_flag lut_lock = ATOMIC_FLAG_INIT;
+
+static void build_lut(const float *code, int size, uint32_t *lut) {
+  for (uint32_t b = 0; b < LUT_BUCKETS; b++) {
+    uint32_t k0 = b << 16;
+    int q0 = mf_optim_quantize(code, size, key_float(k0));
+    int q1 = mf_optim_quantize(code, size, key_float(k0 | 0xffffu));
+    if (q1 == q0) {
+      lut[b] = ((uint32_t)q0 << 17) | LUT_NO_JUMP;
+    } else if (q1 == q0 + 1) {
+      uint32_t lo = 0, hi = 0xffffu; /* q(lo) == q0, q(hi) == q1 */
+      while (hi - lo > 1) {
+        uint32_t mid = (lo + hi) / 2;
+        if (mf_optim_quantize(code, size, key_float(k0 | mid)) == q0) lo = mid;
+        else hi = mid;
+      }
+      lut[b] = ((uint32_t)q0 << 17) | hi;
+    } else {
+      lut[b] = LUT_SLOW;
+    }
+  }
+}
+
+/* The table for this code, built on first use; NULL if out of memory or the cache is
+ * full (callers then use the binary search, which gives the same answers). */
+static const uint32_t *get_lut(const float *code, int size) {
+  const uint32_t *found = NULL;
+  while (atomic_flag_test_and_set_explicit(&lut_lock, memory_order_acquire)) {
+  }
+  for (int i = 0; i < lut_count && !found; i++)
+    if (lut_cache[i].size == size && !memcmp(lut_cache[i].code, code, (size_t)size * sizeof(float)))
+      found = lut_cache[i].lut;
+  if (!found && lut_count < LUT_CACHE) {
+    uint32_t *lut = (uint32_t *)malloc(LUT_BUCKETS * sizeof(uint32_t));
+    if (lut) {
+      build_lut(code, size, lut);
+      lut_entry *e = &lut_cache[lut_count++];
+      memcpy(e->code, code, (size_t)size * sizeof(float));
+      e->size = size;
+      e->lut = lut;
+      found = lut;
+    }
+  }
+  atomic_flag_clear_explicit(&lut_lock, memory_order_release);
+  return found;
+}
+
+/* ---- the CPU block kernel ------------------------------------------------------- */
+
+typedef struct {
+  const float *code[2];  /* code tables of state1, state2 */
+  const uint32_t *lut[2];
+  int code_size;         /* 256 or 16 */
+} quant_ctx;
+
+typedef struct {
+  float *p, *g, *s[2], *zero;
+  uint8_t *q;
+} thread_bufs;
+
+#if defined(__GNUC__)
+#define MF_INLINE static inline __attribute__((always_inline))
+#else
+#define MF_INLINE static inline
+#endif
+
+/* x86-64 with GCC or Clang: the block function is also compiled for AVX2 and AVX-512
+ * (picked at run time), and the AVX-512 one uses gathers for the two table lookups. */
+#if (defined(__GNUC__) || defined(__clang__)) && defined(__x86_64__) && !defined(MEMFIT_NO_SIMD)
+#define MF_X86_SIMD 1
+#include <immintrin.h>
+#define MF_TARGET_AVX2 __attribute__((target("avx2")))
+#define MF_TARGET_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq")))
+#endif
+
+MF_INLINE void update_loop(mf_optim_kind kind, const mf_optim_consts *c, int ns, int64_t n,
+                           float *restrict p, const float *restrict g, float *restrict s1,
+                           float *restrict s2) {
+  for (int64_t i = 0; i < n; i++) mf_optim_update_one(kind, c, ns, &p[i], g[i], &s1[i], &s2[i]);
+}
+
+MF_INLINE void update_any(mf_optim_kind kind, const mf_optim_consts *c, int ns, int64_t n,
+                       float *restrict p, const float *restrict g, float *restrict s1,
+                       float *restrict s2) {
+  switch (kind) {
+    case MF_OPT_ADAMW: update_loop(MF_OPT_ADAMW, c, ns, n, p, g, s1, s2); break;
+    case MF_OPT_ADAM: update_loop(MF_OPT_ADAM, c, ns, n, p, g, s1, s2); break;
+    case MF_OPT_LION: update_loop(MF_OPT_LION, c, ns, n, p, g, s1, s2); break;
+    case MF_OPT_SGD: update_loop(MF_OPT_SGD, c, ns, n, p, g, s1, s2); break;
+    case MF_OPT_RMSPROP: update_loop(MF_OPT_RMSPROP, c, ns, n, p, g, s1, s2); break;
+  }
+}
+
+MF_INLINE void dequant8(const uint8_t *restrict q, const float *restrict code, float absmax,
+                     int64_t n, float *restrict out) {
+  for (int64_t i = 0; i < n; i++) out[i] = code[q[i]] * absmax;
+}
+
+MF_INLINE void dequant4(const uint8_t *restrict q, const float *restrict code, float absmax,
+                     int64_t n, float *restrict out) {
+  for (int64_t i = 0; i < n; i++) out[i] = code[(q[i >> 1] >> ((i & 1) * 4)) & 15] * absmax;
+}
+
+/* max |s[i]| (states are finite: see mf_optim_update_one) */
+MF_INLINE float block_absmax(const float *restrict s, int64_t n) {
+  uint32_t m = 0;
+  for (int64_t i = 0; i < n; i++) {
+    uint32_t u = mf_f32_bits(s[i]) & 0x7fffffffu;
+    m = u > m ? u : m;
+  }
+  return mf_f32_from_bits(m);
+}
+
+/* q[i] = nearest code index of s[i] * inv, through the table when there is one. */
+MF_INLINE void quantize_run(const float *restrict s, float inv, int64_t n, const float *code,
+                         int size, const uint32_t *restrict lut, uint8_t *restrict q) {
+  if (!lut) {
+    for (int64_t i = 0; i < n; i++) q[i] = mf_optim_quantize(code, size, s[i] * inv);
+    return;
+  }
+  uint32_t slow = 0;
+  for (int64_t i = 0; i < n; i++) {
+    uint32_t k = float_key(s[i] * inv);
+    uint32_t e = lut[k >> 16];
+    q[i] = (uint8_t)(((e >> 17) & 0xffu) + ((k & 0xffffu) >= (e & 0x1ffffu)));
+    slow |= e;
+  }
+  if (slow & LUT_SLOW) {
+    for (int64_t i = 0; i < n; i++)
+      if (lut[float_key(s[i] * inv) >> 16] & LUT_SLOW)
+        q[i] = mf_optim_quantize(code, size, s[i] * inv);
+  }
+}
+
+#ifdef MF_X86_SIMD
+enum { ISA_GENERIC = 0, ISA_AVX2 = 1, ISA_AVX512 = 2 };
+
+/* The widest ISA this CPU runs; MEMFIT_CPU_ISA=generic|avx2|avx512 caps it (for
+ * benchmarks and tests: every variant computes the same bits). */
+static int cpu_isa(void) {
+  const char *cap = getenv("MEMFIT_CPU_ISA");
+  int max_isa = ISA_AVX512;
+  if (cap && !strcmp(cap, "generic")) max_isa = ISA_GENERIC;
+  if (cap && !strcmp(cap, "avx2")) max_isa = ISA_AVX2;
+  __builtin_cpu_init();
+  if (max_isa >= ISA_AVX512 && __builtin_cpu_supports("avx512f") &&
+      __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl") &&
+      __builtin_cpu_supports("avx512dq"))
+    return ISA_AVX512;
+  if (max_isa >= ISA_AVX2 && __builtin_cpu_supports("avx2")) return ISA_AVX2;
+  return ISA_GENERIC;
+}
+
+static int use_avx512(void) { return cpu_isa() == ISA_AVX512; }
+
+/* AVX-512 versions of dequant8 and the table search: the same arithmetic (one float
+ * multiply, integer key and compare), 16 elements at a time with gathers. */
+MF_TARGET_AVX512 static void dequant8_avx512(const uint8_t *restrict q,
+                                             const float *restrict code, float absmax,
+                                             int64_t n, float *restrict out) {
+  const __m512 a = _mm512_set1_ps(absmax);
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) {
+    __m512i idx = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(q + i)));
+    _mm512_storeu_ps(out + i, _mm512_mul_ps(_mm512_i32gather_ps(idx, code, 4), a));
+  }
+  for (; i < n; i++) out[i] = code[q[i]] * absmax;
+}
+
+MF_TARGET_AVX512 static void quantize_run_avx512(const float *restrict s, float inv, int64_t n,
+                                                 const float *code, int size,
+                                                 const uint32_t *restrict lut,
+                                                 uint8_t *restrict q) {
+  const __m512 vinv = _mm512_set1_ps(inv);
+  const __m512i sign = _mm512_set1_epi32((int)0x80000000u), low16 = _mm512_set1_epi32(0xffff),
+                low17 = _mm512_set1_epi32(0x1ffff), byte = _mm512_set1_epi32(0xff),
+                one = _mm512_set1_epi32(1);
+  __m512i slow = _mm512_setzero_si512();
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) {
+    __m512i u = _mm512_castps_si512(_mm512_mul_ps(_mm512_loadu_ps(s + i), vinv));
+    __m512i key = _mm512_xor_si512(u, _mm512_or_si512(_mm512_srai_epi32(u, 31), sign));
+    __m512i e = _mm512_i32gather_epi32(_mm512_srli_epi32(key, 16), (const void *)lut, 4);
+    __m512i base = _mm512_and_si512(_mm512_srli_epi32(e, 17), byte);
+    __mmask16 up = _mm512_cmpge_epu32_mask(_mm512_and_si512(key, low16), _mm512_and_si512(e, low17));
+    _mm_storeu_si128((__m128i *)(q + i), _mm512_cvtepi32_epi8(_mm512_mask_add_epi32(base, up, base, one)));
+    slow = _mm512_or_si512(slow, e);
+  }
+  uint32_t any = (uint32_t)_mm512_reduce_or_epi32(slow);
+  for (; i < n; i++) {
+    uint32_t k = float_key(s[i] * inv);
+    uint32_t e = lut[k >> 16];
+    q[i] = (uint8_t)(((e >> 17) & 0xffu) + ((k & 0xffffu) >= (e & 0x1ffffu)));
+    any |= e;
+  }
+  if (any & LUT_SLOW) {
+    for (int64_t j = 0; j < n; j++)
+      if (lut[float_key(s[j] * inv) >> 16] & LUT_SLOW) q[j] = mf_optim_quantize(code, size, s[j] * inv);
+  }
+}
+#endif
+
+mf_status mf_optim_quantize_fast(const float *code, int size, const float *x, int64_t n,
+                                 uint8_t *out) {
+  if (size != MF_CODE_SIZE && size != MF_CODE4_SIZE)
+    return mf_error(MF_ERR_VALUE, "size: must be 16 or 256, got %d", size);
+  const uint32_t *lut = get_lut(code, size);
+  if (!lut) return mf_error(MF_ERR_NOMEM, "quantize: no table");
+#ifdef MF_X86_SIMD
+  if (use_avx512()) {
+    quantize_run_avx512(x, 1.0f, n, code, size, lut, out);
+    return MF_OK;
+  }
+#endif
+  quantize_run(x, 1.0f, n, code, size, lut, out);
+  return MF_OK;
+}
+
+MF_INLINE void pack4(const uint8_t *restrict q, int64_t n, uint8_t *restrict out) {
+  int64_t pairs = n / 2;
+  for (int64_t j = 0; j < pairs; j++) out[j] = (uint8_t)(q[2 * j] | (q[2 * j + 1] << 4));
+  if (n & 1) out[pairs] = q[n - 1];
+}
+
+MF_INLINE void widen(const void *src, mf_dtype dt, int64_t first, int64_t n, float *restrict out) {
+  if (dt == MF_BFLOAT16) {
+    const uint16_t *s = (const uint16_t *)src + first;
+    for (int64_t i = 0; i < n; i++) out[i] = mf_bf16_to_f32(s[i]);
+  } else {
+    for (int64_t i = 0; i < n; i++) out[i] = mf_load_f32(src, first + i, dt);
+  }
+}
+
+MF_INLINE void narrow(const float *restrict v, mf_dtype dt, int64_t first, int64_t n, void *dst) {
+  if (dt == MF_BFLOAT16) {
+    uint16_t *d = (uint16_t *)dst + first;
+    for (int64_t i = 0; i < n; i++) d[i] = mf_f32_to_bf16(v[i]);
+  } else {
+    for (int64_t i = 0; i < n; i++) mf_store_f32(dst, first + i, dt, v[i]);
+  }
+}
+
+#ifndef MF_X86_SIMD
+enum { ISA_GENERIC = 0, ISA_AVX2 = 1, ISA_AVX512 = 2 };
+#endif
+
+/* One block [first, first + n) of one tensor; `isa` is a constant in each variant. */
+MF_INLINE void block_step_impl(const mf_optim_hparams *h, const mf_optim_consts *c, int ns,
+                               mf_state_format fmt, int64_t bs, const quant_ctx *qc,
+                               const mf_optim_tensor *t, int64_t first, int64_t n,
+                               thread_bufs *b, const int isa) {
+  (void)isa;
+  const mf_dtype dt = t->param.dtype;
+  float *p, *g, *s[2];
+  if (dt == MF_FLOAT32) {
+    p = (float *)t->param.data + first;
+    g = (float *)t->grad.data + first;
+  } else {
+    p = b->p;
+    g = b->g;
+    widen(t->param.data, dt, first, n, p);
+    widen(t->grad.data, dt, first, n, g);
+  }
+  const mf_tensor *st[2] = {&t->state1, &t->state2};
+  const mf_tensor *am[2] = {&t->absmax1, &t->absmax2};
+  /* the chunk [first, first + n) holds whole quantization blocks (but the last) */
+  const int64_t blk0 = fmt == MF_STATE_FP32 ? 0 : first / bs;
+  const int64_t nsub = fmt == MF_STATE_FP32 ? 0 : (n + bs - 1) / bs;
+  for (int k = 0; k < 2; k++) {
+    if (k >= ns) {
+      s[k] = b->zero;
+      continue;
+    }
+    if (fmt == MF_STATE_FP32) {
+      s[k] = (float *)st[k]->data + first;
+      continue;
+    }
+    s[k] = b->s[k];
+    const float *absmax = (const float *)am[k]->data + blk0;
+    for (int64_t j = 0; j < nsub; j++) {
+      const int64_t off = j * bs, len = n - off < bs ? n - off : bs;
+      if (fmt == MF_STATE_8BIT) {
+        const uint8_t *q = (const uint8_t *)st[k]->data + first + off;
+#ifdef MF_X86_SIMD
+        if (isa == ISA_AVX512) {
+          dequant8_avx512(q, qc->code[k], absmax[j], len, s[k] + off);
+          continue;
+        }
+#endif
+        dequant8(q, qc->code[k], absmax[j], len, s[k] + off);
+      } else {
+        dequant4((const uint8_t *)st[k]->data + (first + off) / 2, qc->code[k], absmax[j], len,
+                 s[k] + off);
+      }
+    }
+  }
+  update_any(h->kind, c, ns, n, p, g, s[0], s[1]);
+  if (dt != MF_FLOAT32) narrow(p, dt, first, n, t->param.data);
+  for (int k = 0; k < ns && fmt != MF_STATE_FP32; k++) {
+    float *absmax = (float *)am[k]->data + blk0;
+    for (int64_t j = 0; j < nsub; j++) {
+      const int64_t off = j * bs, len = n - off < bs ? n - off : bs;
+      const float *v = s[k] + off;
+      const float a = block_absmax(v, len);
+      absmax[j] = a;
+      const float inv = mf_absmax_inverse(a);
+      uint8_t *dst = fmt == MF_STATE_8BIT ? (uint8_t *)st[k]->data + first + off : b->q;
+#ifdef MF_X86_SIMD
+      if (isa == ISA_AVX512 && qc->lut[k])
+        quantize_run_avx512(v, inv, len, qc->code[k], qc->code_size, qc->lut[k], dst);
+      else
+#endif
+        quantize_run(v, inv, len, qc->code[k], qc->code_size, qc->lut[k], dst);
+      if (fmt == MF_STATE_4BIT) pack4(b->q, len, (uint8_t *)st[k]->data + (first + off) / 2);
+    }
+  }
+}
+
+typedef void (*block_fn)(const mf_optim_hparams *, const mf_optim_consts *, int,
+                         mf_state_format, int64_t, const quant_ctx *, const mf_optim_tensor *,
+                         int64_t, int64_t, thread_bufs *);
+
+static void block_step_generic(const mf_optim_hparams *h, const mf_optim_consts *c, int ns,
+                               mf_state_format fmt, int64_t bs, const quant_ctx *qc,
+                               const mf_optim_tensor *t, int64_t first, int64_t n,
+                               thread_bufs *b) {
+  block_step_impl(h, c, ns, fmt, bs, qc, t, first, n, b, ISA_GENERIC);
+}
+
+#ifdef MF_X86_SIMD
+MF_TARGET_AVX2 static void block_step_avx2(const mf_optim_hparams *h, const mf_optim_consts *c,
+                                           int ns, mf_state_format fmt, int64_t bs,
+                                           const quant_ctx *qc, const mf_optim_tensor *t,
+                                           int64_t first, int64_t n, thread_bufs *b) {
+  block_step_impl(h, c, ns, fmt, bs, qc, t, first, n, b, ISA_AVX2);
+}
+
+MF_TARGET_AVX512 static void block_step_avx512(const mf_optim_hparams *h,
+                                               const mf_optim_consts *c, int ns,
+                                               mf_state_format fmt, int64_t bs,
+                                               const quant_ctx *qc, const mf_optim_tensor *t,
+                                               int64_t first, int64_t n, thread_bufs *b) {
+  block_step_impl(h, c, ns, fmt, bs, qc, t, first, n, b, ISA_AVX512);
+}
+#endif
+
+static block_fn pick_block_fn(void) {
+#ifdef MF_X86_SIMD
+  switch (cpu_isa()) {
+    case ISA_AVX512: return block_step_avx512;
+    case ISA_AVX2: return block_step_avx2;
+  }
+#endif
+  return block_step_generic;
+}
+
+/* Elements per work item: a long update loop and long runs through each array (the
+ * hardware prefetchers follow runs within a 4 KB page); whole quantization blocks. */
+#define CPU_CHUNK 2048
+
+static mf_status step_cpu(const mf_optim_hparams *h, mf_state_format fmt, int64_t bs,
+                          const mf_tensor *code1, const mf_tensor *code2,
+                          const mf_optim_tensor *ts, int64_t n, const mf_tensor *grad_scale,
+                          const mf_tensor *found_inf) {
+  if (found_inf && *(const float *)found_inf->data != 0.0f) return MF_OK; /* skipped step */
+  const float inv_scale = grad_scale ? 1.0f / *(const float *)grad_scale->data : 1.0f;
+  const int ns = mf_optim_num_states(h);
+  quant_ctx qc = {{NULL, NULL}, {NULL, NULL}, fmt == MF_STATE_4BIT ? MF_CODE4_SIZE : MF_CODE_SIZE};
+  if (fmt != MF_STATE_FP32) {
+    const mf_tensor *codes[2] = {code1, code2};
+    for (int k = 0; k < ns; k++) {
+      qc.code[k] = (const float *)codes[k]->data;
+      qc.lut[k] = get_lut(qc.code[k], qc.code_size);
+    }
+  }
+  const int64_t chunk = fmt == MF_STATE_FP32 || bs < CPU_CHUNK ? CPU_CHUNK : bs;
+  int64_t total_blocks = 0;
+  for (int64_t i = 0; i < n; i++) total_blocks += mf_quant_num_blocks(ts[i].param.numel, chunk);
+
+  const block_fn block_step = pick_block_fn();
+  int failed = 0;
+#pragma omp parallel num_threads(mf_get_num_threads()) if (total_blocks > 8)
+  {
+    thread_bufs b;
+    float *mem = (float *)calloc((size_t)(5 * chunk), sizeof(float));
+    uint8_t *qmem = (uint8_t *)malloc((size_t)chunk);
+    if (!mem || !qmem) {
+#pragma omp atomic write
+      failed = 1;
+    }
+    b.p = mem;
+    b.g = mem ? mem + chunk : NULL;
+    b.s[0] = mem ? mem + 2 * chunk : NULL;
+    b.s[1] = mem ? mem + 3 * chunk : NULL;
+    b.zero = mem ? mem + 4 * chunk : NULL;
+    b.q = qmem;
+    for (int64_t i = 0; i < n; i++) {
+      const mf_optim_tensor *t = &ts[i];
+      const int64_t numel = t->param.numel, nb = mf_quant_num_blocks(numel, chunk);
+      const mf_optim_consts c = mf_optim_prepare(h, *(const float *)t->step.data + 1.0f, inv_scale);
+#pragma omp for schedule(static) nowait
+      for (int64_t j = 0; j < nb; j++) {
+        if (!mem || !qmem) continue;
+        const int64_t first = j * chunk;
+        const int64_t len = numel - first < chunk ? numel - first : chunk;
+        block_step(h, &c, ns, fmt, bs, &qc, t, first, len, &b);
+      }
+    }
+    free(mem);
+    free(qmem);
+  }
+  if (failed) return mf_error(MF_ERR_NOMEM, "optimizer step: out of host memory");
+  for (int64_t i = 0; i < n; i++) *(float *)ts[i].step.data += 1.0f;
+  return MF_OK;
+}
+
+mf_status mf_optim_step(const mf_optim_hparams *h, mf_state_format fmt, int64_t block_size,
+                        const mf_tensor *code1, const mf_tensor *code2,
+                        const mf_optim_tensor *tensors, int64_t n, const mf_tensor *grad_scale,
+                        const mf_tensor *found_inf, void *stream) {
+  mf_status st = check_call(h, fmt, block_size, code1, code2, tensors, n, grad_scale, found_inf);
+  if (st || n == 0) return st;
+  if (tensors[0].param.device == MF_CUDA) {
+#ifdef MEMFIT_WITH_CUDA
+    return mf_cuda_optim_step(h, fmt, block_size, code1, code2, tensors, n, grad_scale,
+                              found_inf, stream);
+#else
+    (void)stream;
+    return mf_error(MF_ERR_NO_CUDA,
+                    "optimizer step: got CUDA arrays, but this memfit was built without CUDA "
+                    "support (rebuild where nvcc is installed, or with -C cmake.define.MEMFIT_CUDA=ON)");
+#endif
+  }
+  return step_cpu(h, fmt, block_size, code1, code2, tensors, n, grad_scale, found_inf);
+}

@@ -1,0 +1,289 @@
+/*
+ * memfit core: optimizer updates (AdamW/Adam, Lion, SGD with momentum, RMSprop) with
+ * fp32 or blockwise-quantized (8-bit, 4-bit) states.
+ *
+ * The element math is written once here (MF_HD) and used by the CPU loops in
+ * csrc/core/optim.c and the CUDA kernels in cuda/optim.cu. All of it is plain IEEE
+ * float/double arithmetic (+, -, *, /, sqrt): both sides are compiled without FMA
+ * contraction (-ffp-contract=off, nvcc --fmad=false; see CMakeLists.txt), so the CPU
+ * and the GPU compute the same bits.
+ *
+ * States. Each optimizer keeps 0, 1 or 2 states per element ("state1", "state2"):
+ *   kind       state1 (code)              state2 (code)
+ *   ADAMW/ADAM exp_avg (signed)           exp_avg_sq (unsigned)
+ *   LION       exp_avg (signed)           -
+ *   SGD        momentum_buffer (signed)   -                 (none when momentum = 0)
+ *   RMSPROP    square_avg (unsigned)      momentum_buffer (signed, only if momentum > 0)
+ * A state is stored as float32 (MF_STATE_FP32) or blockwise quantized: one code index
+ * per element (MF_STATE_8BIT: uint8, 256-entry code; MF_STATE_4BIT: two indices per
+ * byte, element 2j in the low nibble and 2j+1 in the high nibble, 16-entry code) plus
+ * one float32 absmax per block. The fused update does, per block and in one pass:
+ * dequantize the states, update them and the parameter in fp32, write the parameter,
+ * take the new absmax from the *new* states and requantize (nearest code value).
+ *
+ * Step counter. `step` is a float32[1] array on the parameters' device holding the
+ * number of steps taken so far (torch stores it the same way). An update uses
+ * t = step + 1 for its bias corrections and then stores t, unless the step is skipped.
+ *
+ * Non-finite values. With `found_inf` (a float32[1] array, as set by a GradScaler)
+ * non-zero, the whole call is a no-op: parameters, states and step are unchanged; the
+ * flag is read on the device, so nothing syncs. Without a scaler, an element whose
+ * (unscaled) gradient is NaN/Inf, or whose update would produce a NaN/Inf state or
+ * parameter, is skipped: its parameter keeps its value and its states their old
+ * (dequantized) values; the rest of the tensor is updated and the step counts. States
+ * therefore never hold NaN or Inf.
+ */
+#ifndef MEMFIT_OPTIM_H
+#define MEMFIT_OPTIM_H
+
+#include <math.h>
+
+#include "memfit/common.h"
+#include "memfit/numeric.h"
+#include "memfit/quant.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+typedef enum {
+  MF_OPT_ADAMW = 0,   /* Adam with decoupled weight decay (torch.optim.AdamW) */
+  MF_OPT_ADAM = 1,    /* Adam with L2 weight decay added to the gradient (torch.optim.Adam) */
+  MF_OPT_LION = 2,    /* Lion (Chen et al. 2023), decoupled weight decay */
+  MF_OPT_SGD = 3,     /* SGD with (Nesterov) momentum, L2 weight decay (torch.optim.SGD) */
+  MF_OPT_RMSPROP = 4  /* RMSprop, not centered, optional momentum (torch.optim.RMSprop) */
+} mf_optim_kind;
+
+typedef enum { MF_STATE_FP32 = 32, MF_STATE_8BIT = 8, MF_STATE_4BIT = 4 } mf_state_format;
+
+/* Hyperparameters, in double as Python passes them. Which fields are used:
+ *   ADAMW/ADAM: lr, beta1, beta2, eps, weight_decay
+ *   LION:       lr, beta1, beta2, weight_decay
+ *   SGD:        lr, momentum, dampening, nesterov, weight_decay
+ *   RMSPROP:    lr, alpha, eps, momentum, weight_decay
+ * and maximize for all. */
+typedef struct {
+  mf_optim_kind kind;
+  double lr, beta1, beta2, eps, weight_decay;
+  double momentum, dampening, alpha;
+  int nesterov;
+  int maximize;
+} mf_optim_hparams;
+
+/* Number of states kept per element for these hyperparameters (0, 1 or 2). */
+static inline MF_HD int mf_optim_num_states(const mf_optim_hparams *h) {
+  switch (h->kind) {
+    case MF_OPT_ADAMW:
+    case MF_OPT_ADAM: return 2;
+    case MF_OPT_LION: return 1;
+    case MF_OPT_SGD: return h->momentum != 0.0 ? 1 : 0;
+    case MF_OPT_RMSPROP: return h->momentum != 0.0 ? 2 : 1;
+  }
+  return 0;
+}
+
+/* Whether state k (1 or 2) of this kind is signed (signed code) or non-negative. */
+static inline MF_HD int mf_optim_state_signed(mf_optim_kind kind, int k) {
+  if (kind == MF_OPT_RMSPROP) return k == 2;
+  return k == 1;
+}
+
+/* ---- per-step constants ----------------------------------------------------- */
+
+/* Everything the element update needs, in float, for one tensor at one step. */
+typedef struct {
+  float lr, b1, omb1, b2, omb2, eps, wd;
+  float decay;       /* 1 - lr * weight_decay (decoupled decay), 1 when unused */
+  float step_size;   /* Adam: lr / (1 - beta1^t) */
+  float inv_sqrt_bc2;/* Adam: 1 / sqrt(1 - beta2^t) */
+  float gmul;        /* 1/grad_scale, negated under maximize */
+  int first;         /* t == 1 (SGD initialises its momentum buffer with the gradient) */
+  int nesterov;
+} mf_optim_consts;
+
+/* beta^n by binary exponentiation in double: only IEEE multiplications, so host and
+ * device agree exactly (pow() differs between libm and CUDA). */
+static inline MF_HD double mf_powi(double beta, int64_t n) {
+  double r = 1.0, b = beta;
+  while (n > 0) {
+    if (n & 1) r *= b;
+    b *= b;
+    n >>= 1;
+  }
+  return r;
+}
+
+/* t: the step number of this update (1 for the first one); inv_scale: 1/grad_scale
+ * (1 without a scaler). */
+static inline MF_HD mf_optim_consts mf_optim_prepare(const mf_optim_hparams *h, float t,
+                                                     float inv_scale) {
+  mf_optim_consts c;
+  int64_t n = (int64_t)t;
+  c.lr = (float)h->lr;
+  c.eps = (float)h->eps;
+  c.wd = (float)h->weight_decay;
+  c.decay = 1.0f;
+  c.step_size = (float)h->lr;
+  c.inv_sqrt_bc2 = 1.0f;
+  c.first = n <= 1;
+  c.nesterov = h->nesterov;
+  c.gmul = h->maximize ? -inv_scale : inv_scale;
+  switch (h->kind) {
+    case MF_OPT_ADAMW:
+    case MF_OPT_ADAM: {
+      double bc1 = 1.0 - mf_powi(h->beta1, n), bc2 = 1.0 - mf_powi(h->beta2, n);
+      c.b1 = (float)h->beta1;
+      c.omb1 = (float)(1.0 - h->beta1);
+      c.b2 = (float)h->beta2;
+      c.omb2 = (float)(1.0 - h->beta2);
+      c.step_size = (float)(h->lr / bc1);
+      c.inv_sqrt_bc2 = (float)(1.0 / sqrt(bc2));
+      if (h->kind == MF_OPT_ADAMW) c.decay = (float)(1.0 - h->lr * h->weight_decay);
+      break;
+    }
+    case MF_OPT_LION:
+      c.b1 = (float)h->beta1;
+      c.omb1 = (float)(1.0 - h->beta1);
+      c.b2 = (float)h->beta2;
+      c.omb2 = (float)(1.0 - h->beta2);
+      c.decay = (float)(1.0 - h->lr * h->weight_decay);
+      break;
+    case MF_OPT_SGD:
+      c.b1 = (float)h->momentum;
+      c.omb1 = (float)(1.0 - h->dampening);
+      c.b2 = 0.0f;
+      c.omb2 = 0.0f;
+      break;
+    case MF_OPT_RMSPROP:
+      c.b1 = (float)h->momentum;
+      c.omb1 = 0.0f;
+      c.b2 = (float)h->alpha;
+      c.omb2 = (float)(1.0 - h->alpha);
+      break;
+  }
+  return c;
+}
+
+/* ---- element math -------------------------------------------------------------- */
+
+
+/* One element of one update. p: parameter, g: raw gradient (scaled by gmul here), s1,
+ * s2: the states (in/out; unused ones are ignored). Writes the new values, or the old
+ * ones where the element is skipped (see the header comment). Returns 1 when updated. */
+static inline MF_HD int mf_optim_update_one(mf_optim_kind kind, const mf_optim_consts *c,
+                                            int nstates, float *p, float g, float *s1,
+                                            float *s2) {
+  const float p0 = *p, a = *s1, b = *s2;
+  float pn = p0, an = a, bn = b;
+  g = g * c->gmul;
+  switch (kind) {
+    case MF_OPT_ADAMW:
+    case MF_OPT_ADAM: {
+      if (kind == MF_OPT_ADAM) g = g + c->wd * p0;
+      an = c->b1 * a + c->omb1 * g;
+      bn = c->b2 * b + c->omb2 * (g * g);
+      float denom = sqrtf(bn) * c->inv_sqrt_bc2 + c->eps;
+      pn = p0 * c->decay - c->step_size * (an / denom);
+      break;
+    }
+    case MF_OPT_LION: {
+      float u = c->b1 * a + c->omb1 * g;
+      float sgn = u > 0.0f ? 1.0f : (u < 0.0f ? -1.0f : 0.0f);
+      pn = p0 * c->decay - c->lr * sgn;
+      an = c->b2 * a + c->omb2 * g;
+      break;
+    }
+    case MF_OPT_SGD: {
+      g = g + c->wd * p0;
+      float d = g;
+      if (nstates > 0) {
+        an = c->first ? g : c->b1 * a + c->omb1 * g;
+        d = c->nesterov ? g + c->b1 * an : an;
+      }
+      pn = p0 - c->lr * d;
+      break;
+    }
+    case MF_OPT_RMSPROP: {
+      g = g + c->wd * p0;
+      an = c->b2 * a + c->omb2 * (g * g);
+      float d = g / (sqrtf(an) + c->eps);
+      if (nstates > 1) {
+        bn = c->b1 * b + d;
+        d = bn;
+      }
+      pn = p0 - c->lr * d;
+      break;
+    }
+  }
+  int ok = mf_isfinite_f32(g) & mf_isfinite_f32(pn) & mf_isfinite_f32(an) &
+           mf_isfinite_f32(bn);
+  *p = ok ? pn : p0;
+  *s1 = ok ? an : a;
+  *s2 = ok ? bn : b;
+  return ok;
+}
+
+/* ---- code search for 16-entry (4-bit) codes ------------------------------------ */
+
+#define MF_CODE4_SIZE 16
+
+/* Largest index i with code[i] <= x in a sorted 16-entry code (0 if none or NaN). */
+static inline MF_HD int mf_code_floor16(const float *code, float x) {
+  int lo = 0;
+  for (int step = MF_CODE4_SIZE / 2; step > 0; step >>= 1)
+    lo += (code[lo + step] <= x) ? step : 0;
+  return lo;
+}
+
+/* Nearest of 16 code values, ties to the lower index (mf_quantize_nearest for 4 bits). */
+static inline MF_HD uint8_t mf_quantize_nearest16(const float *code, float x) {
+  int lo = mf_code_floor16(code, x);
+  if (lo + 1 < MF_CODE4_SIZE && (code[lo + 1] - x) < (x - code[lo])) lo++;
+  return (uint8_t)lo;
+}
+
+/* Code index of x (already divided by absmax) for a code of `size` (16 or 256). */
+static inline MF_HD uint8_t mf_optim_quantize(const float *code, int size, float x) {
+  return size == MF_CODE4_SIZE ? mf_quantize_nearest16(code, x) : mf_quantize_nearest(code, x);
+}
+
+/* ---- entry points ------------------------------------------------------------- */
+
+/* One parameter tensor and its states. Unused states: data NULL, numel 0.
+ *   param, grad: float32/float16/bfloat16, same dtype, same numel n
+ *   state1/2:    FP32: float32[n];  8BIT: uint8[n];  4BIT: uint8[ceil(n/2)]
+ *   absmax1/2:   float32[ceil(n / block_size)] (quantized formats only)
+ *   step:        float32[1] */
+typedef struct {
+  mf_tensor param, grad, state1, state2, absmax1, absmax2, step;
+} mf_optim_tensor;
+
+/* Default block sizes: 256 for 8-bit states, 128 for 4-bit. */
+#define MF_OPTIM_BLOCK_8BIT 256
+#define MF_OPTIM_BLOCK_4BIT 128
+
+/* Applies one optimizer step to `n` tensors, all on one device, states in format
+ * `fmt`. code1/code2: float32 code tables (256 entries for 8-bit, 16 for 4-bit, sorted
+ * ascending, in [-1, 1]) on that device for quantized states; NULL for FP32.
+ * grad_scale, found_inf: NULL or float32[1] on that device (see the header comment).
+ * CUDA: one launch sequence for all tensors on `stream`, no host synchronisation. */
+mf_status mf_optim_step(const mf_optim_hparams *h, mf_state_format fmt, int64_t block_size,
+                        const mf_tensor *code1, const mf_tensor *code2,
+                        const mf_optim_tensor *tensors, int64_t n, const mf_tensor *grad_scale,
+                        const mf_tensor *found_inf, void *stream);
+
+/* Checks hyperparameters (ranges as torch checks them); names the bad one. */
+mf_status mf_optim_check_hparams(const mf_optim_hparams *h);
+
+/* The CPU's fast exact code search (table lookup; see optim.c), exported for tests:
+ * out[i] = mf_optim_quantize(code, size, x[i]) for size 16 or 256. */
+mf_status mf_optim_quantize_fast(const float *code, int size, const float *x, int64_t n,
+                                 uint8_t *out);
+
+/* Elements a state array of format fmt holds for a parameter of n elements. */
+int64_t mf_optim_state_numel(mf_state_format fmt, int64_t n);
+
+#ifdef __cplusplus
+}
+#endif
+#endif /* MEMFIT_OPTIM_H */

@@ -1,0 +1,296 @@
+/*
+ * Optimizer steps on the GPU: multi-tensor apply over all parameters of a call.
+ *
+ * The host packs up to kMaxTensors tensors and kMaxChunks chunks (kChunk elements of
+ * one tensor each) into a kernel argument (< 4 KB, so no host-to-device copy and no
+ * sync); each thread block updates one chunk. A model with hundreds of small
+ * parameters costs a handful of launches, not one per parameter (the apex /
+ * torch._foreach pattern). All launches go to the caller's stream.
+ *
+ * optim_quant_kernel<BS, BITS>: quantized states (8-bit: one code per byte; 4-bit: two
+ * per byte). A tile of max(BS, 256) elements is spread over the 256 threads, so each
+ * quantization block is owned by one thread block: every thread dequantizes its
+ * elements, applies mf_optim_update_one() (optim.h, the same function as the CPU loop),
+ * writes the parameter, then the block reduces the new absmax (max of the float bit
+ * patterns with the sign cleared, exactly as the CPU does) and requantizes with
+ * mf_optim_quantize() (the binary search that the CPU's lookup table reproduces bit for
+ * bit). 4-bit codes of elements 2j and 2j+1 live in neighbouring lanes and are packed
+ * with one shuffle.
+ * optim_fp32_kernel: float32 states, element-wise.
+ * optim_count_kernel: after all updates, step += 1 for every tensor (unless found_inf).
+ *
+ * GradScaler: grad_scale and found_inf are device pointers read inside the kernels;
+ * with found_inf != 0 every block returns at once and the step counters stay put, so
+ * a skipped step costs no host synchronisation.
+ *
+ * This file is compiled with --fmad=false (CMakeLists.txt): the CPU build uses
+ * -ffp-contract=off, and both sides then round every operation the same way.
+ */
+#include "cuda_util.cuh"
+#include "memfit/cuda_launch.h"
+#include "memfit/numeric.h"
+#include "memfit/optim.h"
+#include "memfit/quant.h"
+
+namespace {
+
+constexpr int kThreads = 256;
+constexpr int kMaxTensors = 32;
+constexpr int kMaxChunks = 160;
+constexpr int64_t kChunk = 16384; /* a multiple of every tile size (<= 4096) */
+
+struct TensorSlot {
+  void *p;
+  const void *g;
+  void *s1, *s2;
+  float *a1, *a2;
+  const float *step;
+  int64_t numel;
+  int dtype;
+};
+
+struct LaunchList {
+  TensorSlot t[kMaxTensors];
+  int32_t chunk_index[kMaxChunks];
+  uint8_t chunk_tensor[kMaxChunks];
+};
+static_assert(sizeof(LaunchList) + sizeof(mf_optim_hparams) + 64 <= 4096,
+              "kernel arguments must stay below 4 KB");
+
+constexpr int kMaxCountTensors = 480;
+struct StepList {
+  float *step[kMaxCountTensors];
+  int n;
+};
+
+__device__ __forceinline__ float inverse_scale(const float *grad_scale) {
+  return grad_scale ? 1.0f / *grad_scale : 1.0f;
+}
+
+__device__ __forceinline__ bool skipped(const float *found_inf) {
+  return found_inf && *found_inf != 0.0f;
+}
+
+template <int BS, int BITS>
+__global__ void __launch_bounds__(kThreads)
+    optim_quant_kernel(LaunchList L, mf_optim_hparams h, const float *__restrict__ code1,
+                       const float *__restrict__ code2, const float *grad_scale,
+                       const float *found_inf) {
+  constexpr int CS = BITS == 8 ? MF_CODE_SIZE : MF_CODE4_SIZE;
+  constexpr int ITEMS = BS >= kThreads ? BS / kThreads : 1;
+  constexpr int TILE = kThreads * ITEMS;
+  constexpr int GROUP = BS < kThreads ? BS : kThreads; /* threads sharing one block */
+  __shared__ float c1s[CS], c2s[CS];
+  __shared__ uint32_t red1[kThreads], red2[kThreads];
+
+  if (skipped(found_inf)) return;
+  const int ns = mf_optim_num_states(&h);
+  for (int i = threadIdx.x; i < CS; i += blockDim.x) {
+    if (ns >= 1) c1s[i] = code1[i];
+    if (ns >= 2) c2s[i] = code2[i];
+  }
+  const TensorSlot &t = L.t[L.chunk_tensor[blockIdx.x]];
+  const int64_t cstart = (int64_t)L.chunk_index[blockIdx.x] * kChunk;
+  const int64_t cend = cstart + kChunk < t.numel ? cstart + kChunk : t.numel;
+  const mf_optim_consts c = mf_optim_prepare(&h, *t.step + 1.0f, inverse_scale(grad_scale));
+  const mf_dtype dt = (mf_dtype)t.dtype;
+  const int tid = threadIdx.x;
+  __syncthreads();
+
+  for (int64_t base = cstart; base < cend; base += TILE) {
+    float s1v[ITEMS], s2v[ITEMS];
+    uint32_t m1 = 0, m2 = 0;
+#pragma unroll
+    for (int k = 0; k < ITEMS; k++) {
+      const int64_t i = base + (int64_t)k * kThreads + tid;
+      float s1 = 0.0f, s2 = 0.0f;
+      if (i < cend) {
+        const int64_t blk = i / BS;
+        if (ns >= 1) {
+          uint8_t q = BITS == 8 ? ((const uint8_t *)t.s1)[i]
+                                : (((const uint8_t *)t.s1)[i >> 1] >> ((i & 1) * 4)) & 15;
+          s1 = mf_dequantize_one(c1s, q, t.a1[blk]);
+        }
+        if (ns >= 2) {
+          uint8_t q = BITS == 8 ? ((const uint8_t *)t.s2)[i]
+                                : (((const uint8_t *)t.s2)[i >> 1] >> ((i & 1) * 4)) & 15;
+          s2 = mf_dequantize_one(c2s, q, t.a2[blk]);
+        }
+        float p = mf_load_f32(t.p, i, dt);
+        mf_optim_update_one(h.kind, &c, ns, &p, mf_load_f32(t.g, i, dt), &s1, &s2);
+        mf_store_f32(t.p, i, dt, p);
+      }
+      s1v[k] = s1;
+      s2v[k] = s2;
+      const uint32_t b1 = mf_f32_bits(s1) & 0x7fffffffu, b2 = mf_f32_bits(s2) & 0x7fffffffu;
+      m1 = b1 > m1 ? b1 : m1;
+      m2 = b2 > m2 ? b2 : m2;
+    }
+    /* absmax of each quantization block: a tree over the GROUP threads that own it */
+    red1[tid] = m1;
+    red2[tid] = m2;
+    __syncthreads();
+#pragma unroll
+    for (int s = GROUP / 2; s > 0; s >>= 1) {
+      if ((tid & (GROUP - 1)) < s) {
+        red1[tid] = red1[tid] > red1[tid + s] ? red1[tid] : red1[tid + s];
+        red2[tid] = red2[tid] > red2[tid + s] ? red2[tid] : red2[tid + s];
+      }
+      __syncthreads();
+    }
+    const int lead = tid & ~(GROUP - 1);
+    const float am1 = mf_f32_from_bits(red1[lead]), am2 = mf_f32_from_bits(red2[lead]);
+    const int64_t first = base + tid; /* element of this thread in item 0 */
+    if ((tid & (GROUP - 1)) == 0 && first < cend) {
+      const int64_t blk = first / BS;
+      if (ns >= 1) t.a1[blk] = am1;
+      if (ns >= 2) t.a2[blk] = am2;
+    }
+    const float inv1 = mf_absmax_inverse(am1), inv2 = mf_absmax_inverse(am2);
+#pragma unroll
+    for (int k = 0; k < ITEMS; k++) {
+      const int64_t i = base + (int64_t)k * kThreads + tid;
+      const bool in = i < cend;
+      uint8_t q1 = (in && ns >= 1) ? mf_optim_quantize(c1s, CS, s1v[k] * inv1) : 0;
+      uint8_t q2 = (in && ns >= 2) ? mf_optim_quantize(c2s, CS, s2v[k] * inv2) : 0;
+      if (BITS == 8) {
+        if (in && ns >= 1) ((uint8_t *)t.s1)[i] = q1;
+        if (in && ns >= 2) ((uint8_t *)t.s2)[i] = q2;
+      } else {
+        /* lanes 2j and 2j+1 hold neighbouring elements (base and kThreads are even) */
+        const uint8_t o1 = (uint8_t)__shfl_xor_sync(0xffffffffu, q1, 1);
+        const uint8_t o2 = (uint8_t)__shfl_xor_sync(0xffffffffu, q2, 1);
+        if (in && (tid & 1) == 0) {
+          if (ns >= 1) ((uint8_t *)t.s1)[i >> 1] = (uint8_t)(q1 | (o1 << 4));
+          if (ns >= 2) ((uint8_t *)t.s2)[i >> 1] = (uint8_t)(q2 | (o2 << 4));
+        }
+      }
+    }
+    __syncthreads(); /* red1/red2 are reused by the next tile */
+  }
+}
+
+__global__ void __launch_bounds__(kThreads)
+    optim_fp32_kernel(LaunchList L, mf_optim_hparams h, const float *grad_scale,
+                      const float *found_inf) {
+  if (skipped(found_inf)) return;
+  const int ns = mf_optim_num_states(&h);
+  const TensorSlot &t = L.t[L.chunk_tensor[blockIdx.x]];
+  const int64_t cstart = (int64_t)L.chunk_index[blockIdx.x] * kChunk;
+  const int64_t cend = cstart + kChunk < t.numel ? cstart + kChunk : t.numel;
+  const mf_optim_consts c = mf_optim_prepare(&h, *t.step + 1.0f, inverse_scale(grad_scale));
+  const mf_dtype dt = (mf_dtype)t.dtype;
+  float *s1p = (float *)t.s1, *s2p = (float *)t.s2;
+  for (int64_t i = cstart + threadIdx.x; i < cend; i += kThreads) {
+    float s1 = ns >= 1 ? s1p[i] : 0.0f, s2 = ns >= 2 ? s2p[i] : 0.0f;
+    float p = mf_load_f32(t.p, i, dt);
+    mf_optim_update_one(h.kind, &c, ns, &p, mf_load_f32(t.g, i, dt), &s1, &s2);
+    mf_store_f32(t.p, i, dt, p);
+    if (ns >= 1) s1p[i] = s1;
+    if (ns >= 2) s2p[i] = s2;
+  }
+}
+
+__global__ void optim_count_kernel(StepList S, const float *found_inf) {
+  if (skipped(found_inf)) return;
+  for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < S.n; i += gridDim.x * blockDim.x)
+    *S.step[i] += 1.0f;
+}
+
+/* Launches the update kernel for the chunks gathered so far. */
+mf_status launch(const LaunchList &L, int nchunks, const mf_optim_hparams *h,
+                 mf_state_format fmt, int64_t bs, const float *code1, const float *code2,
+                 const float *scale, const float *inf, cudaStream_t stream) {
+  if (nchunks == 0) return MF_OK;
+  const dim3 grid((unsigned)nchunks), block(kThreads);
+  if (fmt == MF_STATE_FP32) {
+    optim_fp32_kernel<<<grid, block, 0, stream>>>(L, *h, scale, inf);
+  } else {
+#define MF_LAUNCH_QUANT(BS)                                                                   \
+  case BS:                                                                                    \
+    if (fmt == MF_STATE_8BIT)                                                                 \
+      optim_quant_kernel<BS, 8><<<grid, block, 0, stream>>>(L, *h, code1, code2, scale, inf); \
+    else                                                                                      \
+      optim_quant_kernel<BS, 4><<<grid, block, 0, stream>>>(L, *h, code1, code2, scale, inf); \
+    break;
+    switch (bs) {
+      MF_LAUNCH_QUANT(64)
+      MF_LAUNCH_QUANT(128)
+      MF_LAUNCH_QUANT(256)
+      MF_LAUNCH_QUANT(512)
+      MF_LAUNCH_QUANT(1024)
+      MF_LAUNCH_QUANT(2048)
+      MF_LAUNCH_QUANT(4096)
+      default: return mf_error(MF_ERR_INTERNAL, "optimizer step: unexpected block size %lld", (long long)bs);
+    }
+#undef MF_LAUNCH_QUANT
+  }
+  return mf_cuda_status(cudaGetLastError(), "optimizer step");
+}
+
+}  // namespace
+
+extern "C" mf_status mf_cuda_optim_step(const mf_optim_hparams *h, mf_state_format fmt,
+                                        int64_t block_size, const mf_tensor *code1,
+                                        const mf_tensor *code2, const mf_optim_tensor *ts,
+                                        int64_t n, const mf_tensor *grad_scale,
+                                        const mf_tensor *found_inf, void *stream_) {
+  MfDeviceGuard guard(ts[0].param.device_id);
+  if (guard.err != cudaSuccess) return mf_cuda_status(guard.err, "optimizer step");
+  cudaStream_t stream = (cudaStream_t)stream_;
+  const float *scale = grad_scale ? (const float *)grad_scale->data : nullptr;
+  const float *inf = found_inf ? (const float *)found_inf->data : nullptr;
+  const float *c1 = code1 ? (const float *)code1->data : nullptr;
+  const float *c2 = code2 ? (const float *)code2->data : nullptr;
+
+  LaunchList L;
+  int nt = 0, nc = 0;
+  mf_status st;
+  for (int64_t i = 0; i < n; i++) {
+    const mf_optim_tensor &x = ts[i];
+    const int64_t nchunks = (x.param.numel + kChunk - 1) / kChunk;
+    if (nchunks == 0) continue;
+    if (nchunks > 0x7fffffffLL)
+      return mf_error(MF_ERR_VALUE, "params[%lld]: too many elements for one launch", (long long)i);
+    if (nt == kMaxTensors) {
+      if ((st = launch(L, nc, h, fmt, block_size, c1, c2, scale, inf, stream))) return st;
+      nt = nc = 0;
+    }
+    TensorSlot &s = L.t[nt];
+    s.p = x.param.data;
+    s.g = x.grad.data;
+    s.s1 = x.state1.data;
+    s.s2 = x.state2.data;
+    s.a1 = (float *)x.absmax1.data;
+    s.a2 = (float *)x.absmax2.data;
+    s.step = (const float *)x.step.data;
+    s.numel = x.param.numel;
+    s.dtype = (int)x.param.dtype;
+    for (int64_t k = 0; k < nchunks; k++) {
+      if (nc == kMaxChunks) {
+        if ((st = launch(L, nc, h, fmt, block_size, c1, c2, scale, inf, stream))) return st;
+        nc = 0;
+        L.t[0] = L.t[nt]; /* this tensor continues in the next launch */
+        nt = 0;
+      }
+      L.chunk_tensor[nc] = (uint8_t)nt;
+      L.chunk_index[nc] = (int32_t)k;
+      nc++;
+    }
+    nt++;
+  }
+  if ((st = launch(L, nc, h, fmt, block_size, c1, c2, scale, inf, stream))) return st;
+
+  /* the step counters move only after every chunk of every tensor has read them */
+  StepList S;
+  S.n = 0;
+  for (int64_t i = 0; i < n; i++) {
+    S.step[S.n++] = (float *)ts[i].step.data;
+    if (S.n == kMaxCountTensors || i == n - 1) {
+      optim_count_kernel<<<(S.n + kThreads - 1) / kThreads, kThreads, 0, stream>>>(S, inf);
+      if ((st = mf_cuda_status(cudaGetLastError(), "optimizer step"))) return st;
+      S.n = 0;
+    }
+  }
+  return MF_OK;
+}

@@ -1,0 +1,45 @@
+"""memfit.optim: optimizers with 8-bit and 4-bit blockwise-quantized states, as drop-in
+torch.optim.Optimizer subclasses.
+
+    >>> import torch, memfit.optim  # doctest: +SKIP
+    >>> opt = memfit.optim.AdamW8bit(model.parameters(), lr=1e-3)  # doctest: +SKIP
+
+One fused kernel per step and device (C with OpenMP on the CPU, a multi-tensor CUDA
+launch on the GPU) dequantizes the states, applies the update in float32, writes the
+parameter and requantizes, block by block. See docs/optim.md.
+
+The optimizer classes import torch on first use; :mod:`memfit.optim.functional`, the
+array-level API for NumPy, CuPy and JAX users, does not need torch.
+"""
+
+__all__ = [
+    "Adam",
+    "Adam8bit",
+    "AdamW",
+    "AdamW4bit",
+    "AdamW8bit",
+    "Lion8bit",
+    "RMSprop8bit",
+    "SGD8bit",
+    "dequantized_state",
+    "functional",
+]
+
+
+_TORCH_NAMES = {
+    "Adam": "optimizers", "Adam8bit": "optimizers", "AdamW": "optimizers",
+    "AdamW4bit": "optimizers", "AdamW8bit": "optimizers", "Lion8bit": "optimizers",
+    "RMSprop8bit": "optimizers", "SGD8bit": "optimizers", "dequantized_state": "_torch",
+}
+
+
+def __getattr__(name):
+    import importlib
+
+    if name == "functional":
+        return importlib.import_module("memfit.optim.functional")
+    if name in _TORCH_NAMES:
+        value = getattr(importlib.import_module(f"memfit.optim.{_TORCH_NAMES[name]}"), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'memfit.optim' has no attribute {name!r}")

@@ -1,0 +1,249 @@
+"""torch.optim.Optimizer subclasses on memfit's fused kernels."""
+
+from __future__ import annotations
+
+import itertools
+from collections import defaultdict
+
+import torch
+
+from memfit.optim import _core
+
+_FORMAT_VERSION = 1
+
+
+class _MemfitOptimizer(torch.optim.Optimizer):
+    """Base class: state layout, the step over param groups, state_dict checks.
+
+    Subclasses set ``_kind`` and ``_bits`` and implement ``_hparams(group)``.
+
+    Per-parameter state (``optimizer.state[p]``):
+        ``step``: float32 tensor of shape () on p's device (steps taken; torch's format).
+        ``state1``/``state2``: the states, uint8 codes (shape of p for 8 bits, ``(ceil(n/2),)``
+        for 4 bits) with ``absmax1``/``absmax2`` (float32, one per block), or float32
+        tensors of p's shape for tensors smaller than ``min_8bit_size`` and 32-bit
+        optimizers. Use :func:`memfit.optim.dequantized_state` to read them as floats.
+    """
+
+    _kind: int = _core.ADAMW
+    _bits: int = 8
+    # torch.amp.GradScaler hands us grad_scale/found_inf instead of unscaling and
+    # syncing on found_inf itself: the kernels unscale and skip on the device.
+    _step_supports_amp_scaling = True
+
+    def __init__(self, params, defaults):
+        defaults = dict(defaults)
+        defaults.setdefault("bits", self._bits)
+        defaults.setdefault("block_size", _core.DEFAULT_BLOCK[defaults["bits"]])
+        defaults.setdefault("min_8bit_size", 4096)
+        defaults.setdefault("maximize", False)
+        super().__init__(params, defaults)  # checks each group (add_param_group)
+
+    # -- hyperparameters -------------------------------------------------------------
+
+    def _hparams(self, group) -> tuple:  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    def _check_group(self, group) -> None:
+        bits = group["bits"]
+        if bits not in (4, 8, 32):
+            raise ValueError(f"bits: expected 4, 8 or 32, got {bits!r}")
+        bs = group["block_size"]
+        if bits != 32 and bs not in (64, 128, 256, 512, 1024, 2048, 4096):
+            raise ValueError(f"block_size: must be one of 64, 128, 256, 512, 1024, 2048, 4096, got {bs!r}")
+        if not isinstance(group["min_8bit_size"], int) or group["min_8bit_size"] < 0:
+            raise ValueError(f"min_8bit_size: expected an int >= 0, got {group['min_8bit_size']!r}")
+        _core.check(self._kind, self._hparams(group))
+
+    def add_param_group(self, param_group):
+        super().add_param_group(param_group)
+        try:
+            self._check_group(self.param_groups[-1])
+        except Exception:
+            self.param_groups.pop()
+            raise
+
+    # -- state layout ------------------------------------------------------------------
+
+    @staticmethod
+    def _format(group, p) -> int:
+        bits = group["bits"]
+        return bits if bits != 32 and p.numel() >= group["min_8bit_size"] else 32
+
+    def _expected_state(self, group, p) -> dict:
+        """{key: (shape, dtype)} of the state this parameter needs in this group."""
+        fmt = self._format(group, p)
+        ns = _core.num_states(self._kind, self._hparams(group)[5])
+        out = {"step": ((), torch.float32)}
+        n = p.numel()
+        for k in range(1, ns + 1):
+            if fmt == 32:
+                out[f"state{k}"] = (tuple(p.shape), torch.float32)
+            else:
+                shape = tuple(p.shape) if fmt == 8 else (_core.state_numel(4, n),)
+                out[f"state{k}"] = (shape, torch.uint8)
+                out[f"absmax{k}"] = ((_core.num_blocks(n, group["block_size"]),), torch.float32)
+        return out
+
+    def _init_state(self, group, p) -> dict:
+        state = self.state[p]
+        for key, (shape, dtype) in self._expected_state(group, p).items():
+            if key not in state:
+                state[key] = torch.zeros(shape, dtype=dtype, device=p.device)
+        return state
+
+    # -- the step --------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        """Performs a single optimization step.
+
+        Args:
+            closure: a callable that re-evaluates the model and returns the loss.
+        """
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        grad_scale = getattr(self, "grad_scale", None)
+        found_inf = getattr(self, "found_inf", None)
+        name = type(self).__name__
+        for group in self.param_groups:
+            hp = self._hparams(group)
+            buckets = defaultdict(list)
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                if p.grad.is_sparse:
+                    raise RuntimeError(f"{name} does not support sparse gradients")
+                if p.grad.device != p.device:
+                    raise ValueError(f"{name}: a gradient is on {p.grad.device} but its parameter on {p.device}")
+                state = self._init_state(group, p)
+                buckets[(p.device, self._format(group, p))].append((p, state))
+            for (device, fmt), items in buckets.items():
+                self._step_bucket(group, hp, device, fmt, items, grad_scale, found_inf)
+        return loss
+
+    def _step_bucket(self, group, hp, device, fmt, items, grad_scale, found_inf):
+        params, grads, s1, a1, s2, a2, steps = [], [], [], [], [], [], []
+        for p, st in items:
+            params.append(p.data)
+            g = p.grad
+            grads.append(g if g.is_contiguous() else g.contiguous())
+            s1.append(st.get("state1"))
+            a1.append(st.get("absmax1"))
+            s2.append(st.get("state2"))
+            a2.append(st.get("absmax2"))
+            steps.append(st["step"])
+        gs = _on(grad_scale, device)
+        fi = _on(found_inf, device)
+        stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
+        _core.step(self._kind, fmt, group["block_size"], hp, params, grads, s1, a1, s2, a2,
+                   steps, gs, fi, stream)
+
+    # -- state dict ------------------------------------------------------------------------
+
+    def state_dict(self):
+        sd = super().state_dict()
+        sd["memfit"] = {"optimizer": type(self).__name__, "format_version": _FORMAT_VERSION}
+        return sd
+
+    def load_state_dict(self, state_dict):
+        """Loads a state dict saved by the same memfit optimizer class for parameters of
+        the same shapes. Codes, absmax and step are restored exactly (no dtype casts),
+        so training resumes bit-identically. Anything else is refused with ValueError."""
+        name = type(self).__name__
+        meta = state_dict.get("memfit") if isinstance(state_dict, dict) else None
+        if not isinstance(meta, dict) or "optimizer" not in meta:
+            raise ValueError(
+                f"{name}.load_state_dict: this state dict was not saved by a memfit optimizer "
+                "(its optimizer states have a different layout); start the optimizer fresh or "
+                "load a state dict saved by memfit.optim." + name)
+        if meta["optimizer"] != name:
+            raise ValueError(f"{name}.load_state_dict: the state dict was saved by memfit.optim."
+                             f"{meta['optimizer']}, not {name}")
+        if meta.get("format_version") != _FORMAT_VERSION:
+            raise ValueError(f"{name}.load_state_dict: unknown format_version {meta.get('format_version')!r}")
+        groups = self.param_groups
+        saved_groups = state_dict["param_groups"]
+        if len(groups) != len(saved_groups):
+            raise ValueError("loaded state dict has a different number of parameter groups")
+        if any(len(g["params"]) != len(sg["params"]) for g, sg in zip(groups, saved_groups)):
+            raise ValueError("loaded state dict contains a parameter group that doesn't match "
+                             "the size of optimizer's group")
+        id_map = dict(zip(itertools.chain.from_iterable(sg["params"] for sg in saved_groups),
+                          itertools.chain.from_iterable(g["params"] for g in groups)))
+        new_groups = []
+        for g, sg in zip(groups, saved_groups):
+            ng = dict(sg)
+            ng["params"] = g["params"]
+            new_groups.append(ng)
+        group_of = {id(p): ng for ng in new_groups for p in ng["params"]}
+        state = defaultdict(dict)
+        for pid, saved in state_dict["state"].items():
+            if pid not in id_map:
+                continue
+            p = id_map[pid]
+            ng = group_of[id(p)]
+            expected = self._expected_state(ng, p)
+            for key, value in saved.items():
+                if key not in expected:
+                    raise ValueError(f"{name}.load_state_dict: parameter {pid} has an unexpected state "
+                                     f"{key!r} (saved with different settings?)")
+                shape, dtype = expected[key]
+                if not torch.is_tensor(value) or value.dtype != dtype or tuple(value.shape) != shape:
+                    got = (f"{value.dtype} {tuple(value.shape)}" if torch.is_tensor(value)
+                           else type(value).__name__)
+                    raise ValueError(
+                        f"{name}.load_state_dict: state {key!r} of parameter {pid} is {got}, but this "
+                        f"parameter (shape {tuple(p.shape)}) needs {dtype} {shape}: the state dict was "
+                        "saved for a different model or with different bits/block_size/min_8bit_size")
+            if "step" not in saved:
+                raise ValueError(f"{name}.load_state_dict: parameter {pid} has no 'step'")
+            state[p] = {k: v.detach().to(device=p.device, copy=True) for k, v in saved.items()}
+        for ng in new_groups:
+            self._check_group(ng)
+        self.__setstate__({"state": state, "param_groups": new_groups})
+
+
+def _on(t, device):
+    if t is None:
+        return None
+    if t.device != device or t.dtype != torch.float32:
+        t = t.to(device=device, dtype=torch.float32, non_blocking=True)
+    return t.reshape(1) if t.dim() != 1 else t
+
+
+def dequantized_state(optimizer, param) -> dict:
+    """fp32 copies of ``param``'s optimizer states, keyed by torch's names
+    (``exp_avg``/``exp_avg_sq`` for Adam and AdamW, ``exp_avg`` for Lion,
+    ``momentum_buffer`` for SGD, ``square_avg`` (and ``momentum_buffer``) for RMSprop),
+    each of ``param``'s shape and device. Empty before the first step."""
+    if not isinstance(optimizer, _MemfitOptimizer):
+        raise TypeError(f"optimizer: expected a memfit.optim optimizer, got {type(optimizer).__name__}")
+    state = optimizer.state.get(param)
+    if not state:
+        return {}
+    group = next((g for g in optimizer.param_groups if any(q is param for q in g["params"])), None)
+    if group is None:
+        raise ValueError("param: not a parameter of this optimizer")
+    names = _core.STATE_NAMES[optimizer._kind]
+    out = {}
+    n = param.numel()
+    for k, nm in enumerate(names, start=1):
+        s = state.get(f"state{k}")
+        if s is None:
+            continue
+        if s.dtype == torch.float32:
+            out[nm] = s.detach().clone().reshape(param.shape)
+            continue
+        bits = group["bits"]
+        code = torch.from_numpy(_core.code_table(bits, _core.state_signed(optimizer._kind, k))).to(s.device)
+        idx = s.reshape(-1).to(torch.int32)
+        if bits == 4:
+            idx = torch.stack((idx & 15, idx >> 4), dim=1).reshape(-1)[:n]
+        absmax = state[f"absmax{k}"]
+        bs = group["block_size"]
+        vals = torch.nn.functional.pad(code[idx], (0, absmax.numel() * bs - n))
+        out[nm] = (vals.view(-1, bs) * absmax[:, None]).view(-1)[:n].reshape(param.shape)
+    return out

@@ -1,0 +1,192 @@
+"""Functional optimizer steps on plain arrays, for NumPy, CuPy, JAX-on-CPU (through
+NumPy) or anything else that speaks DLPack; torch tensors work too.
+
+Each optimizer has an ``*_init(param, ...)`` that returns its state (a dict of arrays
+in ``param``'s framework and device, plus the layout) and a ``*_step(param, grad,
+state, ...)`` that updates ``param`` and ``state`` in place:
+
+    >>> import numpy as np
+    >>> from memfit.optim import functional as F
+    >>> p = np.random.default_rng(0).standard_normal(10000).astype(np.float32)
+    >>> st = F.adamw8bit_init(p)
+    >>> g = np.ones_like(p)
+    >>> F.adamw8bit_step(p, g, st, lr=1e-3)
+    >>> int(st["step"][0])
+    1
+
+``param`` must be writable (JAX arrays are immutable: use ``np.array(x)`` and convert
+back). Hyperparameters have torch's names and defaults. ``grad_scale`` and
+``found_inf`` are optional 1-element float32 arrays on the parameter's device: the
+gradient is divided by ``grad_scale`` and, if ``found_inf`` is non-zero, nothing
+changes (the check happens inside the kernel: no device-to-host copy). Without them,
+elements whose gradient is NaN/Inf are left unchanged (parameter and state).
+"""
+
+from __future__ import annotations
+
+from memfit import _arrays
+from memfit.optim import _core
+
+__all__ = [
+    "adam8bit_init", "adam8bit_step", "adam_init", "adam_step", "adamw4bit_init",
+    "adamw4bit_step", "adamw8bit_init", "adamw8bit_step", "adamw_init", "adamw_step",
+    "init", "lion8bit_init", "lion8bit_step", "rmsprop8bit_init", "rmsprop8bit_step",
+    "sgd8bit_init", "sgd8bit_step", "step",
+]
+
+_KINDS = {"adamw": _core.ADAMW, "adam": _core.ADAM, "lion": _core.LION, "sgd": _core.SGD,
+          "rmsprop": _core.RMSPROP}
+
+
+def _numel(x) -> int:
+    n = 1
+    for s in x.shape:
+        n *= int(s)
+    return n
+
+
+def init(kind: str, param, bits: int = 8, block_size: int | None = None, momentum: float = 0.0,
+         min_8bit_size: int = 0) -> dict:
+    """Zero state for ``param``: {"step", "state1", "absmax1", "state2", "absmax2",
+    "bits", "block_size"} (unused entries are None). ``kind``: adamw, adam, lion, sgd or
+    rmsprop; ``bits``: 8, 4 or 32. Tensors with fewer than ``min_8bit_size`` elements
+    get float32 states."""
+    if kind not in _KINDS:
+        raise ValueError(f"kind: expected one of {', '.join(_KINDS)}, got {kind!r}")
+    if bits not in (4, 8, 32):
+        raise ValueError(f"bits: expected 4, 8 or 32, got {bits!r}")
+    k = _KINDS[kind]
+    src = _arrays.as_input(param)
+    n = _numel(src)
+    if bits != 32 and n < min_8bit_size:
+        bits = 32
+    bs = int(block_size) if block_size is not None else _core.DEFAULT_BLOCK[bits]
+    st = {"step": _zeros(src, (1,), "float32"), "bits": bits, "block_size": bs, "kind": kind,
+          "state1": None, "absmax1": None, "state2": None, "absmax2": None}
+    for j in range(1, _core.num_states(k, momentum) + 1):
+        if bits == 32:
+            st[f"state{j}"] = _zeros(src, (n,), "float32")
+        else:
+            st[f"state{j}"] = _zeros(src, (_core.state_numel(bits, n),), "uint8")
+            st[f"absmax{j}"] = _zeros(src, (_core.num_blocks(n, bs),), "float32")
+    return st
+
+
+def _zeros(like, shape, dtype):
+    a = _arrays.empty(like, shape, dtype)
+    a[...] = 0
+    return a
+
+
+def step(kind: str, param, grad, state: dict, *, grad_scale=None, found_inf=None, **hp) -> None:
+    """One step of optimizer ``kind`` with hyperparameters ``hp`` (lr, beta1, beta2,
+    eps, weight_decay, momentum, dampening, alpha, nesterov, maximize)."""
+    if kind not in _KINDS:
+        raise ValueError(f"kind: expected one of {', '.join(_KINDS)}, got {kind!r}")
+    if state.get("kind", kind) != kind:
+        raise ValueError(f"state: was made for {state['kind']!r}, not {kind!r}")
+    k = _KINDS[kind]
+    h = _core.hparams(**hp)
+    p = _arrays.as_input(param)
+    ns = _core.num_states(k, h[5])
+    for j in range(1, ns + 1):
+        if state.get(f"state{j}") is None:
+            raise ValueError(f"state: has no state{j}; make it with {kind}'s init and the same momentum")
+    _core.step(k, state["bits"], state["block_size"], h, [p], [_arrays.as_input(grad)],
+               [state["state1"]], [state["absmax1"]], [state["state2"]], [state["absmax2"]],
+               [state["step"]], grad_scale, found_inf, _arrays.stream_of(p))
+
+
+def _adam_hp(lr, betas, eps, weight_decay, maximize):
+    b1, b2 = betas
+    return dict(lr=lr, beta1=b1, beta2=b2, eps=eps, weight_decay=weight_decay, maximize=maximize)
+
+
+def adamw8bit_init(param, block_size=256, min_8bit_size=0):
+    return init("adamw", param, 8, block_size, min_8bit_size=min_8bit_size)
+
+
+def adamw8bit_step(param, grad, state, *, lr=1e-3, betas=(0.9, 0.999), eps=1e-8,
+                   weight_decay=1e-2, maximize=False, grad_scale=None, found_inf=None):
+    """AdamW step (torch.optim.AdamW's math) with the state from :func:`adamw8bit_init`."""
+    step("adamw", param, grad, state, grad_scale=grad_scale, found_inf=found_inf,
+         **_adam_hp(lr, betas, eps, weight_decay, maximize))
+
+
+def adam8bit_init(param, block_size=256, min_8bit_size=0):
+    return init("adam", param, 8, block_size, min_8bit_size=min_8bit_size)
+
+
+def adam8bit_step(param, grad, state, *, lr=1e-3, betas=(0.9, 0.999), eps=1e-8,
+                  weight_decay=0.0, maximize=False, grad_scale=None, found_inf=None):
+    """Adam step (L2 weight decay, torch.optim.Adam's math)."""
+    step("adam", param, grad, state, grad_scale=grad_scale, found_inf=found_inf,
+         **_adam_hp(lr, betas, eps, weight_decay, maximize))
+
+
+def adamw4bit_init(param, block_size=128, min_8bit_size=0):
+    return init("adamw", param, 4, block_size, min_8bit_size=min_8bit_size)
+
+
+def adamw4bit_step(param, grad, state, *, lr=1e-3, betas=(0.9, 0.999), eps=1e-8,
+                   weight_decay=1e-2, maximize=False, grad_scale=None, found_inf=None):
+    """AdamW step with 4-bit states (from :func:`adamw4bit_init`)."""
+    step("adamw", param, grad, state, grad_scale=grad_scale, found_inf=found_inf,
+         **_adam_hp(lr, betas, eps, weight_decay, maximize))
+
+
+def adamw_init(param):
+    return init("adamw", param, 32)
+
+
+def adamw_step(param, grad, state, *, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2,
+               maximize=False, grad_scale=None, found_inf=None):
+    """AdamW step with float32 states (from :func:`adamw_init`)."""
+    step("adamw", param, grad, state, grad_scale=grad_scale, found_inf=found_inf,
+         **_adam_hp(lr, betas, eps, weight_decay, maximize))
+
+
+def adam_init(param):
+    return init("adam", param, 32)
+
+
+def adam_step(param, grad, state, *, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0,
+              maximize=False, grad_scale=None, found_inf=None):
+    """Adam step with float32 states (from :func:`adam_init`)."""
+    step("adam", param, grad, state, grad_scale=grad_scale, found_inf=found_inf,
+         **_adam_hp(lr, betas, eps, weight_decay, maximize))
+
+
+def lion8bit_init(param, block_size=256, min_8bit_size=0):
+    return init("lion", param, 8, block_size, min_8bit_size=min_8bit_size)
+
+
+def lion8bit_step(param, grad, state, *, lr=1e-4, betas=(0.9, 0.99), weight_decay=0.0,
+                  maximize=False, grad_scale=None, found_inf=None):
+    """Lion step with an 8-bit exp_avg (from :func:`lion8bit_init`)."""
+    b1, b2 = betas
+    step("lion", param, grad, state, grad_scale=grad_scale, found_inf=found_inf, lr=lr,
+         beta1=b1, beta2=b2, weight_decay=weight_decay, maximize=maximize)
+
+
+def sgd8bit_init(param, momentum=0.9, block_size=256, min_8bit_size=0):
+    return init("sgd", param, 8, block_size, momentum=momentum, min_8bit_size=min_8bit_size)
+
+
+def sgd8bit_step(param, grad, state, *, lr=1e-3, momentum=0.9, dampening=0.0, weight_decay=0.0,
+                 nesterov=False, maximize=False, grad_scale=None, found_inf=None):
+    """SGD step (torch.optim.SGD's math) with an 8-bit momentum buffer."""
+    step("sgd", param, grad, state, grad_scale=grad_scale, found_inf=found_inf, lr=lr,
+         momentum=momentum, dampening=dampening, weight_decay=weight_decay, nesterov=nesterov,
+         maximize=maximize)
+
+
+def rmsprop8bit_init(param, momentum=0.0, block_size=256, min_8bit_size=0):
+    return init("rmsprop", param, 8, block_size, momentum=momentum, min_8bit_size=min_8bit_size)
+
+
+def rmsprop8bit_step(param, grad, state, *, lr=1e-2, alpha=0.99, eps=1e-8, weight_decay=0.0,
+                     momentum=0.0, maximize=False, grad_scale=None, found_inf=None):
+    """RMSprop step (torch.optim.RMSprop's math, not centered) with 8-bit states."""
+    step("rmsprop", param, grad, state, grad_scale=grad_scale, found_inf=found_inf, lr=lr,
+         alpha=alpha, eps=eps, weight_decay=weight_decay, momentum=momentum, maximize=maximize)

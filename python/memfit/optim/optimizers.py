@@ -1,0 +1,170 @@
+"""The optimizers: drop-in replacements for torch.optim.AdamW & co. and for
+bitsandbytes' 8-bit optimizers, with the same argument names.
+
+Common keyword options (also settable per param group):
+    maximize: maximize the objective instead of minimizing (as torch).
+    block_size: elements per quantization block (256 for 8-bit, 128 for 4-bit).
+    min_8bit_size: parameters with fewer elements keep float32 states (as
+        bitsandbytes; default 4096). Applies to the 4-bit optimizer too.
+    bits: per param group, 8, 4 or 32 (32: float32 states), overriding the class.
+"""
+
+from __future__ import annotations
+
+from memfit.optim import _core
+from memfit.optim._torch import _MemfitOptimizer
+
+__all__ = ["Adam", "Adam8bit", "AdamW", "AdamW4bit", "AdamW8bit", "Lion8bit", "RMSprop8bit",
+           "SGD8bit"]
+
+
+def _betas(betas):
+    try:
+        b1, b2 = betas
+    except (TypeError, ValueError):
+        raise ValueError(f"betas: expected a pair (beta1, beta2), got {betas!r}") from None
+    return float(b1), float(b2)
+
+
+def _no_amsgrad(amsgrad):
+    if amsgrad:
+        raise ValueError("amsgrad=True is not supported by memfit's Adam/AdamW")
+
+
+class _AdamBase(_MemfitOptimizer):
+    _kind = _core.ADAMW
+
+    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2,
+                 amsgrad=False, *, maximize=False, block_size=None, min_8bit_size=4096):
+        _no_amsgrad(amsgrad)
+        defaults = dict(lr=lr, betas=_betas(betas), eps=eps, weight_decay=weight_decay,
+                        amsgrad=False, maximize=maximize, min_8bit_size=min_8bit_size)
+        if block_size is not None:
+            defaults["block_size"] = block_size
+        super().__init__(params, defaults)
+
+    def _hparams(self, group):
+        b1, b2 = _betas(group["betas"])
+        return _core.hparams(lr=group["lr"], beta1=b1, beta2=b2, eps=group["eps"],
+                             weight_decay=group["weight_decay"], maximize=group["maximize"])
+
+
+class AdamW8bit(_AdamBase):
+    """AdamW (decoupled weight decay, as torch.optim.AdamW) with 8-bit blockwise states:
+    ``exp_avg`` in the signed and ``exp_avg_sq`` in the unsigned dynamic map, one
+    float32 absmax per 256 elements; about 2 bytes of state per parameter instead of 8.
+
+    Args: as torch.optim.AdamW (``amsgrad`` must stay False), plus ``block_size`` and
+    ``min_8bit_size`` (see :mod:`memfit.optim.optimizers`).
+    """
+
+    _kind = _core.ADAMW
+    _bits = 8
+
+
+class Adam8bit(_AdamBase):
+    """Adam (L2 weight decay added to the gradient, as torch.optim.Adam) with 8-bit states."""
+
+    _kind = _core.ADAM
+    _bits = 8
+
+    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0,
+                 amsgrad=False, *, maximize=False, block_size=None, min_8bit_size=4096):
+        super().__init__(params, lr, betas, eps, weight_decay, amsgrad, maximize=maximize,
+                         block_size=block_size, min_8bit_size=min_8bit_size)
+
+
+class AdamW4bit(_AdamBase):
+    """AdamW with 4-bit states (two codes per byte, block size 128): ``exp_avg`` in a
+    16-value signed dynamic map, ``exp_avg_sq`` in the linear map k/16, k = 1..16 (no
+    zero). About 1 byte of state per parameter."""
+
+    _kind = _core.ADAMW
+    _bits = 4
+
+
+class AdamW(_AdamBase):
+    """torch.optim.AdamW on memfit's fused kernel, float32 states (``bits=32``)."""
+
+    _kind = _core.ADAMW
+    _bits = 32
+
+
+class Adam(_AdamBase):
+    """torch.optim.Adam on memfit's fused kernel, float32 states."""
+
+    _kind = _core.ADAM
+    _bits = 32
+
+    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0,
+                 amsgrad=False, *, maximize=False, block_size=None, min_8bit_size=4096):
+        super().__init__(params, lr, betas, eps, weight_decay, amsgrad, maximize=maximize,
+                         block_size=block_size, min_8bit_size=min_8bit_size)
+
+
+class Lion8bit(_MemfitOptimizer):
+    """Lion (Chen et al. 2023, "Symbolic Discovery of Optimization Algorithms") with an
+    8-bit ``exp_avg``: ``p -= lr * (sign(beta1*m + (1-beta1)*g) + weight_decay*p)``,
+    then ``m = beta2*m + (1-beta2)*g``. Defaults as bitsandbytes' Lion8bit."""
+
+    _kind = _core.LION
+    _bits = 8
+
+    def __init__(self, params, lr=1e-4, betas=(0.9, 0.99), weight_decay=0.0, *,
+                 maximize=False, block_size=None, min_8bit_size=4096):
+        defaults = dict(lr=lr, betas=_betas(betas), weight_decay=weight_decay,
+                        maximize=maximize, min_8bit_size=min_8bit_size)
+        if block_size is not None:
+            defaults["block_size"] = block_size
+        super().__init__(params, defaults)
+
+    def _hparams(self, group):
+        b1, b2 = _betas(group["betas"])
+        return _core.hparams(lr=group["lr"], beta1=b1, beta2=b2,
+                             weight_decay=group["weight_decay"], maximize=group["maximize"])
+
+
+class SGD8bit(_MemfitOptimizer):
+    """torch.optim.SGD with an 8-bit ``momentum_buffer`` (signed dynamic map). With
+    ``momentum=0`` there is no state and this is plain SGD."""
+
+    _kind = _core.SGD
+    _bits = 8
+
+    def __init__(self, params, lr=1e-3, momentum=0.0, dampening=0.0, weight_decay=0.0,
+                 nesterov=False, *, maximize=False, block_size=None, min_8bit_size=4096):
+        defaults = dict(lr=lr, momentum=momentum, dampening=dampening,
+                        weight_decay=weight_decay, nesterov=nesterov, maximize=maximize,
+                        min_8bit_size=min_8bit_size)
+        if block_size is not None:
+            defaults["block_size"] = block_size
+        super().__init__(params, defaults)
+
+    def _hparams(self, group):
+        return _core.hparams(lr=group["lr"], momentum=group["momentum"],
+                             dampening=group["dampening"], weight_decay=group["weight_decay"],
+                             nesterov=group["nesterov"], maximize=group["maximize"])
+
+
+class RMSprop8bit(_MemfitOptimizer):
+    """torch.optim.RMSprop with an 8-bit ``square_avg`` (unsigned dynamic map) and, when
+    ``momentum > 0``, an 8-bit ``momentum_buffer``. ``centered=True`` is not supported."""
+
+    _kind = _core.RMSPROP
+    _bits = 8
+
+    def __init__(self, params, lr=1e-2, alpha=0.99, eps=1e-8, weight_decay=0.0, momentum=0.0,
+                 centered=False, *, maximize=False, block_size=None, min_8bit_size=4096):
+        if centered:
+            raise ValueError("centered=True is not supported by RMSprop8bit")
+        defaults = dict(lr=lr, alpha=alpha, eps=eps, weight_decay=weight_decay,
+                        momentum=momentum, centered=False, maximize=maximize,
+                        min_8bit_size=min_8bit_size)
+        if block_size is not None:
+            defaults["block_size"] = block_size
+        super().__init__(params, defaults)
+
+    def _hparams(self, group):
+        return _core.hparams(lr=group["lr"], alpha=group["alpha"], eps=group["eps"],
+                             weight_decay=group["weight_decay"], momentum=group["momentum"],
+                             maximize=group["maximize"])

@@ -1,0 +1,555 @@
+"""Behaviour of memfit.optim as a torch optimizer: state layout, state_dict round trip
+and bit-exact resume, param groups, LR schedulers, None/zero/non-finite gradients,
+GradScaler's fused-optimizer protocol, argument checks, the functional API, and
+CPU/CUDA agreement (when a GPU is present)."""
+
+import io
+
+import numpy as np
+import pytest
+import torch
+
+import memfit.optim as mo
+from memfit.optim import _core
+from memfit.optim import functional as F
+
+
+ALL = [mo.AdamW8bit, mo.Adam8bit, mo.Lion8bit, mo.SGD8bit, mo.RMSprop8bit, mo.AdamW4bit,
+       mo.AdamW, mo.Adam]
+
+
+def make(cls, params, **kw):
+    if cls is mo.SGD8bit:
+        kw.setdefault("momentum", 0.9)
+    if cls is mo.RMSprop8bit:
+        kw.setdefault("momentum", 0.5)
+    return cls(params, **kw)
+
+
+def model(seed=0):
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(64, 96), torch.nn.Tanh(), torch.nn.Linear(96, 10))
+
+
+def train(m, opt, steps, seed=1):
+    gen = torch.Generator().manual_seed(seed)
+    for _ in range(steps):
+        x = torch.randn(32, 64, generator=gen)
+        y = torch.randint(0, 10, (32,), generator=gen)
+        opt.zero_grad()
+        torch.nn.functional.cross_entropy(m(x), y).backward()
+        opt.step()
+
+
+def snapshot(m, opt):
+    params = [p.detach().clone() for p in m.parameters()]
+    state = [{k: v.clone() for k, v in opt.state[p].items()} for p in m.parameters()]
+    return params, state
+
+
+def assert_same(a, b):
+    for x, y in zip(a[0], b[0]):
+        assert torch.equal(x, y)
+    for sx, sy in zip(a[1], b[1]):
+        assert sx.keys() == sy.keys()
+        for k in sx:
+            assert torch.equal(sx[k], sy[k]), k
+
+
+# ---- state layout -----------------------------------------------------------------
+
+def test_state_layout_and_memory():
+    w = torch.nn.Parameter(torch.randn(1000, 100))  # 100k elements: quantized
+    b = torch.nn.Parameter(torch.randn(100))       # small: fp32 states
+    opt = mo.AdamW8bit([w, b])
+    w.grad = torch.randn_like(w)
+    b.grad = torch.randn_like(b)
+    opt.step()
+    st = opt.state[w]
+    assert st["state1"].dtype == torch.uint8 and st["state1"].shape == w.shape
+    assert st["absmax1"].shape == (100000 // 256 + 1,)
+    assert st["step"].dtype == torch.float32 and st["step"].item() == 1.0
+    assert opt.state[b]["state1"].dtype == torch.float32
+    nbytes = sum(v.numel() * v.element_size() for v in st.values())
+    assert nbytes < 2.04 * w.numel()  # ~2 bytes per parameter instead of 8
+
+    opt4 = mo.AdamW4bit([w])
+    opt4.step()
+    st4 = opt4.state[w]
+    assert st4["state1"].shape == (50000,) and st4["absmax1"].shape == (100000 // 128 + 1,)
+
+
+@pytest.mark.parametrize("numel,quantized", [(4095, False), (4096, True)])
+def test_min_8bit_size_boundary(numel, quantized):
+    p = torch.nn.Parameter(torch.randn(numel))
+    p.grad = torch.randn(numel)
+    opt = mo.AdamW8bit([p])
+    opt.step()
+    want = torch.uint8 if quantized else torch.float32
+    assert opt.state[p]["state1"].dtype == want
+    assert opt.state[p]["state2"].dtype == want
+    # a custom threshold, per group
+    q = torch.nn.Parameter(torch.randn(numel))
+    q.grad = torch.randn(numel)
+    opt2 = mo.AdamW8bit([{"params": [q], "min_8bit_size": 100000}])
+    opt2.step()
+    assert opt2.state[q]["state1"].dtype == torch.float32
+
+
+def _nearest(code, x):
+    """mf_quantize_nearest in NumPy float32: largest code <= x, ties to the lower."""
+    lo = np.clip(np.searchsorted(code, x, side="right") - 1, 0, len(code) - 1)
+    hi = np.minimum(lo + 1, len(code) - 1)
+    up = (hi > lo) & ((code[hi] - x) < (x - code[lo]))
+    return np.where(up, hi, lo).astype(np.uint8)
+
+
+@pytest.mark.parametrize("bits,numel", [(8, 5001), (4, 4097), (4, 1), (4, 255), (8, 1)])
+def test_first_step_codes_exact(bits, numel):
+    """After one step from zero states: exp_avg = (1-beta1)*g and exp_avg_sq =
+    (1-beta2)*g*g in float32; absmax per block and the (4-bit: packed, odd sizes
+    included) nearest codes must match a NumPy computation bit for bit."""
+    rng = np.random.default_rng(numel + bits)
+    g = (rng.standard_normal(numel) * 0.01).astype(np.float32)
+    p = rng.standard_normal(numel).astype(np.float32)
+    st = F.init("adamw", p, bits)
+    F.step("adamw", p, g, st, lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0)
+    bs = st["block_size"]
+    for k, val in ((1, np.float32(0.1) * g), (2, np.float32(1 - 0.999) * (g * g))):
+        code = _core.code_table(bits, k == 1)
+        nb = (numel + bs - 1) // bs
+        padded = np.zeros(nb * bs, np.float32)
+        padded[:numel] = val
+        absmax = np.abs(padded).reshape(nb, bs).max(axis=1)
+        np.testing.assert_array_equal(st[f"absmax{k}"], absmax)
+        inv = np.float32(1) / absmax
+        q = _nearest(code, val * np.repeat(inv, bs)[:numel])
+        if bits == 4:
+            q = np.concatenate([q, np.zeros(numel % 2, np.uint8)])
+            q = (q[0::2] | (q[1::2] << 4)).astype(np.uint8)
+        np.testing.assert_array_equal(st[f"state{k}"], q)
+
+
+def test_dequantized_state_names():
+    p = torch.nn.Parameter(torch.randn(8192))
+    names = {mo.AdamW8bit: {"exp_avg", "exp_avg_sq"}, mo.Lion8bit: {"exp_avg"},
+             mo.SGD8bit: {"momentum_buffer"}, mo.RMSprop8bit: {"square_avg", "momentum_buffer"},
+             mo.AdamW4bit: {"exp_avg", "exp_avg_sq"}, mo.AdamW: {"exp_avg", "exp_avg_sq"}}
+    for cls, want in names.items():
+        opt = make(cls, [p])
+        assert mo.dequantized_state(opt, p) == {}
+        p.grad = torch.randn(8192) * 0.01
+        opt.step()
+        st = mo.dequantized_state(opt, p)
+        assert set(st) == want
+        for v in st.values():
+            assert v.shape == p.shape and v.dtype == torch.float32 and torch.isfinite(v).all()
+    assert set(mo.dequantized_state(mo.RMSprop8bit([p]), p)) == set()
+    opt = mo.RMSprop8bit([p])
+    opt.step()
+    assert set(mo.dequantized_state(opt, p)) == {"square_avg"}
+
+
+# ---- state_dict ---------------------------------------------------------------------
+
+@pytest.mark.parametrize("cls", ALL, ids=lambda c: c.__name__)
+def test_state_dict_bit_exact_resume(cls):
+    m = model()
+    opt = make(cls, m.parameters(), lr=1e-2, min_8bit_size=1000)
+    train(m, opt, 3)
+    buf = io.BytesIO()
+    torch.save({"model": m.state_dict(), "opt": opt.state_dict()}, buf)
+    train(m, opt, 4, seed=7)
+    uninterrupted = snapshot(m, opt)
+
+    buf.seek(0)
+    ck = torch.load(buf, weights_only=True)
+    m2 = model(seed=99)
+    m2.load_state_dict(ck["model"])
+    opt2 = make(cls, m2.parameters(), lr=1e-2, min_8bit_size=1000)
+    opt2.load_state_dict(ck["opt"])
+    for p in m2.parameters():
+        assert opt2.state[p]["step"].item() == 3.0
+    train(m2, opt2, 4, seed=7)
+    assert_same(uninterrupted, snapshot(m2, opt2))
+    # quantized states really were exercised
+    if cls not in (mo.AdamW, mo.Adam):
+        assert any(s["state1"].dtype == torch.uint8 for s in opt2.state.values())
+
+
+def test_state_dict_refusals():
+    m = model()
+    opt = mo.AdamW8bit(m.parameters(), min_8bit_size=1000)
+    train(m, opt, 1)
+    sd = opt.state_dict()
+    with pytest.raises(ValueError, match="saved by memfit.optim.AdamW8bit"):
+        mo.Lion8bit(model().parameters()).load_state_dict(sd)
+    with pytest.raises(ValueError, match="not saved by a memfit optimizer"):
+        t = torch.optim.AdamW(m.parameters())
+        train(m, t, 1)
+        mo.AdamW8bit(m.parameters()).load_state_dict(t.state_dict())
+    other = torch.nn.Sequential(torch.nn.Linear(64, 95), torch.nn.Tanh(), torch.nn.Linear(95, 10))
+    with pytest.raises(ValueError, match="different model"):
+        mo.AdamW8bit(other.parameters(), min_8bit_size=1000).load_state_dict(sd)
+    with pytest.raises(ValueError, match="different model|bits"):
+        # same shapes, but these tensors would keep fp32 states with this threshold
+        mo.AdamW8bit(model().parameters(), min_8bit_size=10**9).load_state_dict(
+            {**sd, "param_groups": [{**g, "min_8bit_size": 10**9} for g in sd["param_groups"]]})
+    with pytest.raises(ValueError, match="number of parameter groups"):
+        ps = list(model().parameters())
+        mo.AdamW8bit([{"params": ps[:2]}, {"params": ps[2:]}]).load_state_dict(sd)
+
+
+# ---- param groups, schedulers, maximize -----------------------------------------------
+
+def _pair(cls_m, cls_t, groups_kw, steps=5, sched=None):
+    m1, m2 = model(), model()
+    g1 = [{"params": list(m1[0].parameters()), **groups_kw[0]},
+          {"params": list(m1[2].parameters()), **groups_kw[1]}]
+    g2 = [{"params": list(m2[0].parameters()), **groups_kw[0]},
+          {"params": list(m2[2].parameters()), **groups_kw[1]}]
+    o1, o2 = cls_m(g1, lr=1e-2), cls_t(g2, lr=1e-2)
+    s1 = sched(o1) if sched else None
+    s2 = sched(o2) if sched else None
+    gen = torch.Generator().manual_seed(3)
+    for _ in range(steps):
+        x = torch.randn(16, 64, generator=gen)
+        for m, o, s in ((m1, o1, s1), (m2, o2, s2)):
+            o.zero_grad()
+            m(x).square().mean().backward()
+            o.step()
+            if s:
+                s.step()
+    return m1, m2, o1, o2
+
+
+def test_param_groups_match_torch():
+    kw = [{"lr": 3e-3, "weight_decay": 0.1, "betas": (0.8, 0.99)}, {"weight_decay": 0.0}]
+    m1, m2, o1, o2 = _pair(mo.AdamW, torch.optim.AdamW, kw)
+    for a, b in zip(m1.parameters(), m2.parameters()):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
+    assert o1.param_groups[0]["lr"] == 3e-3 and o1.param_groups[1]["lr"] == 1e-2
+    # the 8-bit optimizer follows the same per-group hyperparameters, approximately
+    m3, m4, _, _ = _pair(lambda g, lr: mo.AdamW8bit(g, lr=lr, min_8bit_size=0), torch.optim.AdamW, kw)
+    for a, b in zip(m3.parameters(), m4.parameters()):
+        torch.testing.assert_close(a, b, rtol=0, atol=2e-3)
+
+
+def test_lr_scheduler_and_add_param_group():
+    sched = lambda o: torch.optim.lr_scheduler.StepLR(o, step_size=2, gamma=0.5)  # noqa: E731
+    m1, m2, o1, o2 = _pair(mo.Adam, torch.optim.Adam, [{}, {}], steps=6, sched=sched)
+    assert o1.param_groups[0]["lr"] == o2.param_groups[0]["lr"] == 1e-2 * 0.125
+    for a, b in zip(m1.parameters(), m2.parameters()):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
+    extra = torch.nn.Parameter(torch.randn(10))
+    o1.add_param_group({"params": [extra], "lr": 0.5})
+    extra.grad = torch.ones(10)
+    before = extra.detach().clone()
+    o1.step()
+    assert torch.all(extra < before)
+    with pytest.raises(ValueError, match="lr"):
+        o1.add_param_group({"params": [torch.nn.Parameter(torch.randn(3))], "lr": -1.0})
+    assert len(o1.param_groups) == 3
+
+
+def test_maximize():
+    p1 = torch.nn.Parameter(torch.randn(5000))
+    p2 = torch.nn.Parameter(p1.detach().clone())
+    g = torch.randn(5000)
+    p1.grad, p2.grad = g.clone(), -g
+    mo.AdamW([p1], maximize=True).step()
+    mo.AdamW([p2]).step()
+    torch.testing.assert_close(p1, p2, rtol=0, atol=0)
+
+
+# ---- gradients: None, zero, non-finite, sparse -------------------------------------------
+
+def test_none_and_zero_grads():
+    a = torch.nn.Parameter(torch.randn(5000))
+    b = torch.nn.Parameter(torch.randn(5000))
+    a0, b0 = a.detach().clone(), b.detach().clone()
+    opt = mo.AdamW8bit([a, b], lr=1e-2, weight_decay=0.1)
+    a.grad = torch.zeros(5000)  # b.grad stays None
+    opt.step()
+    assert b not in opt.state and torch.equal(b, b0)
+    # zero gradient: only the decoupled weight decay moves a; states stay zero
+    decay = torch.tensor(1 - 1e-2 * 0.1, dtype=torch.float32)
+    assert torch.equal(a.detach(), a0 * decay)
+    st = mo.dequantized_state(opt, a)
+    assert all(torch.count_nonzero(v) == 0 for v in st.values())
+    opt.zero_grad()
+    assert a.grad is None
+
+
+@pytest.mark.parametrize("cls", ALL, ids=lambda c: c.__name__)
+def test_nonfinite_grads_skip_elements(cls):
+    n = 8192
+    p = torch.nn.Parameter(torch.randn(n))
+    opt = make(cls, [p], lr=1e-2)
+    p.grad = torch.randn(n) * 0.01
+    opt.step()
+    before = p.detach().clone()
+    st_before = mo.dequantized_state(opt, p)
+    g = torch.randn(n) * 0.01
+    bad = torch.tensor([3, 700, 4000, 8191])
+    g[bad[:2]] = float("nan")
+    g[bad[2]] = float("inf")
+    g[bad[3]] = float("-inf")
+    p.grad = g
+    opt.step()
+    assert opt.state[p]["step"].item() == 2.0
+    assert torch.equal(p.detach()[bad], before[bad])
+    good = torch.ones(n, dtype=torch.bool)
+    good[bad] = False
+    assert (p.detach()[good] != before[good]).float().mean() > 0.9
+    st = mo.dequantized_state(opt, p)
+    # skipped elements keep their old state values: exactly with fp32 states, up to
+    # requantization with the block's new absmax otherwise
+    tol = {32: 0.0, 8: 0.02, 4: 0.15}[opt.param_groups[0]["bits"]]
+    for k, v in st.items():
+        assert torch.isfinite(v).all(), k
+        old = st_before[k]
+        torch.testing.assert_close(v[bad], old[bad], rtol=0, atol=tol * old.abs().max().item())
+    for key in ("absmax1", "absmax2"):
+        if key in opt.state[p]:
+            assert torch.isfinite(opt.state[p][key]).all()
+
+
+def test_sparse_and_dtype_mismatch_rejected():
+    emb = torch.nn.Embedding(100, 8, sparse=True)
+    opt = mo.AdamW8bit(emb.parameters())
+    emb(torch.tensor([1, 2])).sum().backward()
+    with pytest.raises(RuntimeError, match="sparse"):
+        opt.step()
+    p = torch.nn.Parameter(torch.randn(5000, dtype=torch.bfloat16))
+    p.grad = torch.randn(5000, dtype=torch.bfloat16)
+    opt = mo.AdamW8bit([p])
+    opt.state[p]  # noqa: B018
+    opt.step()
+    p.grad = None
+    p.grad = torch.randn(5000, dtype=torch.bfloat16)
+    opt.state[p]["state1"] = torch.zeros(5000, dtype=torch.float32)
+    with pytest.raises(TypeError, match=r"state1\[0\]: expected dtype uint8"):
+        opt.step()
+    with pytest.raises(TypeError, match=r"grads\[0\]: expected dtype bfloat16"):
+        F.adamw8bit_step(np.zeros(5000, np.float32).astype(_bf16()), np.zeros(5000, np.float32),
+                         F.adamw8bit_init(np.zeros(5000, np.float32)))
+    with pytest.raises(ValueError, match="amsgrad"):
+        mo.AdamW8bit([p], amsgrad=True)
+    with pytest.raises(ValueError, match="betas"):
+        mo.AdamW8bit([p], betas=(1.0, 0.999))
+    with pytest.raises(ValueError, match="block_size"):
+        mo.AdamW8bit([p], block_size=100)
+    with pytest.raises(ValueError, match="centered"):
+        mo.RMSprop8bit([p], centered=True)
+    with pytest.raises(ValueError, match="nesterov"):
+        mo.SGD8bit([p], nesterov=True)
+
+
+def _bf16():
+    import ml_dtypes
+
+    return ml_dtypes.bfloat16
+
+
+def test_non_contiguous_param_rejected():
+    w = torch.nn.Parameter(torch.randn(100, 80).t())
+    w.grad = torch.randn(80, 100)
+    with pytest.raises(ValueError, match=r"params\[0\]: must be contiguous"):
+        mo.AdamW8bit([w], min_8bit_size=0).step()
+
+
+# ---- GradScaler ---------------------------------------------------------------------------
+
+@pytest.mark.parametrize("cls", [mo.AdamW8bit, mo.AdamW], ids=lambda c: c.__name__)
+def test_grad_scaler_fused_protocol(cls):
+    m1, m2 = model(), model()
+    o1 = cls(m1.parameters(), lr=1e-2, min_8bit_size=1000)
+    o2 = cls(m2.parameters(), lr=1e-2, min_8bit_size=1000)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**12)
+    gen = torch.Generator().manual_seed(5)
+    for _ in range(3):
+        x = torch.randn(16, 64, generator=gen)
+        o1.zero_grad()
+        o2.zero_grad()
+        scaler.scale(m1(x).square().mean()).backward()
+        m2(x).square().mean().backward()
+        scaled = [p.grad.clone() for p in m1.parameters()]
+        scaler.step(o1)
+        # fused path: the scaler did not unscale the grads in place, the kernel did
+        for g0, p in zip(scaled, m1.parameters()):
+            assert torch.equal(g0, p.grad)
+        scaler.update()
+        o2.step()
+    for a, b in zip(m1.parameters(), m2.parameters()):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    assert not hasattr(o1, "grad_scale") and not hasattr(o1, "found_inf")
+
+    # an inf in one gradient: the whole step is skipped, nothing changes, scale halves
+    before = snapshot(m1, o1)
+    o1.zero_grad()
+    scaler.scale(m1(torch.randn(16, 64)).square().mean()).backward()
+    next(m1.parameters()).grad[0, 0] = float("inf")
+    scale = scaler.get_scale()
+    scaler.step(o1)
+    scaler.update()
+    assert_same(before, snapshot(m1, o1))
+    assert scaler.get_scale() == scale / 2
+
+    # unscale_ first (gradient clipping), then step: grads are used as they are
+    o1.zero_grad()
+    scaler.scale(m1(torch.randn(16, 64)).square().mean()).backward()
+    scaler.unscale_(o1)
+    torch.nn.utils.clip_grad_norm_(m1.parameters(), 1.0)
+    steps = o1.state[next(m1.parameters())]["step"].item()
+    scaler.step(o1)
+    scaler.update()
+    assert o1.state[next(m1.parameters())]["step"].item() == steps + 1
+
+
+def test_functional_grad_scale_and_found_inf():
+    rng = np.random.default_rng(0)
+    p = rng.standard_normal(6000).astype(np.float32)
+    g = (rng.standard_normal(6000) * 0.01).astype(np.float32)
+    q = p.copy()
+    st1, st2 = F.adamw8bit_init(p), F.adamw8bit_init(q)
+    F.adamw8bit_step(p, g, st1)
+    F.adamw8bit_step(q, g * np.float32(1024), st2, grad_scale=np.array([1024], np.float32),
+                     found_inf=np.zeros(1, np.float32))
+    np.testing.assert_array_equal(p, q)  # scaling by a power of two is exact
+    q0, s0 = q.copy(), st2["state1"].copy()
+    F.adamw8bit_step(q, g, st2, found_inf=np.ones(1, np.float32))
+    np.testing.assert_array_equal(q, q0)
+    np.testing.assert_array_equal(st2["state1"], s0)
+    assert st2["step"][0] == 1
+
+
+# ---- functional API ------------------------------------------------------------------------
+
+@pytest.mark.parametrize("kind,bits", [("adamw", 8), ("adamw", 4), ("adamw", 32), ("lion", 8),
+                                       ("sgd", 8), ("rmsprop", 8), ("adam", 8)])
+def test_functional_matches_optimizer(kind, bits):
+    """The NumPy functional step and the torch optimizer run the same kernel: same bits."""
+    cls = {("adamw", 8): mo.AdamW8bit, ("adamw", 4): mo.AdamW4bit, ("adamw", 32): mo.AdamW,
+           ("lion", 8): mo.Lion8bit, ("sgd", 8): mo.SGD8bit, ("rmsprop", 8): mo.RMSprop8bit,
+           ("adam", 8): mo.Adam8bit}[(kind, bits)]
+    rng = np.random.default_rng(1)
+    p_np = rng.standard_normal(10007).astype(np.float32)
+    p_t = torch.nn.Parameter(torch.from_numpy(p_np.copy()))
+    opt = make(cls, [p_t], lr=1e-2, min_8bit_size=0)
+    hp = {k: v for k, v in opt.param_groups[0].items() if k in ("lr", "weight_decay", "maximize")}
+    g0 = opt.param_groups[0]
+    if "betas" in g0:
+        hp["beta1"], hp["beta2"] = g0["betas"]
+    for k in ("eps", "momentum", "dampening", "nesterov", "alpha"):
+        if k in g0:
+            hp[k] = g0[k]
+    st = F.init(kind, p_np, bits, momentum=hp.get("momentum", 0.0))
+    for _ in range(3):
+        g = (rng.standard_normal(10007) * 0.01).astype(np.float32)
+        p_t.grad = torch.from_numpy(g.copy())
+        opt.step()
+        F.step(kind, p_np, g, st, **hp)
+    np.testing.assert_array_equal(p_np, p_t.detach().numpy())
+    np.testing.assert_array_equal(st["state1"], opt.state[p_t]["state1"].reshape(-1).numpy())
+
+
+def test_functional_bf16_numpy():
+    import ml_dtypes
+
+    rng = np.random.default_rng(2)
+    p = rng.standard_normal(5000).astype(ml_dtypes.bfloat16)
+    g = (rng.standard_normal(5000) * 0.01).astype(ml_dtypes.bfloat16)
+    pt = torch.nn.Parameter(torch.from_numpy(p.astype(np.float32)).bfloat16())
+    pt.grad = torch.from_numpy(g.astype(np.float32)).bfloat16()
+    st = F.adamw8bit_init(p)
+    F.adamw8bit_step(p, g, st, lr=1e-2)
+    mo.AdamW8bit([pt], lr=1e-2).step()
+    np.testing.assert_array_equal(p.astype(np.float32), pt.detach().float().numpy())
+
+
+def test_functional_state_checks():
+    p = np.zeros(5000, np.float32)
+    st = F.adamw8bit_init(p)
+    with pytest.raises(ValueError, match="state: was made for 'adamw'"):
+        F.lion8bit_step(p, p, st)
+    st["absmax1"] = np.zeros(3, np.float32)
+    with pytest.raises(ValueError, match=r"absmax1\[0\]: expected 20 elements"):
+        F.adamw8bit_step(p, p, st)
+
+
+def test_import_memfit_optim_functional_without_torch():
+    import subprocess
+    import sys
+
+    code = ("import sys, memfit, memfit.optim.functional as F, numpy as np; "
+            "p=np.ones(300, np.float32); s=F.adamw4bit_init(p); F.adamw4bit_step(p, p, s); "
+            "assert 'torch' not in sys.modules")
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+# ---- CPU vs CUDA ---------------------------------------------------------------------------
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("cls", ALL, ids=lambda c: c.__name__)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_cpu_cuda_agree_bitwise(cls, dtype):
+    """Same function on both devices: params, codes, absmax and step bit-identical
+    (several tensors in one call, odd sizes, a partial last block)."""
+    torch.manual_seed(0)
+    shapes = [(1000, 37), (4097,), (33,), (256, 256)]
+    cpu = [torch.nn.Parameter((torch.randn(s) * 0.1).to(dtype)) for s in shapes]
+    gpu = [torch.nn.Parameter(p.detach().cuda()) for p in cpu]
+    oc = make(cls, cpu, lr=1e-2, min_8bit_size=1000)
+    og = make(cls, gpu, lr=1e-2, min_8bit_size=1000)
+    for _ in range(4):
+        for pc, pg in zip(cpu, gpu):
+            g = (torch.randn(pc.shape) * 0.01).to(dtype)
+            pc.grad, pg.grad = g, g.cuda()
+        oc.step()
+        og.step()
+    for pc, pg in zip(cpu, gpu):
+        assert torch.equal(pc.detach(), pg.detach().cpu())
+        for k, v in oc.state[pc].items():
+            assert torch.equal(v, og.state[pg][k].cpu()), k
+
+
+@pytest.mark.cuda
+def test_cuda_grad_scaler_skip_without_sync():
+    m = model().cuda()
+    opt = mo.AdamW8bit(m.parameters(), min_8bit_size=1000)
+    scaler = torch.amp.GradScaler("cuda")
+    x = torch.randn(16, 64, device="cuda")
+    scaler.scale(m(x).square().mean()).backward()
+    scaler.step(opt)
+    scaler.update()
+    before = snapshot(m, opt)
+    opt.zero_grad()
+    scaler.scale(m(x).square().mean()).backward()
+    next(m.parameters()).grad[0, 0] = float("nan")
+    scaler.step(opt)
+    scaler.update()
+    assert_same(before, snapshot(m, opt))
+
+
+def test_cpu_isa_variants_agree_bitwise():
+    """The plain x86-64, AVX2 and AVX-512 variants of the CPU kernel (and the table
+    search vs the binary search) compute the same bits."""
+    import subprocess
+    import sys
+
+    code = ("import numpy as np, sys; from memfit.optim import functional as F\n"
+            "rng = np.random.default_rng(0); out = []\n"
+            "for kind, bits in (('adamw', 8), ('adamw', 4), ('lion', 8), ('rmsprop', 8)):\n"
+            "    p = rng.standard_normal(9001).astype(np.float32); st = F.init(kind, p, bits)\n"
+            "    for _ in range(3):\n"
+            "        g = (rng.standard_normal(9001) * 0.01).astype(np.float32)\n"
+            "        F.step(kind, p, g, st, lr=1e-2, beta1=0.9, beta2=0.99, eps=1e-8, alpha=0.99)\n"
+            "    out += [p.tobytes(), st['state1'].tobytes(), st['absmax1'].tobytes()]\n"
+            "sys.stdout.write(__import__('hashlib').sha256(b''.join(out)).hexdigest())\n")
+    digests = set()
+    for isa in ("generic", "avx2", "avx512"):
+        env = {**__import__("os").environ, "MEMFIT_CPU_ISA": isa}
+        r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+        digests.add(r.stdout)
+    assert len(digests) == 1, digests
