@@ -111,3 +111,56 @@ def stacked_bars(bars: dict, parts: list, path, width: int = 640, height: int = 
     with open(path, "wb") as f:
         f.write(_png(width, height, img))
     return {"colours": colours, "max": top_value}
+
+
+# ---- charts for the command line: matplotlib when installed, else the writers above ----
+
+def _pyplot():
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    return plt
+
+
+def _caption(colours: dict, labels: dict | None = None) -> str:
+    return "built-in plotter: " + ", ".join(f"{(labels or {}).get(k, k)} rgb{v}" for k, v in colours.items())
+
+
+def plot_lines(series: dict, path, xlabel: str, ylabel: str) -> str:
+    """Line chart of ``name -> y values``; returns how it was drawn (for a caption)."""
+    plt = _pyplot()
+    if plt is None:
+        return _caption(line_chart(series, path)["colours"])
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for name, ys in series.items():
+        ax.plot(ys, label=name)
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return "matplotlib"
+
+
+def plot_stacked(bars: dict, parts: list, labels: dict, path, ylabel: str) -> str:
+    """Stacked bars ``name -> {part: value}``, parts bottom first, named by ``labels``."""
+    plt = _pyplot()
+    if plt is None:
+        return _caption(stacked_bars(bars, parts, path)["colours"], labels)
+    fig, ax = plt.subplots(figsize=(7, 4))
+    bottom = [0.0] * len(bars)
+    for part in parts:
+        vals = [v.get(part, 0) for v in bars.values()]
+        ax.bar(list(bars), vals, bottom=bottom, label=labels.get(part, part))
+        bottom = [b + v for b, v in zip(bottom, vals)]
+    ax.set_ylabel(ylabel)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return "matplotlib"

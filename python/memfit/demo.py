@@ -110,29 +110,11 @@ def smooth(xs, k=10):
     return out
 
 
-def plot(rows, path):
-    series = {r["name"]: smooth(r["losses"]) for r in rows}
-    try:
-        import matplotlib
+def plot(rows, path) -> str:
+    from memfit._plot import plot_lines
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-
-        fig, ax = plt.subplots(figsize=(7, 4))
-        for name, ys in series.items():
-            ax.plot(ys, label=name)
-        ax.set_xlabel("step")
-        ax.set_ylabel("training loss (nats/byte, smoothed)")
-        ax.legend()
-        fig.tight_layout()
-        fig.savefig(path, dpi=100)
-        plt.close(fig)
-        return "matplotlib"
-    except ImportError:
-        from memfit._plot import line_chart
-
-        info = line_chart(series, path)
-        return "built-in plotter: " + ", ".join(f"{k} rgb{v}" for k, v in info["colours"].items())
+    return plot_lines({r["name"]: smooth(r["losses"]) for r in rows}, path, "step",
+                      "training loss (nats/byte, smoothed)")
 
 
 def main(steps: int | None = None, device: str = "auto", out: str = "memfit-demo", seed: int = 0) -> int:

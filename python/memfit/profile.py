@@ -262,31 +262,12 @@ PARTS = ("params_bytes", "grads_bytes", "optimizer_bytes", "activation_bytes")
 
 def chart(rows: list, path) -> str:
     """Stacked bars of the measured components of each configuration (PNG)."""
+    from memfit._plot import plot_stacked
+
     labels = {"params_bytes": "parameters", "grads_bytes": "gradients", "optimizer_bytes": "optimizer states",
               "activation_bytes": "activations"}
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-
-        fig, ax = plt.subplots(figsize=(7, 4))
-        bottom = [0.0] * len(rows)
-        for part in PARTS:
-            vals = [r[part] / 2**20 for r in rows]
-            ax.bar([r["name"] for r in rows], vals, bottom=bottom, label=labels[part])
-            bottom = [b + v for b, v in zip(bottom, vals)]
-        ax.set_ylabel("MB (measured)")
-        ax.legend()
-        fig.tight_layout()
-        fig.savefig(path, dpi=100)
-        plt.close(fig)
-        return "matplotlib"
-    except ImportError:
-        from memfit._plot import stacked_bars
-
-        info = stacked_bars({r["name"]: {p: r[p] for p in PARTS} for r in rows}, list(PARTS), path)
-        return "built-in plotter: " + ", ".join(f"{labels[k]} rgb{v}" for k, v in info["colours"].items())
+    bars = {r["name"]: {p: r[p] / 2**20 for p in PARTS} for r in rows}
+    return plot_stacked(bars, list(PARTS), labels, path, "MB (measured)")
 
 
 def preset_model(preset: str, layers: int, d_model: int, heads: int, seq: int):
