@@ -199,6 +199,9 @@ def main(argv=None):
     ap.add_argument("--dropout", type=float, default=0.1)
     ap.add_argument("--reps", type=int, default=15)
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    ap.add_argument("--cost", default="flops", choices=["flops", "time"],
+                    help="stage cost the planner minimizes: FLOPs (reproducible) or measured "
+                         "forward time (what auto() uses by default; noisy on a shared CPU)")
     args = ap.parse_args(argv)
 
     device = torch.device(args.device)
@@ -210,7 +213,8 @@ def main(argv=None):
 
     # measure the chain once and plan the budgets
     t0 = time.perf_counter()
-    chain = mc.measure(model, x)
+    load_before = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
+    chain = mc.measure(model, x, cost=args.cost)
     t_measure = time.perf_counter() - t0
     full = chain.full_memory_bytes
     plans = {}
@@ -275,6 +279,9 @@ def main(argv=None):
         "model": {k: getattr(args, k) for k in ("n_layer", "d_model", "heads", "seq", "batch",
                                                 "dropout", "dtype", "reps")},
         "full_activation_bytes": full,
+        "cost": args.cost,
+        "load_average_1min": [load_before, os.getloadavg()[0] if hasattr(os, "getloadavg")
+                              else None],
         "measure_s": t_measure,
         "plan_s": plan_time,
         "plans": {str(k): (v.to_dict() if v else None) for k, v in plans.items()},
@@ -286,7 +293,9 @@ def main(argv=None):
     print(f"model: {args.n_layer} GPT-style blocks, d={args.d_model}, seq={args.seq}, "
           f"batch={args.batch}, {args.dtype}, dropout {args.dropout}; activations with no "
           f"checkpointing (measured) {mib(full)} MiB; measure {t_measure:.2f} s, plan "
-          f"{max(plan_time.values()) * 1e3:.1f} ms; {args.reps} interleaved steps\n")
+          f"{max(plan_time.values()) * 1e3:.1f} ms; {args.reps} interleaved steps; planner cost: "
+          f"{args.cost}; 1-min load average {meta['load_average_1min'][0]} before, "
+          f"{meta['load_average_1min'][1]} after\n")
     print(markdown_table(
         ["config", "impl", "step ms (median)", "min ms", "x none", "kept MiB", "peak MiB",
          "model MiB", "plan MiB", "recompute", "grad rel err"],
@@ -297,7 +306,7 @@ def main(argv=None):
     print("\nkept: allocated by the forward and alive when backward starts; peak: over the "
           "whole step (CPU: torch profiler memory events; CUDA: allocator); model: memfit's "
           "ActivationMeter (saved tensors + checkpoint inputs + largest recompute), the "
-          "quantity the plan bounds; recompute: share of one forward run again.")
+          "quantity the plan bounds; recompute: share of one forward run again (in the planner's cost).")
     for pct in (25, 50, 75):
         if plans[pct] is not None:
             print(f"\nplan at {pct}%:\n```\n{plans[pct]}\n```")

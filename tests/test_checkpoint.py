@@ -481,6 +481,15 @@ def test_gpt_checkpoint_sequential_budget_and_segments():
         h.pow(2).mean().backward()
         assert torch.equal(h.detach(), ref_out), kw
         assert_same(ref_grads, [p.grad for p in model.parameters()])
+    # torch's calling convention: (functions, segments, input)
+    for call in (lambda: mc.checkpoint_sequential(model, 3, x, use_reentrant=False),
+                 lambda: mc.checkpoint_sequential(functions=model, segments=3, input=x)):
+        model.zero_grad(set_to_none=True)
+        torch.manual_seed(5)
+        h = call()
+        h.pow(2).mean().backward()
+        assert torch.equal(h.detach(), ref_out)
+        assert_same(ref_grads, [p.grad for p in model.parameters()])
     with torch.no_grad():
         assert torch.equal(mc.checkpoint_sequential(model.eval(), x, segments=2), model(x))
     with pytest.raises(ValueError, match="segments"):
@@ -665,6 +674,9 @@ def test_measure_restores_rng_and_buffers():
     assert len(m) == 4 and all(c > 0 for c in m.forward_cost)
     assert m.saved_bytes[0] == x.numel() * 4  # the Linear saves its input
     assert m.input_bytes == [x.numel() * 4] * 4
+    blocks = gpt_blocks(n=5)
+    t = mc.measure(blocks, torch.randn(2, 8, 32))
+    assert len(set(t.forward_cost)) == 1 and len(set(t.saved_bytes)) == 1  # identical blocks
     f = mc.measure(net, x, cost="flops")
     assert f.forward_cost[0] == 2 * 16 * 8 * 8 and f.forward_cost[2] == 0
 
@@ -700,30 +712,32 @@ def test_cuda_rng_and_int8_on_gpu():
 
 # ------------------------------------------------------------- README --
 
-def _doc_blocks():
+def _repo_file(name):
     import os
-    import re
 
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    blocks = []
-    for name in ("docs/checkpoint.md", "README.md"):
-        path = os.path.join(root, name)
-        if not os.path.exists(path):
-            continue
-        with open(path) as f:
-            text = f.read()
-        for code in re.findall(r"```python\n(.*?)```", text, flags=re.S):
-            if "memfit.checkpoint" in code:
-                blocks.append((name, code))
-    return blocks
+    path = os.path.join(root, name)
+    if not os.path.exists(path):
+        pytest.skip(f"{name} is not in this checkout")
+    with open(path) as f:
+        return f.read()
 
 
 def test_readme_section_examples_run(capsys):
-    blocks = _doc_blocks()
-    assert blocks, "docs/checkpoint.md (or README.md) has no memfit.checkpoint example"
-    for name, code in blocks:
-        exec(compile(code, name, "exec"), {"__name__": "__doc_example__"})
+    import re
+
+    text = _repo_file("docs/checkpoint.md")
+    blocks = [b for b in re.findall(r"```python\n(.*?)```", text, flags=re.S)
+              if "memfit.checkpoint" in b]
+    assert len(blocks) >= 2, "docs/checkpoint.md lost its runnable examples"
+    for code in blocks:
+        exec(compile(code, "docs/checkpoint.md", "exec"), {"__name__": "__doc_example__"})
     out = capsys.readouterr().out
     assert "[(0, 1, True), (1, 2, True), (2, 4, False)]" in out
     assert "smallest feasible budget for this chain is 18 bytes" in out
     assert "checkpoint plan: 12 stages" in out
+
+
+def test_readme_points_to_the_checkpoint_section():
+    readme = _repo_file("README.md")
+    assert "memfit.checkpoint" in readme and "docs/checkpoint.md" in readme

@@ -347,7 +347,9 @@ static int cmp_i64(const void *x, const void *y) {
 /* Number of distinct sums saved[k..i) that are <= limit (the caps the exact DP
  * would try), or -1 when there are more than max_count segment sums to look at. */
 static int64_t count_caps(int64_t n, const int64_t *pre, int64_t limit, int64_t max_count) {
-  int64_t *sums = malloc(sizeof(int64_t) * (size_t)(max_count + 1));
+  const double all = 0.5 * (double)n * (double)(n + 1); /* every segment */
+  if (all < (double)max_count) max_count = (int64_t)all;
+  int64_t *sums = malloc(sizeof(int64_t) * (size_t)(max_count + 2));
   if (!sums) return -1;
   int64_t c = 0;
   sums[c++] = 0;

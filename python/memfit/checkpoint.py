@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import math
 import re
+import statistics
 import threading
 import time
 import warnings
@@ -930,11 +931,12 @@ def _sync(devices):
 
 
 def measure(model_or_blocks, example_input, *, blocks=None, cost: str = "time",
-            repeats: int = 2) -> ChainMeasurement:
+            repeats: int = 3) -> ChainMeasurement:
     """Measure each stage of a chain once: the bytes handed to it, the bytes its
     backward would keep (counted with saved-tensor hooks, parameters excluded) and
-    its forward cost (``cost="time"``: the fastest of ``repeats`` timed runs;
-    ``"flops"``: torch's FLOP counter). The measuring forward passes keep nothing
+    its forward cost (``cost="time"``: the fastest of ``repeats`` timed runs, and
+    the median of that over identical blocks; ``"flops"``: torch's FLOP counter,
+    which counts matrix products only). The measuring forward passes keep nothing
     for backward, so they need about one stage's activations, not the whole
     model's; RNG state and module buffers (e.g. BatchNorm statistics) are restored.
 
@@ -1047,6 +1049,19 @@ def measure(model_or_blocks, example_input, *, blocks=None, cost: str = "time",
     if missing:
         raise ValueError(f"measure: stage {missing[0]} was not called by the forward pass "
                          "(the chain must run every stage once per forward)")
+    if cost == "time":
+        # Identical blocks (same class, parameter shapes and sizes) cost the same; a
+        # shared machine makes single timings differ at random, which would make the
+        # planner prefer arbitrary blocks. Give each group its median time.
+        groups: dict = {}
+        for i, st in enumerate(stages):
+            key = (type(st), tuple(tuple(p.shape) for p in st.parameters()), inb[i], sab[i])
+            groups.setdefault(key, []).append(i)
+        for members in groups.values():
+            if len(members) > 1:
+                t = statistics.median(cst[i] for i in members)
+                for i in members:
+                    cst[i] = t
     return ChainMeasurement(inb, sab, cst, names)
 
 
@@ -1076,17 +1091,21 @@ def _run_range(stages, s, e):
     return run
 
 
-def checkpoint_sequential(stages, x, budget=None, segments: int | None = None, *,
+def checkpoint_sequential(stages=None, x=None, budget=None, segments: int | None = None, *,
                           compress: str | None = None, cost: str = "time",
                           plan: Plan | None = None, preserve_rng_state: bool = True,
-                          max_slots: int | None = None, use_reentrant: bool | None = None):
+                          max_slots: int | None = None, use_reentrant: bool | None = None,
+                          functions=None, input=None):
     """Run ``stages`` in turn on ``x``, checkpointed by a plan; returns the output.
+
+    torch's calling convention also works: ``checkpoint_sequential(functions,
+    segments, input)``, positionally or with those keyword names.
 
     * ``budget`` (bytes, ``"6GB"``, ``"50%"``): the stages are measured once with
       :func:`measure` (cached for the same stages and input shape) and
       :func:`memfit.checkpoint.plan` chooses the segments;
-    * ``segments=k``: ``k`` equal segments, all checkpointed but the last, like
-      ``torch.utils.checkpoint.checkpoint_sequential``;
+    * ``segments=k``: ``k`` segments, all checkpointed but the last, split as
+      ``torch.utils.checkpoint.checkpoint_sequential`` does;
     * ``plan=``: a :class:`Plan` you made;
     * none of them: the :func:`plan_sqrt` plan.
 
@@ -1099,6 +1118,19 @@ def checkpoint_sequential(stages, x, budget=None, segments: int | None = None, *
     torch.Size([4, 32])
     """
     torch = _torch()
+    if functions is not None:
+        if stages is not None:
+            raise TypeError("checkpoint_sequential: give stages or functions=, not both")
+        stages = functions
+    if input is not None:
+        if x is not None:
+            raise TypeError("checkpoint_sequential: give x or input=, not both")
+        x = input
+    if (isinstance(x, int) and not isinstance(x, bool) and isinstance(budget, torch.Tensor)
+            and segments is None):
+        segments, x, budget = x, budget, None  # torch order: (functions, segments, input)
+    if stages is None:
+        raise TypeError("checkpoint_sequential: missing the stages")
     seq = _sequence_of_stages(stages)
     n = len(seq)
     if n == 0:
@@ -1111,8 +1143,11 @@ def checkpoint_sequential(stages, x, budget=None, segments: int | None = None, *
             raise TypeError(f"segments: expected an int, got {type(segments).__name__}")
         if not 1 <= segments <= n:
             raise ValueError(f"segments: must be in [1, {n}] for {n} stages, got {segments}")
-        bounds = [round(j * n / segments) for j in range(segments + 1)]
-        the_plan = Plan([(bounds[j], bounds[j + 1], j + 1 < segments) for j in range(segments)])
+        # torch's split: segments - 1 checkpointed runs of n // segments stages, the
+        # rest (the last segment, whose backward comes first) stored
+        size = n // segments
+        segs = [(j * size, (j + 1) * size, True) for j in range(segments - 1)]
+        the_plan = Plan(segs + [((segments - 1) * size, n, False)])
     elif plan is not None:
         if not isinstance(plan, Plan):
             raise TypeError(f"plan: expected a memfit.checkpoint.Plan, got {type(plan).__name__}")
