@@ -35,6 +35,13 @@ def metadata(device: str) -> dict:
         "memfit_threads": memfit.get_num_threads(),
         "device": device,
     }
+    from importlib import metadata as md
+
+    for peer in ("bitsandbytes", "torchao"):
+        try:
+            meta[peer] = md.version(peer)
+        except md.PackageNotFoundError:
+            pass
     try:
         import torch
 
