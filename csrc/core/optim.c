@@ -387,6 +387,23 @@ MF_TARGET_AVX512 static void dequant8_avx512(const uint8_t *restrict q,
   for (; i < n; i++) out[i] = code[q[i]] * absmax;
 }
 
+/* 4-bit: 16 codes fit one register, so the lookup is a permute (no gather). */
+MF_TARGET_AVX512 static void dequant4_avx512(const uint8_t *restrict q,
+                                             const float *restrict code, float absmax,
+                                             int64_t n, float *restrict out) {
+  const __m512 a = _mm512_set1_ps(absmax), table = _mm512_loadu_ps(code);
+  const __m128i low4 = _mm_set1_epi8(15);
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) {
+    __m128i bytes = _mm_loadl_epi64((const __m128i *)(q + i / 2));
+    __m128i nib = _mm_unpacklo_epi8(_mm_and_si128(bytes, low4),
+                                    _mm_and_si128(_mm_srli_epi16(bytes, 4), low4));
+    __m512 v = _mm512_permutexvar_ps(_mm512_cvtepu8_epi32(nib), table);
+    _mm512_storeu_ps(out + i, _mm512_mul_ps(v, a));
+  }
+  for (; i < n; i++) out[i] = code[(q[i >> 1] >> ((i & 1) * 4)) & 15] * absmax;
+}
+
 MF_TARGET_AVX512 static void quantize_run_avx512(const float *restrict s, float inv, int64_t n,
                                                  const float *code, int size,
                                                  const uint32_t *restrict lut,
@@ -509,8 +526,14 @@ MF_INLINE void block_step_impl(const mf_optim_hparams *h, const mf_optim_consts 
 #endif
         dequant8(q, qc->code[k], absmax[j], len, s[k] + off);
       } else {
-        dequant4((const uint8_t *)st[k]->data + (first + off) / 2, qc->code[k], absmax[j], len,
-                 s[k] + off);
+        const uint8_t *q = (const uint8_t *)st[k]->data + (first + off) / 2;
+#ifdef MF_X86_SIMD
+        if (isa == ISA_AVX512) {
+          dequant4_avx512(q, qc->code[k], absmax[j], len, s[k] + off);
+          continue;
+        }
+#endif
+        dequant4(q, qc->code[k], absmax[j], len, s[k] + off);
       }
     }
   }
