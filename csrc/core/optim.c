@@ -2,20 +2,20 @@
  * Optimizer steps: argument checks, dispatch, and the CPU loops.
  *
  * CPU path. One OpenMP parallel region covers every tensor of the call; each tensor's
- * blocks are shared out with `omp for nowait`, so a call with many small tensors does
- * not pay one fork/join each. A block (block_size elements; the whole tensor in chunks
- * of 2048 for fp32 states) goes through four short loops over per-thread buffers that
- * stay in L1:
+ * work items (2048 elements, or one quantization block if larger) are shared out with
+ * `omp for nowait`, so a call with many small tensors does not pay one fork/join each.
+ * An item goes through short loops over per-thread buffers (L1/L2 resident):
  *   1. load:     widen f16/bf16 params and grads to float; dequantize the states
- *                (code[index] * absmax)
+ *                (code[index] * absmax, per quantization block)
  *   2. update:   mf_optim_update_one() for every element (optim.h, shared with CUDA)
- *   3. absmax:   of the new states, as the max of the float bit patterns with the
- *                sign cleared (same order as the values for non-negative floats)
+ *   3. absmax:   per block, of the new states, as the max of the float bit patterns
+ *                with the sign cleared (same order as the values for non-negative floats)
  *   4. store:    narrow params; requantize the states with the code search below.
- * Loops 1-3 vectorise (gathers for the code lookups); the block function is compiled
- * for AVX-512, AVX2 and plain x86-64 (target_clones) and picked at load time. All of
- * it is compiled with -ffp-contract=off, so no variant fuses a multiply-add: every
- * variant, and the CUDA kernel, computes the same bits.
+ * The update and absmax loops are auto-vectorised. The item function is compiled three
+ * times (plain x86-64, AVX2, AVX-512) and picked at run time; the AVX-512 one uses
+ * gathers for the 8-bit code lookups and the table search, and a register permute for
+ * 4-bit codes. All of it is compiled with -ffp-contract=off, so no variant fuses a
+ * multiply-add: every variant, and the CUDA kernel, computes the same bits (tested).
  *
  * Fast exact code search. The nearest-code function q(x) = mf_quantize_nearest(code, x)
  * is monotone in x (for non-NaN x), so it is a step function with at most 255 jumps.
