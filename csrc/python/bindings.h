@@ -52,6 +52,8 @@ static inline mf_tensor *mf_py_tensor_or_null(mf_py_view *v) { return v->owner ?
 extern PyMethodDef mf_quant_methods[];
 extern PyMethodDef mf_cast_methods[];
 extern PyMethodDef mf_gemm_methods[];
+extern PyMethodDef mf_plan_methods[];
 extern PyMethodDef mf_optim_methods[];
+extern PyMethodDef mf_amp_methods[];
 
 #endif /* MEMFIT_BINDINGS_H */

@@ -98,7 +98,9 @@ static PyMethodDef *method_tables[] = {
     mf_quant_methods,
     mf_cast_methods,
     mf_gemm_methods,
+    mf_plan_methods,
     mf_optim_methods,
+    mf_amp_methods,
 };
 
 static struct PyModuleDef module_def = {PyModuleDef_HEAD_INIT, "memfit._C",

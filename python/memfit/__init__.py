@@ -20,8 +20,10 @@ __all__ = [
     "Error",
     "MemfitTypeError",
     "MemfitValueError",
+    "amp",
     "build_info",
     "cast",
+    "checkpoint",
     "cuda_device_count",
     "get_num_threads",
     "optim",
@@ -71,7 +73,7 @@ def cast(x, dtype, rounding="nearest", seed=None, out=None):
 
 def __getattr__(name):
     # Submodules load on first use so `import memfit` stays cheap.
-    if name in ("quant", "optim", "cli", "doctor", "nn"):
+    if name in ("quant", "checkpoint", "optim", "amp", "cli", "doctor", "nn"):
         import importlib
 
         return importlib.import_module(f"memfit.{name}")

@@ -72,3 +72,42 @@ def line_chart(series: dict, path, width: int = 640, height: int = 400) -> dict:
     with open(path, "wb") as f:
         f.write(_png(width, height, img))
     return {"x": (0, xmax), "y": (y0, y1), "colours": colours}
+
+
+def stacked_bars(bars: dict, parts: list, path, width: int = 640, height: int = 400) -> dict:
+    """One stacked bar per ``name -> {part: value}``, parts in the order given
+    (bottom first), one colour per part. Writes a PNG; returns the colours."""
+    if not bars:
+        raise ValueError("bars: nothing to plot")
+    img = [[255] * (3 * width) for _ in range(height)]
+
+    def put(x, y, c):
+        if 0 <= x < width and 0 <= y < height:
+            img[y][3 * x:3 * x + 3] = c
+
+    left, right, top, bottom = 50, width - 20, 20, height - 40
+    top_value = max(sum(v.get(p, 0) for p in parts) for v in bars.values()) or 1
+    for x in range(left, right + 1):
+        put(x, bottom, (0, 0, 0))
+    for y in range(top, bottom + 1):
+        put(left, y, (0, 0, 0))
+    colours = {p: PALETTE[i % len(PALETTE)] for i, p in enumerate(parts)}
+    slot = (right - left) // len(bars)
+    for i, values in enumerate(bars.values()):
+        x0, x1 = left + i * slot + slot // 4, left + (i + 1) * slot - slot // 4
+        level = 0.0
+        for p in parts:
+            v = values.get(p, 0)
+            ya = bottom - round((bottom - top) * level / top_value)
+            level += v
+            yb = bottom - round((bottom - top) * level / top_value)
+            for y in range(yb, ya):
+                for x in range(x0, x1):
+                    put(x, y, colours[p])
+    for k, p in enumerate(parts):  # legend swatches
+        for dx in range(12):
+            for dy in range(6):
+                put(right - 20 + dx, top + 12 * k + dy, colours[p])
+    with open(path, "wb") as f:
+        f.write(_png(width, height, img))
+    return {"colours": colours, "max": top_value}

@@ -12,6 +12,27 @@ def build_parser() -> argparse.ArgumentParser:
     sub.required = True
     d = sub.add_parser("doctor", help="show what memfit was built with and what it sees at run time")
     d.add_argument("--json", action="store_true", help="print JSON instead of text")
+    m = sub.add_parser("demo", help="train a small GPT the usual way and the memfit way, side by side")
+    m.add_argument("--steps", type=int, default=None, help="training steps per run (default: 200 CPU, 300 GPU)")
+    m.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    m.add_argument("--out", default="memfit-demo", help="folder for loss.png and demo.json")
+    m.add_argument("--seed", type=int, default=0)
+    f = sub.add_parser("profile", help="measure training memory per component for real, per configuration")
+    f.add_argument("--model", default="gpt2", help="a GPT-2-style preset built at small scale (default gpt2)")
+    f.add_argument("--module", default=None,
+                   help="instead of a preset: 'package.module:function' returning (model, batches, loss_fn)")
+    f.add_argument("--layers", type=int, default=2)
+    f.add_argument("--d-model", type=int, default=128)
+    f.add_argument("--heads", type=int, default=4)
+    f.add_argument("--batch", type=int, default=4)
+    f.add_argument("--seq", type=int, default=128)
+    f.add_argument("--steps", type=int, default=3)
+    f.add_argument("--configs", default="baseline,autocast,adamw8bit,checkpoint,memfit",
+                   help="comma-separated: baseline, autocast, adamw8bit, checkpoint, memfit")
+    f.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    f.add_argument("--seed", type=int, default=0)
+    f.add_argument("--out", default="memfit-profile", help="folder for profile.png and profile.json")
+    f.add_argument("--json", action="store_true", help="print JSON instead of the table")
     e = sub.add_parser("estimate", help="estimate training memory and whether it fits a GPU")
     e.add_argument("model", help="a preset (gpt2, gpt2-medium, gpt2-xl, roberta-base, llama-1b, ...) "
                                  "or a path to a Hugging Face config.json")
@@ -89,6 +110,22 @@ def main(argv=None) -> int:
         return doctor.main(as_json=args.json)
     if args.command == "estimate":
         return _estimate(args)
+    if args.command == "profile":
+        from memfit import profile
+
+        try:
+            return profile.main(args)
+        except ValueError as err:
+            print(f"memfit profile: error: {err}", file=sys.stderr)
+            return 2
+    if args.command == "demo":
+        from memfit import demo
+
+        try:
+            return demo.main(steps=args.steps, device=args.device, out=args.out, seed=args.seed)
+        except ValueError as err:
+            print(f"memfit demo: error: {err}", file=sys.stderr)
+            return 2
     return 2  # argparse rejects unknown commands before this
 
 

@@ -9,7 +9,9 @@ parameters excluded), peak CUDA memory on a GPU, and the median step time.
 
 from __future__ import annotations
 
+import math
 import statistics
+import sys
 import time
 from contextlib import nullcontext
 
@@ -124,3 +126,258 @@ def profile_steps(model, optimizer, batches, loss_fn, steps: int = 3, autocast_d
         "step_time_s": statistics.median(times),
         "loss": float(loss.detach().float()),
     }
+
+
+# ---- configurations: the usual way and memfit's techniques ------------------------------
+
+CONFIGS = {  # name -> (autocast, optimizer, checkpoint budget)
+    "baseline": (False, "adamw", None),
+    "autocast": (True, "adamw", None),
+    "adamw8bit": (False, "adamw8bit", None),
+    "checkpoint": (False, "adamw", "50%"),
+    "memfit": (True, "adamw8bit", "50%"),
+}
+
+
+def make_optimizer(name: str, params, lr: float):
+    if name == "adamw":
+        return torch.optim.AdamW(params, lr=lr, betas=(0.9, 0.95), weight_decay=0.1)
+    import memfit.optim as mopt
+
+    classes = {"adamw8bit": mopt.AdamW8bit, "adamw4bit": mopt.AdamW4bit}
+    if name not in classes:
+        raise ValueError(f"optimizer: expected adamw, adamw8bit or adamw4bit, got {name!r}")
+    return classes[name](params, lr=lr, betas=(0.9, 0.95), weight_decay=0.1)
+
+
+def run_config(name: str, model, batches, loss_fn, steps: int, *, lr: float = 3e-3, progress=None,
+               schedule: bool = True) -> dict:
+    """Trains `model` for `steps` steps under configuration `name` (see CONFIGS) and
+    measures every component. The model is modified in place (checkpoint wrappers,
+    weights); build a fresh one per configuration.
+
+    Returns a dict with the configuration, bytes of params / gradients / optimizer
+    states / activations (memfit.checkpoint.ActivationMeter: saved tensors,
+    checkpoint boundaries and the largest recompute), peak CUDA bytes, median step
+    time and the loss of every step."""
+    import warnings
+
+    import memfit.checkpoint as mck
+
+    if name not in CONFIGS:
+        raise ValueError(f"config: expected one of {', '.join(CONFIGS)}, got {name!r}")
+    use_amp, opt_name, budget = CONFIGS[name]
+    device = next(model.parameters()).device
+    opt = make_optimizer(opt_name, model.parameters(), lr)
+    autocast, scaler, plan, precision = nullcontext(), None, None, "fp32"
+    if use_amp:
+        import memfit.amp as mamp
+
+        with warnings.catch_warnings():  # setup() explains once why bf16 needs no scaler
+            warnings.simplefilter("ignore")
+            autocast, scaler = mamp.setup(model, opt, "auto", device=device.type)
+        precision = str(mamp.precision(device.type))
+    if budget is not None:
+        x0, _ = batches()
+        with autocast:
+            try:
+                plan = mck.auto(model, x0, budget=budget)
+            except ValueError:  # a short chain may not fit the share: take the least that does
+                m = mck.measure(model, x0)
+                plan = mck.auto(model, x0, budget=mck.min_budget(m.input_bytes, m.saved_bytes))
+    sched = None
+    if schedule:
+        # linear warm-up over 20 steps, then cosine decay to zero
+        sched = torch.optim.lr_scheduler.LambdaLR(
+            opt, lambda s: min(1.0, (s + 1) / 20) * 0.5 * (1 + math.cos(math.pi * min(s, steps) / steps)))
+    params = list(model.parameters())
+    losses, times, act_bytes, grad_bytes = [], [], 0, 0
+    measure_at = 1 if steps > 1 else 0
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats(device)
+    model.train()
+    for step in range(steps):
+        x, y = batches()
+        t0 = time.perf_counter()
+        meter = mck.ActivationMeter(exclude=model) if step == measure_at else None
+        with (meter or nullcontext()), autocast:
+            loss = loss_fn(model, x, y)
+        if scaler is not None:
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+        else:
+            loss.backward()
+            opt.step()
+        if meter is not None:
+            act_bytes = meter.total_bytes  # after backward: includes the recompute peak
+            grad_bytes = sum(tensor_bytes(p.grad) for p in params if p.grad is not None)
+        opt.zero_grad(set_to_none=True)
+        if sched is not None:
+            sched.step()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+        losses.append(float(loss.detach().float()))
+        if progress:
+            progress(step, steps, losses[-1])
+    return {
+        "name": name, "precision": precision, "optimizer": type(opt).__name__,
+        "checkpoint": "none" if plan is None else f"{len(plan.checkpointed_stages)} of {plan.n_stages} blocks",
+        "params_bytes": sum(tensor_bytes(p) for p in params),
+        "grads_bytes": grad_bytes,
+        "optimizer_bytes": state_bytes(opt),
+        "activation_bytes": act_bytes,
+        "peak_cuda_bytes": torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None,
+        "step_time_s": statistics.median(times[1:] if len(times) > 1 else times),
+        "losses": losses,
+        "autocast": autocast,
+    }
+
+
+def total_bytes(row: dict) -> int:
+    return row["params_bytes"] + row["grads_bytes"] + row["optimizer_bytes"] + row["activation_bytes"]
+
+
+def format_rows(rows: list, extra: dict | None = None) -> str:
+    """A markdown table of run_config results (MB = 2**20 bytes)."""
+    mb = lambda n: "-" if n is None else f"{n / 2**20:.2f}"  # noqa: E731
+    head = ["config", "precision", "optimizer", "checkpointed", "params MB", "grads MB", "optim MB",
+            "activations MB", "total MB", "peak CUDA MB", "step ms"] + list(extra or {})
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in rows:
+        cells = [r["name"], r["precision"], r["optimizer"], r["checkpoint"], mb(r["params_bytes"]),
+                 mb(r["grads_bytes"]), mb(r["optimizer_bytes"]), mb(r["activation_bytes"]), mb(total_bytes(r)),
+                 mb(r["peak_cuda_bytes"]), f"{1000 * r['step_time_s']:.1f}"]
+        cells += [fn(r) for fn in (extra or {}).values()]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+# ---- `memfit profile` ---------------------------------------------------------------------
+
+PARTS = ("params_bytes", "grads_bytes", "optimizer_bytes", "activation_bytes")
+
+
+def chart(rows: list, path) -> str:
+    """Stacked bars of the measured components of each configuration (PNG)."""
+    labels = {"params_bytes": "parameters", "grads_bytes": "gradients", "optimizer_bytes": "optimizer states",
+              "activation_bytes": "activations"}
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        fig, ax = plt.subplots(figsize=(7, 4))
+        bottom = [0.0] * len(rows)
+        for part in PARTS:
+            vals = [r[part] / 2**20 for r in rows]
+            ax.bar([r["name"] for r in rows], vals, bottom=bottom, label=labels[part])
+            bottom = [b + v for b, v in zip(bottom, vals)]
+        ax.set_ylabel("MB (measured)")
+        ax.legend()
+        fig.tight_layout()
+        fig.savefig(path, dpi=100)
+        plt.close(fig)
+        return "matplotlib"
+    except ImportError:
+        from memfit._plot import stacked_bars
+
+        info = stacked_bars({r["name"]: {p: r[p] for p in PARTS} for r in rows}, list(PARTS), path)
+        return "built-in plotter: " + ", ".join(f"{labels[k]} rgb{v}" for k, v in info["colours"].items())
+
+
+def preset_model(preset: str, layers: int, d_model: int, heads: int, seq: int):
+    """A GPT-2-family preset built at small scale (fewer layers, narrower), keeping
+    its vocabulary, as a memfit.models.GPT."""
+    from memfit import memory
+    from memfit.models import GPT, GPTConfig
+
+    spec = memory.resolve_model(preset)
+    if spec.mlp != "gelu" or spec.norm != "layernorm":
+        raise ValueError(f"model: only GPT-2-style presets can be built at small scale, not {preset!r}")
+    if d_model % heads:
+        raise ValueError(f"d_model: must be divisible by the number of heads ({heads})")
+    cfg = GPTConfig(n_layer=layers, d_model=d_model, n_head=heads, vocab=spec.vocab, max_pos=seq)
+    return GPT(cfg), cfg
+
+
+def load_factory(spec: str):
+    """'package.module:function' -> the function's (model, batches, loss_fn)."""
+    import importlib
+
+    mod_name, _, fn_name = spec.partition(":")
+    if not mod_name or not fn_name:
+        raise ValueError(f"module: expected 'package.module:function', got {spec!r}")
+    fn = getattr(importlib.import_module(mod_name), fn_name)
+    result = fn()
+    if not (isinstance(result, tuple) and len(result) == 3):
+        raise ValueError(f"module: {spec} must return (model, batches, loss_fn)")
+    return result
+
+
+def main(args) -> int:
+    """Runs `memfit profile` (arguments from memfit.cli)."""
+    import json
+    from pathlib import Path
+
+    import memfit
+    from memfit import memory
+
+    device = args.device
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() and memfit.cuda_device_count() > 0 else "cpu"
+    dev = torch.device(device)
+    configs = [c.strip() for c in args.configs.split(",") if c.strip()]
+    for c in configs:
+        if c not in CONFIGS:
+            raise ValueError(f"configs: unknown configuration {c!r} (choose from {', '.join(CONFIGS)})")
+    if args.steps < 2:
+        raise ValueError("steps: need at least 2 (one warm-up, one measured)")
+    rows = []
+    spec = None
+    for i, name in enumerate(configs):
+        torch.manual_seed(args.seed)
+        if args.module:
+            model, batches, loss_fn = load_factory(args.module)
+            model = model.to(dev)
+        else:
+            model, cfg = preset_model(args.model, args.layers, args.d_model, args.heads, args.seq)
+            model = model.to(dev)
+            gen = torch.Generator().manual_seed(args.seed)
+
+            def batches(cfg=cfg, gen=gen):
+                x = torch.randint(0, cfg.vocab, (args.batch, args.seq), generator=gen).to(dev)
+                return x, x
+
+            def loss_fn(m, x, y):
+                return m(x, y)[1]
+
+            spec = memory.ModelSpec(f"{args.model} (small)", cfg.n_layer, cfg.d_model, cfg.n_head, cfg.vocab,
+                                    max_pos=cfg.max_pos, dropout=False)
+        print(f"[{i + 1}/{len(configs)}] {name} ...", file=sys.stderr, flush=True)
+        row = run_config(name, model, batches, loss_fn, args.steps, schedule=False)
+        row.pop("autocast")
+        if spec is not None and CONFIGS[name][2] is None:  # the estimator has no planned budgets
+            use_amp, opt_name, _ = CONFIGS[name]
+            est = memory.estimate(spec, memory.Setup(batch=args.batch, seq=args.seq,
+                                                     precision=row["precision"] if use_amp else "fp32",
+                                                     optimizer=opt_name, gpu=dev.type == "cuda"))
+            row["estimated_bytes"] = est.weights + est.gradients + est.optimizer + est.activations
+        rows.append(row)
+    est_col = {"estimate MB": lambda r: f"{r['estimated_bytes'] / 2**20:.2f}" if "estimated_bytes" in r else "-"}
+    table = format_rows(rows, est_col)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    how = chart(rows, out / "profile.png")
+    (out / "profile.json").write_text(json.dumps({"device": device, "rows": rows}, indent=2))
+    if args.json:
+        print(json.dumps({"device": device, "rows": rows}, indent=2))
+    else:
+        what = args.module or f"{args.model} at small scale ({args.layers} layers, d_model {args.d_model})"
+        print(f"memfit profile: {what}, batch {args.batch} x {args.seq}, {args.steps} steps, on {device}")
+        print(table)
+        print(f"wrote {out / 'profile.png'} ({how}) and {out / 'profile.json'}")
+    return 0

@@ -1,5 +1,5 @@
 /*
- * memfit core -> CUDA: launchers implemented in cuda/*.cu, called by the core's
+ * memfit core -> CUDA: launchers implemented in the cuda/ folder, called by the core's
  * dispatch code only after it has validated every argument. They run on the given
  * stream (a cudaStream_t; NULL is the default stream) on the device of their views,
  * never synchronize, and return MF_ERR_CUDA with the CUDA error string on failure.
@@ -12,6 +12,7 @@
 #include "memfit/gemm.h"
 #include "memfit/optim.h"
 #include "memfit/quant.h"
+#include "memfit/scaler.h"
 
 #ifdef __cplusplus
 extern "C" {
@@ -48,6 +49,20 @@ mf_status mf_cuda_optim_step(const mf_optim_hparams *h, mf_state_format fmt, int
                              const mf_optim_tensor *tensors, int64_t n,
                              const mf_tensor *grad_scale, const mf_tensor *found_inf,
                              void *stream);
+
+/* cuda/scaler.cu */
+mf_status mf_cuda_scaler_update(mf_tensor *state, const mf_tensor *found_infs, int64_t n,
+                                const mf_tensor *loss_flag, const mf_scaler_config *cfg,
+                                void *stream);
+
+/* cuda/unscale.cu: multi-tensor kernels (one launch covers up to 96 tensors or 320
+ * chunks of MF_MT_CHUNK elements, whichever fills first) */
+mf_status mf_cuda_unscale_grads(mf_tensor *grads, int64_t n, const mf_tensor *scale,
+                                mf_tensor *found_inf, void *stream);
+mf_status mf_cuda_grad_norm(const mf_tensor *grads, int64_t n, double norm_type,
+                            mf_tensor *workspace, mf_tensor *out, void *stream);
+mf_status mf_cuda_clip_grads(mf_tensor *grads, int64_t n, const mf_tensor *norm,
+                             float max_norm, void *stream);
 
 #ifdef __cplusplus
 }

@@ -41,6 +41,11 @@ static inline MF_HD float mf_f32_from_bits(uint32_t u) {
 #endif
 }
 
+/* Finite (not NaN, not +-Inf), by the exponent bits: exact and vectorisable. */
+static inline MF_HD int mf_isfinite_f32(float x) {
+  return (mf_f32_bits(x) & 0x7f800000u) != 0x7f800000u;
+}
+
 /* ---- bfloat16 ---------------------------------------------------------- */
 
 static inline MF_HD float mf_bf16_to_f32(uint16_t h) {

@@ -166,10 +166,6 @@ static inline MF_HD mf_optim_consts mf_optim_prepare(const mf_optim_hparams *h, 
 
 /* ---- element math -------------------------------------------------------------- */
 
-/* Finite (not NaN, not +-Inf), by the exponent bits: exact and vectorisable. */
-static inline MF_HD int mf_isfinite_f32(float x) {
-  return (mf_f32_bits(x) & 0x7f800000u) != 0x7f800000u;
-}
 
 /* One element of one update. p: parameter, g: raw gradient (scaled by gmul here), s1,
  * s2: the states (in/out; unused ones are ignored). Writes the new values, or the old

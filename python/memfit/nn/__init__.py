@@ -1,7 +1,5 @@
 """memfit.nn: drop-in torch modules backed by memfit's kernels (imports torch)."""
 
-import math
-
 import torch
 
 from memfit.nn import functional
@@ -33,5 +31,3 @@ class Linear(torch.nn.Linear):
         base = super().extra_repr()
         return base + (f", activation={self.activation!r}" if self.activation else "")
 
-
-del math

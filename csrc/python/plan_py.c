@@ -1,0 +1,295 @@
+/*
+ * Bindings of the checkpoint planner (memfit/plan.h). Plain Python sequences in
+ * (lists, tuples, NumPy arrays of ints/floats), plain Python objects out; the
+ * Python layer (memfit.checkpoint) wraps them into a Plan.
+ */
+#include "bindings.h"
+#include "memfit/plan.h"
+
+#include <stdlib.h>
+
+/* Copies a sequence of integers (anything with __index__) into a new int64
+ * array. Returns 0, or -1 with an exception naming `name`. */
+static int int64_list(PyObject *obj, const char *name, int64_t **out, Py_ssize_t *n) {
+  *out = NULL;
+  PyObject *seq = PySequence_Fast(obj, "");
+  if (!seq) {
+    PyErr_Format(mf_py_TypeError, "%s: expected a sequence of ints, got %.100s", name,
+                 Py_TYPE(obj)->tp_name);
+    return -1;
+  }
+  int rc = -1;
+  Py_ssize_t len = PySequence_Fast_GET_SIZE(seq);
+  int64_t *arr = malloc(sizeof(int64_t) * (size_t)(len > 0 ? len : 1));
+  if (!arr) {
+    PyErr_NoMemory();
+    goto finish;
+  }
+  for (Py_ssize_t i = 0; i < len; i++) {
+    PyObject *item = PySequence_Fast_GET_ITEM(seq, i); /* borrowed */
+    PyObject *idx = PyNumber_Index(item);
+    if (!idx) {
+      PyErr_Format(mf_py_TypeError, "%s[%zd]: expected an int number of bytes, got %.100s",
+                   name, i, Py_TYPE(item)->tp_name);
+      goto finish;
+    }
+    long long v = PyLong_AsLongLong(idx);
+    Py_DECREF(idx);
+    if (v == -1 && PyErr_Occurred()) {
+      PyErr_Format(mf_py_ValueError, "%s[%zd]: does not fit in 64 bits", name, i);
+      goto finish;
+    }
+    arr[i] = (int64_t)v;
+  }
+  *out = arr;
+  *n = len;
+  arr = NULL;
+  rc = 0;
+finish:
+  free(arr);
+  Py_DECREF(seq);
+  return rc;
+}
+
+static int double_list(PyObject *obj, const char *name, double **out, Py_ssize_t *n) {
+  *out = NULL;
+  PyObject *seq = PySequence_Fast(obj, "");
+  if (!seq) {
+    PyErr_Format(mf_py_TypeError, "%s: expected a sequence of numbers, got %.100s", name,
+                 Py_TYPE(obj)->tp_name);
+    return -1;
+  }
+  int rc = -1;
+  Py_ssize_t len = PySequence_Fast_GET_SIZE(seq);
+  double *arr = malloc(sizeof(double) * (size_t)(len > 0 ? len : 1));
+  if (!arr) {
+    PyErr_NoMemory();
+    goto finish;
+  }
+  for (Py_ssize_t i = 0; i < len; i++) {
+    PyObject *item = PySequence_Fast_GET_ITEM(seq, i);
+    double v = PyFloat_AsDouble(item);
+    if (v == -1.0 && PyErr_Occurred()) {
+      PyErr_Format(mf_py_TypeError, "%s[%zd]: expected a number, got %.100s", name, i,
+                   Py_TYPE(item)->tp_name);
+      goto finish;
+    }
+    arr[i] = v;
+  }
+  *out = arr;
+  *n = len;
+  arr = NULL;
+  rc = 0;
+finish:
+  free(arr);
+  Py_DECREF(seq);
+  return rc;
+}
+
+static int check_len(Py_ssize_t got, Py_ssize_t want, const char *name) {
+  if (got != want) {
+    PyErr_Format(mf_py_ValueError,
+                 "%s: expected %zd entries (one per stage, as input_bytes), got %zd", name,
+                 want, got);
+    return -1;
+  }
+  return 0;
+}
+
+/* [(start, end, checkpointed), ...] */
+static PyObject *segments_to_list(int64_t ns, const int64_t *seg_end, const uint8_t *seg_ckpt) {
+  PyObject *list = PyList_New((Py_ssize_t)ns);
+  if (!list) return NULL;
+  int64_t start = 0;
+  for (int64_t j = 0; j < ns; j++) {
+    PyObject *t = Py_BuildValue("(LLO)", (long long)start, (long long)seg_end[j],
+                                seg_ckpt[j] ? Py_True : Py_False);
+    if (!t) {
+      Py_DECREF(list);
+      return NULL;
+    }
+    PyList_SET_ITEM(list, (Py_ssize_t)j, t); /* steals t */
+    start = seg_end[j];
+  }
+  return list;
+}
+
+/* plan_budget(input_bytes, saved_bytes, forward_cost, budget_bytes, max_slots=0)
+ *   -> (segments, memory_bytes, recompute_cost, unit_bytes, exact) */
+static PyObject *py_plan_budget(PyObject *self, PyObject *args) {
+  (void)self;
+  PyObject *in_obj, *saved_obj, *cost_obj, *result = NULL;
+  long long budget, max_slots = 0;
+  int64_t *in = NULL, *saved = NULL, *seg_end = NULL;
+  double *cost = NULL;
+  uint8_t *seg_ckpt = NULL;
+  Py_ssize_t n, n2, n3;
+  if (!PyArg_ParseTuple(args, "OOOL|L:plan_budget", &in_obj, &saved_obj, &cost_obj, &budget,
+                        &max_slots))
+    return NULL;
+  if (int64_list(in_obj, "input_bytes", &in, &n) < 0) goto finish;
+  if (int64_list(saved_obj, "saved_bytes", &saved, &n2) < 0) goto finish;
+  if (double_list(cost_obj, "forward_cost", &cost, &n3) < 0) goto finish;
+  if (check_len(n2, n, "saved_bytes") < 0 || check_len(n3, n, "forward_cost") < 0) goto finish;
+  seg_end = malloc(sizeof(int64_t) * (size_t)(n > 0 ? n : 1));
+  seg_ckpt = malloc((size_t)(n > 0 ? n : 1));
+  if (!seg_end || !seg_ckpt) {
+    PyErr_NoMemory();
+    goto finish;
+  }
+  mf_plan_info info;
+  mf_status st;
+  Py_BEGIN_ALLOW_THREADS
+  st = mf_plan_budget((int64_t)n, in, saved, cost, (int64_t)budget, (int64_t)max_slots,
+                      seg_end, seg_ckpt, &info);
+  Py_END_ALLOW_THREADS
+  if (st) {
+    mf_py_raise(st);
+    goto finish;
+  }
+  PyObject *segs = segments_to_list(info.n_segments, seg_end, seg_ckpt);
+  if (!segs) goto finish;
+  result = Py_BuildValue("(NLdLO)", segs, (long long)info.memory_bytes, info.recompute_cost,
+                         (long long)info.unit_bytes, info.exact ? Py_True : Py_False);
+finish:
+  free(in);
+  free(saved);
+  free(cost);
+  free(seg_end);
+  free(seg_ckpt);
+  return result;
+}
+
+/* plan_min_budget(input_bytes, saved_bytes) -> int */
+static PyObject *py_plan_min_budget(PyObject *self, PyObject *args) {
+  (void)self;
+  PyObject *in_obj, *saved_obj, *result = NULL;
+  int64_t *in = NULL, *saved = NULL, out = 0;
+  Py_ssize_t n, n2;
+  if (!PyArg_ParseTuple(args, "OO:plan_min_budget", &in_obj, &saved_obj)) return NULL;
+  if (int64_list(in_obj, "input_bytes", &in, &n) < 0) goto finish;
+  if (int64_list(saved_obj, "saved_bytes", &saved, &n2) < 0) goto finish;
+  if (check_len(n2, n, "saved_bytes") < 0) goto finish;
+  mf_status st;
+  Py_BEGIN_ALLOW_THREADS
+  st = mf_plan_min_budget((int64_t)n, in, saved, &out);
+  Py_END_ALLOW_THREADS
+  if (st) {
+    mf_py_raise(st);
+    goto finish;
+  }
+  result = PyLong_FromLongLong((long long)out);
+finish:
+  free(in);
+  free(saved);
+  return result;
+}
+
+/* plan_sqrt(n) -> segments */
+static PyObject *py_plan_sqrt(PyObject *self, PyObject *arg) {
+  (void)self;
+  long long n = PyLong_AsLongLong(arg);
+  if (n == -1 && PyErr_Occurred()) return NULL;
+  if (n < 1) {
+    mf_error(MF_ERR_VALUE, "n: the chain needs at least one stage, got %lld", n);
+    return mf_py_raise(MF_ERR_VALUE);
+  }
+  int64_t *seg_end = malloc(sizeof(int64_t) * (size_t)n);
+  uint8_t *seg_ckpt = malloc((size_t)n);
+  PyObject *result = NULL;
+  int64_t ns = 0;
+  if (!seg_end || !seg_ckpt) {
+    PyErr_NoMemory();
+    goto finish;
+  }
+  mf_status st = mf_plan_sqrt((int64_t)n, seg_end, seg_ckpt, &ns);
+  if (st) {
+    mf_py_raise(st);
+    goto finish;
+  }
+  result = segments_to_list(ns, seg_end, seg_ckpt);
+finish:
+  free(seg_end);
+  free(seg_ckpt);
+  return result;
+}
+
+/* plan_evaluate(input_bytes, saved_bytes, forward_cost or None, segments)
+ *   -> (memory_bytes, recompute_cost) */
+static PyObject *py_plan_evaluate(PyObject *self, PyObject *args) {
+  (void)self;
+  PyObject *in_obj, *saved_obj, *cost_obj, *segs_obj, *result = NULL, *seq = NULL;
+  int64_t *in = NULL, *saved = NULL, *seg_end = NULL;
+  double *cost = NULL;
+  uint8_t *seg_ckpt = NULL;
+  Py_ssize_t n, n2, n3;
+  if (!PyArg_ParseTuple(args, "OOOO:plan_evaluate", &in_obj, &saved_obj, &cost_obj, &segs_obj))
+    return NULL;
+  if (int64_list(in_obj, "input_bytes", &in, &n) < 0) goto finish;
+  if (int64_list(saved_obj, "saved_bytes", &saved, &n2) < 0) goto finish;
+  if (check_len(n2, n, "saved_bytes") < 0) goto finish;
+  if (cost_obj != Py_None) {
+    if (double_list(cost_obj, "forward_cost", &cost, &n3) < 0) goto finish;
+    if (check_len(n3, n, "forward_cost") < 0) goto finish;
+  }
+  seq = PySequence_Fast(segs_obj, "segments: expected a sequence of (start, end, checkpointed)");
+  if (!seq) goto finish;
+  Py_ssize_t ns = PySequence_Fast_GET_SIZE(seq);
+  seg_end = malloc(sizeof(int64_t) * (size_t)(ns > 0 ? ns : 1));
+  seg_ckpt = malloc((size_t)(ns > 0 ? ns : 1));
+  if (!seg_end || !seg_ckpt) {
+    PyErr_NoMemory();
+    goto finish;
+  }
+  int64_t expect_start = 0;
+  for (Py_ssize_t j = 0; j < ns; j++) {
+    PyObject *item = PySequence_Fast_GET_ITEM(seq, j);
+    long long s, e;
+    int c;
+    if (!PyTuple_Check(item) || !PyArg_ParseTuple(item, "LLp", &s, &e, &c)) {
+      PyErr_Clear();
+      PyErr_Format(mf_py_TypeError,
+                   "segments[%zd]: expected a tuple (start, end, checkpointed)", j);
+      goto finish;
+    }
+    if (s != expect_start) {
+      PyErr_Format(mf_py_ValueError,
+                   "segments[%zd]: starts at %lld, expected %lld (segments must be "
+                   "contiguous, in order, from 0)",
+                   j, s, (long long)expect_start);
+      goto finish;
+    }
+    seg_end[j] = (int64_t)e;
+    seg_ckpt[j] = (uint8_t)c;
+    expect_start = (int64_t)e;
+  }
+  int64_t mem = 0;
+  double rc = 0.0;
+  mf_status st = mf_plan_evaluate((int64_t)n, in, saved, cost, (int64_t)ns, seg_end, seg_ckpt,
+                                  &mem, &rc);
+  if (st) {
+    mf_py_raise(st);
+    goto finish;
+  }
+  result = Py_BuildValue("(Ld)", (long long)mem, rc);
+finish:
+  Py_XDECREF(seq);
+  free(in);
+  free(saved);
+  free(cost);
+  free(seg_end);
+  free(seg_ckpt);
+  return result;
+}
+
+PyMethodDef mf_plan_methods[] = {
+    {"plan_budget", py_plan_budget, METH_VARARGS,
+     "plan_budget(input_bytes, saved_bytes, forward_cost, budget_bytes, max_slots=0) -> "
+     "(segments, memory_bytes, recompute_cost, unit_bytes, exact)"},
+    {"plan_min_budget", py_plan_min_budget, METH_VARARGS,
+     "plan_min_budget(input_bytes, saved_bytes) -> smallest feasible budget in bytes"},
+    {"plan_sqrt", py_plan_sqrt, METH_O, "plan_sqrt(n) -> segments of the sqrt(n) plan"},
+    {"plan_evaluate", py_plan_evaluate, METH_VARARGS,
+     "plan_evaluate(input_bytes, saved_bytes, forward_cost, segments) -> "
+     "(memory_bytes, recompute_cost)"},
+    {NULL, NULL, 0, NULL}};

@@ -1,0 +1,233 @@
+/*
+ * C tests of the scaler core (no Python): the update rule against torch's rule written
+ * out here, hysteresis and bounds, the stage machine, and the CPU unscale/norm entry
+ * points with their argument checks (including mixed devices, which the Python tests
+ * cannot build without a GPU).
+ */
+#include <math.h>
+#include <stdio.h>
+#include <string.h>
+
+#include "memfit/scaler.h"
+
+static int failures = 0;
+#define CHECK(cond)                                                        \
+  do {                                                                     \
+    if (!(cond)) {                                                         \
+      fprintf(stderr, "%s:%d: CHECK failed: %s\n", __FILE__, __LINE__, #cond); \
+      failures++;                                                          \
+    }                                                                      \
+  } while (0)
+
+static float scale_of(const uint32_t *w) { return mf_f32_from_bits(w[MF_SW_SCALE]); }
+
+/* torch's _amp_update_scale_ (aten/src/ATen/native/cpu/AmpGradScalerKernels.cpp) */
+static void torch_rule(float *scale, int32_t *tracker, int found, float g, float b, int32_t gi) {
+  if (found) {
+    *scale *= b;
+    *tracker = 0;
+  } else {
+    int32_t s = *tracker + 1;
+    if (s == gi) {
+      float n = *scale * g;
+      if (isfinite(n)) *scale = n;
+      *tracker = 0;
+    } else {
+      *tracker = s;
+    }
+  }
+}
+
+static void test_rule_matches_torch(void) {
+  const mf_scaler_config cfg = {2.0f, 0.5f, 3, 1, 0.0f, 0.0f, 0};
+  uint32_t w[MF_SCALER_WORDS];
+  CHECK(mf_scaler_state_init(w, MF_SCALER_WORDS, 1e37f, 0) == MF_OK);
+  float scale = 1e37f;
+  int32_t tracker = 0;
+  uint64_t x = 12345;
+  for (int i = 0; i < 2000; i++) {
+    x = x * 6364136223846793005ull + 1442695040888963407ull;
+    int found = (x >> 60) == 0; /* ~1 in 16 */
+    mf_scaler_update_rule(w, found, 0, &cfg);
+    torch_rule(&scale, &tracker, found, 2.0f, 0.5f, 3);
+    CHECK(w[MF_SW_SCALE] == mf_f32_bits(scale));
+    CHECK(w[MF_SW_GROWTH_TRACKER] == (uint32_t)tracker);
+  }
+  CHECK(w[MF_SW_UPDATES] == 2000u);
+  CHECK(isfinite(scale_of(w)));
+}
+
+static void test_hysteresis_and_bounds(void) {
+  mf_scaler_config cfg = {2.0f, 0.5f, 1, 2, 4.0f, 32.0f, 0};
+  uint32_t w[MF_SCALER_WORDS];
+  mf_scaler_state_init(w, MF_SCALER_WORDS, 16.0f, 0);
+  mf_scaler_update_rule(w, 1, 0, &cfg);
+  CHECK(scale_of(w) == 16.0f); /* first non-finite: held */
+  mf_scaler_update_rule(w, 1, 0, &cfg);
+  CHECK(scale_of(w) == 8.0f);
+  mf_scaler_update_rule(w, 1, 0, &cfg);
+  CHECK(scale_of(w) == 4.0f);
+  mf_scaler_update_rule(w, 1, 0, &cfg);
+  CHECK(scale_of(w) == 4.0f && w[MF_SW_MIN_CLAMPS] == 1u);
+  mf_scaler_update_rule(w, 0, 0, &cfg);
+  CHECK(scale_of(w) == 8.0f && w[MF_SW_CONSEC_INF] == 0u && w[MF_SW_MAX_CONSEC_INF] == 4u);
+  for (int i = 0; i < 3; i++) mf_scaler_update_rule(w, 0, 0, &cfg);
+  CHECK(scale_of(w) == 32.0f && w[MF_SW_MAX_CLAMPS] >= 1u);
+  /* loss skip: nothing but the counters moves */
+  cfg.loss_skip = 1;
+  uint32_t tracker = w[MF_SW_GROWTH_TRACKER];
+  mf_scaler_update_rule(w, 1, 1, &cfg);
+  CHECK(scale_of(w) == 32.0f && w[MF_SW_GROWTH_TRACKER] == tracker && w[MF_SW_LOSS_NONFINITE] == 1u);
+  /* history: the scale each step used, negative when skipped */
+  CHECK(mf_f32_from_bits(w[MF_SW_HISTORY + 0]) == -16.0f);
+  CHECK(mf_f32_from_bits(w[MF_SW_HISTORY + 4]) == 4.0f);
+}
+
+static void test_config_and_state_checks(void) {
+  mf_scaler_config ok = {2.0f, 0.5f, 10, 1, 0.0f, 0.0f, 0}, c;
+  CHECK(mf_scaler_config_check(&ok) == MF_OK);
+  c = ok; c.growth_factor = 1.0f;
+  CHECK(mf_scaler_config_check(&c) == MF_ERR_VALUE && strstr(mf_last_error(), "growth_factor"));
+  c = ok; c.backoff_factor = 1.0f;
+  CHECK(mf_scaler_config_check(&c) == MF_ERR_VALUE && strstr(mf_last_error(), "backoff_factor"));
+  c = ok; c.backoff_factor = NAN;
+  CHECK(mf_scaler_config_check(&c) == MF_ERR_VALUE);
+  c = ok; c.hysteresis = 0;
+  CHECK(mf_scaler_config_check(&c) == MF_ERR_VALUE && strstr(mf_last_error(), "hysteresis"));
+  c = ok; c.min_scale = 8.0f; c.max_scale = 4.0f;
+  CHECK(mf_scaler_config_check(&c) == MF_ERR_VALUE && strstr(mf_last_error(), "min_scale"));
+  uint32_t w[MF_SCALER_WORDS];
+  CHECK(mf_scaler_state_init(w, 3, 1.0f, 0) == MF_ERR_VALUE);
+  CHECK(mf_scaler_state_init(w, MF_SCALER_WORDS, INFINITY, 0) == MF_ERR_VALUE);
+  CHECK(mf_scaler_state_init(w, MF_SCALER_WORDS, 1.0f, -1) == MF_ERR_VALUE);
+
+  mf_scaler_state_init(w, MF_SCALER_WORDS, 8.0f, 0);
+  mf_tensor state = {w, MF_SCALER_WORDS, MF_FLOAT32, MF_CPU, 0};
+  float f0 = 0.0f, f1 = 1.0f;
+  mf_tensor flags[2] = {{&f0, 1, MF_FLOAT32, MF_CPU, 0}, {&f1, 1, MF_FLOAT32, MF_CPU, 0}};
+  CHECK(mf_scaler_update(&state, flags, 2, NULL, &ok, NULL) == MF_OK);
+  CHECK(scale_of(w) == 4.0f);
+  CHECK(mf_scaler_update(&state, flags, 0, NULL, &ok, NULL) == MF_ERR_VALUE);
+  mf_tensor gpu_flag = {(void *)0x10, 1, MF_FLOAT32, MF_CUDA, 0};
+  CHECK(mf_scaler_update(&state, &gpu_flag, 1, NULL, &ok, NULL) == MF_ERR_VALUE);
+  mf_tensor short_state = state;
+  short_state.numel = 10;
+  CHECK(mf_scaler_update(&short_state, flags, 1, NULL, &ok, NULL) == MF_ERR_VALUE);
+}
+
+static void test_stage_machine(void) {
+  int next = -1;
+  CHECK(mf_scaler_stage_next(MF_STAGE_READY, MF_EVENT_UNSCALE, &next) == MF_OK && next == MF_STAGE_UNSCALED);
+  CHECK(mf_scaler_stage_next(MF_STAGE_UNSCALED, MF_EVENT_STEP, &next) == MF_OK && next == MF_STAGE_STEPPED);
+  CHECK(mf_scaler_stage_next(MF_STAGE_READY, MF_EVENT_STEP, &next) == MF_OK && next == MF_STAGE_STEPPED);
+  CHECK(mf_scaler_stage_next(MF_STAGE_UNSCALED, MF_EVENT_UNSCALE, &next) == MF_ERR_VALUE);
+  CHECK(strstr(mf_last_error(), "already been called") != NULL);
+  CHECK(mf_scaler_stage_next(MF_STAGE_STEPPED, MF_EVENT_UNSCALE, &next) == MF_ERR_VALUE);
+  CHECK(mf_scaler_stage_next(MF_STAGE_STEPPED, MF_EVENT_STEP, &next) == MF_ERR_VALUE);
+  CHECK(mf_scaler_stage_next(7, MF_EVENT_STEP, &next) == MF_ERR_VALUE);
+  CHECK(mf_scaler_stage_next(MF_STAGE_READY, 9, &next) == MF_ERR_VALUE);
+}
+
+static void test_unscale_and_norm_cpu(void) {
+  enum { N = 70000 };
+  static float a[N];
+  uint16_t h[5];
+  for (int i = 0; i < N; i++) a[i] = (float)(i % 7) - 3.0f;
+  for (int i = 0; i < 5; i++) h[i] = mf_f32_to_f16(4.0f);
+  float s = 2.0f, found = 0.0f, out = 0.0f;
+  mf_tensor g[3] = {{a, N, MF_FLOAT32, MF_CPU, 0}, {h, 5, MF_FLOAT16, MF_CPU, 0},
+                    {a, 0, MF_FLOAT32, MF_CPU, 0}};
+  mf_tensor st = {&s, 1, MF_FLOAT32, MF_CPU, 0}, fi = {&found, 1, MF_FLOAT32, MF_CPU, 0};
+  CHECK(mf_unscale_grads(g, 3, &st, &fi, NULL) == MF_OK && found == 0.0f);
+  CHECK(a[0] == -1.5f && a[N - 1] == ((float)((N - 1) % 7) - 3.0f) / 2.0f);
+  CHECK(mf_f16_to_f32(h[4]) == 2.0f);
+  a[N - 2] = NAN;
+  CHECK(mf_unscale_grads(g, 3, NULL, &fi, NULL) == MF_OK && found == 1.0f);
+  a[N - 2] = 0.0f;
+  mf_tensor o = {&out, 1, MF_FLOAT32, MF_CPU, 0};
+  CHECK(mf_grad_norm(g, 2, INFINITY, NULL, &o, NULL) == MF_OK && out == 2.0f);
+  /* mixed devices and bad dtypes name the argument */
+  mf_tensor mixed[2] = {{a, 4, MF_FLOAT32, MF_CPU, 0}, {(void *)0x10, 4, MF_FLOAT32, MF_CUDA, 0}};
+  CHECK(mf_unscale_grads(mixed, 2, &st, &fi, NULL) == MF_ERR_VALUE);
+  CHECK(strstr(mf_last_error(), "grads[1]") && strstr(mf_last_error(), "one device"));
+  mf_tensor bytes = {a, 4, MF_UINT8, MF_CPU, 0};
+  CHECK(mf_unscale_grads(&bytes, 1, &st, &fi, NULL) == MF_ERR_TYPE);
+  CHECK(mf_grad_norm(g, 2, 0.0, NULL, &o, NULL) == MF_ERR_VALUE);
+  CHECK(mf_mt_num_chunks(g, 3) == 3); /* 70000 -> 2 chunks, 5 -> 1, 0 -> 0 */
+#ifndef MEMFIT_WITH_CUDA
+  /* a CPU-only build refuses CUDA arrays with MF_ERR_NO_CUDA (nothing is dereferenced) */
+  mf_tensor dg = {(void *)0x10, 4, MF_FLOAT32, MF_CUDA, 0};
+  mf_tensor ds = {(void *)0x20, 1, MF_FLOAT32, MF_CUDA, 0}, df = {(void *)0x30, 1, MF_FLOAT32, MF_CUDA, 0};
+  CHECK(mf_unscale_grads(&dg, 1, &ds, &df, NULL) == MF_ERR_NO_CUDA);
+  CHECK(mf_clip_grads(&dg, 1, &ds, 1.0f, NULL) == MF_ERR_NO_CUDA);
+  CHECK(mf_grad_norm(&dg, 1, 2.0, &ds, &df, NULL) == MF_ERR_NO_CUDA);
+  const mf_scaler_config cfg = {2.0f, 0.5f, 10, 1, 0.0f, 0.0f, 0};
+  mf_tensor dstate = {(void *)0x40, MF_SCALER_WORDS, MF_FLOAT32, MF_CUDA, 0};
+  CHECK(mf_scaler_update(&dstate, &df, 1, NULL, &cfg, NULL) == MF_ERR_NO_CUDA);
+  CHECK(strstr(mf_last_error(), "without CUDA") != NULL);
+#endif
+}
+
+/* The packing the CUDA launchers use: every (tensor, chunk) exactly once, in order,
+ * block b of a launch is global chunk base + b, and the limits hold. */
+static void test_multi_tensor_packing(void) {
+  enum { N = 700 };
+  static mf_tensor t[N];
+  static char dummy[N];
+  int64_t expected_chunks = 0;
+  for (int i = 0; i < N; i++) {
+    /* empty, tiny, exactly one chunk, multi-chunk, and a few huge ones */
+    int64_t numel = (i % 7 == 0) ? 0 : (i % 5 == 0) ? MF_MT_CHUNK
+                  : (i % 11 == 0) ? 3 * MF_MT_CHUNK + 1 : (i % 97 == 0) ? 700LL * MF_MT_CHUNK : i;
+    t[i] = (mf_tensor){dummy + i, numel, MF_FLOAT32, MF_CUDA, 0};
+    expected_chunks += (numel + MF_MT_CHUNK - 1) / MF_MT_CHUNK;
+  }
+  CHECK(mf_mt_num_chunks(t, N) == expected_chunks);
+  mf_mt_iter it;
+  mf_mt_begin(&it, t, N);
+  static mf_mt_args a;
+  int64_t next_tensor = 0, next_chunk = 0, global = 0;
+  int launches = 0, ok = 1;
+  while (mf_mt_next(&it, &a) > 0) {
+    launches++;
+    ok &= a.nblocks <= MF_MT_MAX_BLOCKS && a.ntensors <= MF_MT_MAX_TENSORS && a.ntensors > 0;
+    ok &= a.base == global;
+    for (int b = 0; b < a.nblocks; b++, global++) {
+      while (next_tensor < N && t[next_tensor].numel == 0) next_tensor++;
+      int ti = a.block_tensor[b];
+      ok &= ti < a.ntensors;
+      ok &= a.ptr[ti] == t[next_tensor].data && a.numel[ti] == t[next_tensor].numel;
+      ok &= a.block_chunk[b] == next_chunk;
+      if (++next_chunk * MF_MT_CHUNK >= t[next_tensor].numel) {
+        next_tensor++;
+        next_chunk = 0;
+      }
+    }
+  }
+  CHECK(ok);
+  CHECK(global == expected_chunks);
+  while (next_tensor < N && t[next_tensor].numel == 0) next_tensor++;
+  CHECK(next_tensor == N);
+  CHECK(launches >= (int)(expected_chunks / MF_MT_MAX_BLOCKS));
+  CHECK(mf_mt_next(&it, &a) == 0); /* stays done */
+  /* nothing at all, or only empty tensors: no launch */
+  mf_mt_begin(&it, t, 1);
+  CHECK(t[0].numel == 0 && mf_mt_next(&it, &a) == 0);
+  mf_mt_begin(&it, t, 0);
+  CHECK(mf_mt_next(&it, &a) == 0);
+}
+
+int main(void) {
+  test_rule_matches_torch();
+  test_hysteresis_and_bounds();
+  test_config_and_state_checks();
+  test_stage_machine();
+  test_unscale_and_norm_cpu();
+  test_multi_tensor_packing();
+  if (failures) {
+    fprintf(stderr, "test_scaler: %d failure(s)\n", failures);
+    return 1;
+  }
+  printf("test_scaler: ok\n");
+  return 0;
+}

@@ -1,0 +1,60 @@
+"""The command line: every subcommand runs, prints what it says, writes its files,
+and answers bad arguments with a usage error (exit 2) that names the problem."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+pytest.importorskip("torch")
+
+
+def run(*args, cwd=None):
+    return subprocess.run([sys.executable, "-m", "memfit", *args], capture_output=True, text=True, cwd=cwd)
+
+
+def test_demo_runs_and_measures(tmp_path):
+    out = run("demo", "--steps", "6", "--out", str(tmp_path / "d"))
+    assert out.returncode == 0, out.stderr
+    assert "| baseline | fp32 | AdamW | none |" in out.stdout
+    assert "| memfit | bf16 | AdamW8bit |" in out.stdout
+    data = json.loads((tmp_path / "d" / "demo.json").read_text())
+    base, mf = data["rows"]
+    total = lambda r: r["params_bytes"] + r["grads_bytes"] + r["optimizer_bytes"] + r["activation_bytes"]  # noqa: E731
+    assert total(mf) < total(base)
+    assert mf["optimizer_bytes"] < base["optimizer_bytes"] / 3  # 8-bit states
+    assert mf["activation_bytes"] < base["activation_bytes"]  # checkpointing + bf16
+    assert len(base["losses"]) == 6 and all(l > 0 for l in base["losses"])
+    assert (tmp_path / "d" / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_profile_json_agrees_with_estimate(tmp_path):
+    out = run("profile", "--steps", "2", "--configs", "baseline,adamw8bit,autocast", "--layers", "1",
+              "--d-model", "64", "--heads", "2", "--seq", "32", "--batch", "2", "--json", "--out", str(tmp_path))
+    assert out.returncode == 0, out.stderr
+    rows = json.loads(out.stdout)["rows"]
+    assert [r["name"] for r in rows] == ["baseline", "adamw8bit", "autocast"]
+    for r in rows:
+        measured = r["params_bytes"] + r["grads_bytes"] + r["optimizer_bytes"] + r["activation_bytes"]
+        assert abs(r["estimated_bytes"] / measured - 1) < 0.10, r["name"]
+    assert (tmp_path / "profile.png").exists() and (tmp_path / "profile.json").exists()
+
+
+@pytest.mark.parametrize("args,msg", [
+    (("profile", "--configs", "nope"), "unknown configuration 'nope'"),
+    (("profile", "--model", "llama-7b"), "only GPT-2-style presets"),
+    (("profile", "--module", "no_colon"), "expected 'package.module:function'"),
+    (("profile", "--steps", "1"), "steps: need at least 2"),
+    (("demo", "--steps", "2"), "steps: need at least 5"),
+    (("demo", "--device", "tpu"), "invalid choice"),
+])
+def test_bad_arguments(args, msg, tmp_path):
+    out = run(*args, "--out", str(tmp_path))
+    assert out.returncode == 2
+    assert msg in out.stderr
+
+
+def test_no_command_is_a_usage_error():
+    out = run()
+    assert out.returncode == 2 and "usage:" in out.stderr
