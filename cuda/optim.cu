@@ -1,11 +1,12 @@
 /*
  * Optimizer steps on the GPU: multi-tensor apply over all parameters of a call.
  *
- * The host packs up to kMaxTensors tensors and kMaxChunks chunks (kChunk elements of
- * one tensor each) into a kernel argument (< 4 KB, so no host-to-device copy and no
- * sync); each thread block updates one chunk. A model with hundreds of small
- * parameters costs a handful of launches, not one per parameter (the apex /
- * torch._foreach pattern). All launches go to the caller's stream.
+ * The host packs up to kMaxTensors tensors (pointers, sizes and the prefix sum of their
+ * work items) into a kernel argument (< 4 KB, so no host-to-device copy and no sync);
+ * thread block b finds its tensor in that prefix sum and updates one item of kItem
+ * elements. A model with hundreds of small parameters costs a handful of launches, not
+ * one per parameter (the apex / torch._foreach pattern), and a 1B-parameter tensor is
+ * one launch of 250k blocks. All launches go to the caller's stream.
  *
  * optim_quant_kernel<BS, BITS>: quantized states (8-bit: one code per byte; 4-bit: two
  * per byte). A tile of max(BS, 256) elements is spread over the 256 threads, so each
@@ -35,9 +36,10 @@
 namespace {
 
 constexpr int kThreads = 256;
-constexpr int kMaxTensors = 32;
-constexpr int kMaxChunks = 160;
-constexpr int64_t kChunk = 16384; /* a multiple of every tile size (<= 4096) */
+constexpr int kMaxTensors = 40;
+/* Elements one thread block updates: a whole number of tiles (a tile is max(BS, 256)
+ * elements, BS <= 4096), so quantization blocks never straddle two thread blocks. */
+constexpr int64_t kItem = 4096;
 
 struct TensorSlot {
   void *p;
@@ -49,13 +51,24 @@ struct TensorSlot {
   int dtype;
 };
 
+/* Up to kMaxTensors tensors; thread block b works on tensor i with
+ * item_start[i] <= b < item_start[i + 1], item b - item_start[i] of it. */
 struct LaunchList {
   TensorSlot t[kMaxTensors];
-  int32_t chunk_index[kMaxChunks];
-  uint8_t chunk_tensor[kMaxChunks];
+  int64_t item_start[kMaxTensors + 1];
+  int n;
 };
 static_assert(sizeof(LaunchList) + sizeof(mf_optim_hparams) + 64 <= 4096,
               "kernel arguments must stay below 4 KB");
+
+/* The tensor of this thread block and the first element of its item. */
+__device__ __forceinline__ const TensorSlot &locate(const LaunchList &L, int64_t *start) {
+  const int64_t b = blockIdx.x;
+  int i = 0;
+  while (i + 1 < L.n && L.item_start[i + 1] <= b) i++;
+  *start = (b - L.item_start[i]) * kItem;
+  return L.t[i];
+}
 
 constexpr int kMaxCountTensors = 480;
 struct StepList {
@@ -89,9 +102,9 @@ __global__ void __launch_bounds__(kThreads)
     if (ns >= 1) c1s[i] = code1[i];
     if (ns >= 2) c2s[i] = code2[i];
   }
-  const TensorSlot &t = L.t[L.chunk_tensor[blockIdx.x]];
-  const int64_t cstart = (int64_t)L.chunk_index[blockIdx.x] * kChunk;
-  const int64_t cend = cstart + kChunk < t.numel ? cstart + kChunk : t.numel;
+  int64_t cstart;
+  const TensorSlot &t = locate(L, &cstart);
+  const int64_t cend = cstart + kItem < t.numel ? cstart + kItem : t.numel;
   const mf_optim_consts c = mf_optim_prepare(&h, *t.step + 1.0f, inverse_scale(grad_scale));
   const mf_dtype dt = (mf_dtype)t.dtype;
   const int tid = threadIdx.x;
@@ -175,9 +188,9 @@ __global__ void __launch_bounds__(kThreads)
                       const float *found_inf) {
   if (skipped(found_inf)) return;
   const int ns = mf_optim_num_states(&h);
-  const TensorSlot &t = L.t[L.chunk_tensor[blockIdx.x]];
-  const int64_t cstart = (int64_t)L.chunk_index[blockIdx.x] * kChunk;
-  const int64_t cend = cstart + kChunk < t.numel ? cstart + kChunk : t.numel;
+  int64_t cstart;
+  const TensorSlot &t = locate(L, &cstart);
+  const int64_t cend = cstart + kItem < t.numel ? cstart + kItem : t.numel;
   const mf_optim_consts c = mf_optim_prepare(&h, *t.step + 1.0f, inverse_scale(grad_scale));
   const mf_dtype dt = (mf_dtype)t.dtype;
   float *s1p = (float *)t.s1, *s2p = (float *)t.s2;
@@ -197,12 +210,13 @@ __global__ void optim_count_kernel(StepList S, const float *found_inf) {
     *S.step[i] += 1.0f;
 }
 
-/* Launches the update kernel for the chunks gathered so far. */
-mf_status launch(const LaunchList &L, int nchunks, const mf_optim_hparams *h,
-                 mf_state_format fmt, int64_t bs, const float *code1, const float *code2,
-                 const float *scale, const float *inf, cudaStream_t stream) {
-  if (nchunks == 0) return MF_OK;
-  const dim3 grid((unsigned)nchunks), block(kThreads);
+/* Launches the update kernel for the tensors gathered so far. */
+mf_status launch(const LaunchList &L, const mf_optim_hparams *h, mf_state_format fmt,
+                 int64_t bs, const float *code1, const float *code2, const float *scale,
+                 const float *inf, cudaStream_t stream) {
+  const int64_t items = L.item_start[L.n];
+  if (L.n == 0 || items == 0) return MF_OK;
+  const dim3 grid((unsigned)items), block(kThreads);
   if (fmt == MF_STATE_FP32) {
     optim_fp32_kernel<<<grid, block, 0, stream>>>(L, *h, scale, inf);
   } else {
@@ -243,20 +257,23 @@ extern "C" mf_status mf_cuda_optim_step(const mf_optim_hparams *h, mf_state_form
   const float *c1 = code1 ? (const float *)code1->data : nullptr;
   const float *c2 = code2 ? (const float *)code2->data : nullptr;
 
+  /* pack tensors kMaxTensors at a time; a launch also stops before its grid would
+   * exceed 2^31 - 1 blocks (a single larger tensor is refused by the check below) */
   LaunchList L;
-  int nt = 0, nc = 0;
+  L.n = 0;
+  L.item_start[0] = 0;
   mf_status st;
   for (int64_t i = 0; i < n; i++) {
     const mf_optim_tensor &x = ts[i];
-    const int64_t nchunks = (x.param.numel + kChunk - 1) / kChunk;
-    if (nchunks == 0) continue;
-    if (nchunks > 0x7fffffffLL)
+    const int64_t items = (x.param.numel + kItem - 1) / kItem;
+    if (items == 0) continue;
+    if (items > 0x7fffffffLL)
       return mf_error(MF_ERR_VALUE, "params[%lld]: too many elements for one launch", (long long)i);
-    if (nt == kMaxTensors) {
-      if ((st = launch(L, nc, h, fmt, block_size, c1, c2, scale, inf, stream))) return st;
-      nt = nc = 0;
+    if (L.n == kMaxTensors || L.item_start[L.n] + items > 0x7fffffffLL) {
+      if ((st = launch(L, h, fmt, block_size, c1, c2, scale, inf, stream))) return st;
+      L.n = 0;
     }
-    TensorSlot &s = L.t[nt];
+    TensorSlot &s = L.t[L.n];
     s.p = x.param.data;
     s.g = x.grad.data;
     s.s1 = x.state1.data;
@@ -266,20 +283,10 @@ extern "C" mf_status mf_cuda_optim_step(const mf_optim_hparams *h, mf_state_form
     s.step = (const float *)x.step.data;
     s.numel = x.param.numel;
     s.dtype = (int)x.param.dtype;
-    for (int64_t k = 0; k < nchunks; k++) {
-      if (nc == kMaxChunks) {
-        if ((st = launch(L, nc, h, fmt, block_size, c1, c2, scale, inf, stream))) return st;
-        nc = 0;
-        L.t[0] = L.t[nt]; /* this tensor continues in the next launch */
-        nt = 0;
-      }
-      L.chunk_tensor[nc] = (uint8_t)nt;
-      L.chunk_index[nc] = (int32_t)k;
-      nc++;
-    }
-    nt++;
+    L.item_start[L.n + 1] = L.item_start[L.n] + items;
+    L.n++;
   }
-  if ((st = launch(L, nc, h, fmt, block_size, c1, c2, scale, inf, stream))) return st;
+  if ((st = launch(L, h, fmt, block_size, c1, c2, scale, inf, stream))) return st;
 
   /* the step counters move only after every chunk of every tensor has read them */
   StepList S;

@@ -58,7 +58,7 @@ FULL = bool(os.environ.get("MEMFIT_SLOW_TESTS"))
 
 
 def _steps(shape, name):
-    """50 steps (the recipe) everywhere with MEMFIT_SLOW_TESTS=1 (about 5 minutes on 2
+    """50 steps (the recipe) everywhere with MEMFIT_SLOW_TESTS=1 (13 minutes on 2 shared
     cores). By default: 50 steps on 1024x32, fewer on the larger shapes, so the suite stays within its CI time budget; every
     step is checked either way."""
     if FULL or shape == (1024, 32):

@@ -2,20 +2,20 @@
  * Optimizer steps: argument checks, dispatch, and the CPU loops.
  *
  * CPU path. One OpenMP parallel region covers every tensor of the call; each tensor's
- * blocks are shared out with `omp for nowait`, so a call with many small tensors does
- * not pay one fork/join each. A block (block_size elements; the whole tensor in chunks
- * of 2048 for fp32 states) goes through four short loops over per-thread buffers that
- * stay in L1:
+ * work items (2048 elements, or one quantization block if larger) are shared out with
+ * `omp for nowait`, so a call with many small tensors does not pay one fork/join each.
+ * An item goes through short loops over per-thread buffers (L1/L2 resident):
  *   1. load:     widen f16/bf16 params and grads to float; dequantize the states
- *                (code[index] * absmax)
+ *                (code[index] * absmax, per quantization block)
  *   2. update:   mf_optim_update_one() for every element (optim.h, shared with CUDA)
- *   3. absmax:   of the new states, as the max of the float bit patterns with the
- *                sign cleared (same order as the values for non-negative floats)
+ *   3. absmax:   per block, of the new states, as the max of the float bit patterns
+ *                with the sign cleared (same order as the values for non-negative floats)
  *   4. store:    narrow params; requantize the states with the code search below.
- * Loops 1-3 vectorise (gathers for the code lookups); the block function is compiled
- * for AVX-512, AVX2 and plain x86-64 (target_clones) and picked at load time. All of
- * it is compiled with -ffp-contract=off, so no variant fuses a multiply-add: every
- * variant, and the CUDA kernel, computes the same bits.
+ * The update and absmax loops are auto-vectorised. The item function is compiled three
+ * times (plain x86-64, AVX2, AVX-512) and picked at run time; the AVX-512 one uses
+ * gathers for the 8-bit code lookups and the table search, and a register permute for
+ * 4-bit codes. All of it is compiled with -ffp-contract=off, so no variant fuses a
+ * multiply-add: every variant, and the CUDA kernel, computes the same bits (tested).
  *
  * Fast exact code search. The nearest-code function q(x) = mf_quantize_nearest(code, x)
  * is monotone in x (for non-NaN x), so it is a step function with at most 255 jumps.
@@ -387,6 +387,23 @@ MF_TARGET_AVX512 static void dequant8_avx512(const uint8_t *restrict q,
   for (; i < n; i++) out[i] = code[q[i]] * absmax;
 }
 
+/* 4-bit: 16 codes fit one register, so the lookup is a permute (no gather). */
+MF_TARGET_AVX512 static void dequant4_avx512(const uint8_t *restrict q,
+                                             const float *restrict code, float absmax,
+                                             int64_t n, float *restrict out) {
+  const __m512 a = _mm512_set1_ps(absmax), table = _mm512_loadu_ps(code);
+  const __m128i low4 = _mm_set1_epi8(15);
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) {
+    __m128i bytes = _mm_loadl_epi64((const __m128i *)(q + i / 2));
+    __m128i nib = _mm_unpacklo_epi8(_mm_and_si128(bytes, low4),
+                                    _mm_and_si128(_mm_srli_epi16(bytes, 4), low4));
+    __m512 v = _mm512_permutexvar_ps(_mm512_cvtepu8_epi32(nib), table);
+    _mm512_storeu_ps(out + i, _mm512_mul_ps(v, a));
+  }
+  for (; i < n; i++) out[i] = code[(q[i >> 1] >> ((i & 1) * 4)) & 15] * absmax;
+}
+
 MF_TARGET_AVX512 static void quantize_run_avx512(const float *restrict s, float inv, int64_t n,
                                                  const float *code, int size,
                                                  const uint32_t *restrict lut,
@@ -509,8 +526,14 @@ MF_INLINE void block_step_impl(const mf_optim_hparams *h, const mf_optim_consts 
 #endif
         dequant8(q, qc->code[k], absmax[j], len, s[k] + off);
       } else {
-        dequant4((const uint8_t *)st[k]->data + (first + off) / 2, qc->code[k], absmax[j], len,
-                 s[k] + off);
+        const uint8_t *q = (const uint8_t *)st[k]->data + (first + off) / 2;
+#ifdef MF_X86_SIMD
+        if (isa == ISA_AVX512) {
+          dequant4_avx512(q, qc->code[k], absmax[j], len, s[k] + off);
+          continue;
+        }
+#endif
+        dequant4(q, qc->code[k], absmax[j], len, s[k] + off);
       }
     }
   }

@@ -4,134 +4,108 @@
 #include "bindings.h"
 #include "memfit/optim.h"
 
-/* Views of one list argument: PyMem-allocated, released together. */
-typedef struct {
-  mf_py_view *v;
-  char *got;
-  Py_ssize_t n;
-} view_list;
-
-static void view_list_release(view_list *l) {
-  if (l->v) {
-    for (Py_ssize_t i = 0; i < l->n; i++)
-      if (l->got[i]) mf_py_view_release(&l->v[i]);
+/* Items of a list argument (a list/tuple of n arrays; or None, when optional, for
+ * "no arrays"), appended to objs/names/flags for mf_py_views_get. Borrowed references:
+ * `fast` keeps the items alive. */
+static int add_list(PyObject *seq, const char *what, Py_ssize_t n, int flags, PyObject **fast,
+                    PyObject **objs, char (*names)[32], int *fl, Py_ssize_t *k) {
+  *fast = NULL;
+  if (seq == Py_None && (flags & MF_PY_OPTIONAL)) {
+    for (Py_ssize_t i = 0; i < n; i++) {
+      objs[*k] = Py_None;
+      snprintf(names[*k], 32, "%s[%zd]", what, i);
+      fl[(*k)++] = flags;
+    }
+    return 0;
   }
-  PyMem_Free(l->v);
-  PyMem_Free(l->got);
-  l->v = NULL;
-  l->got = NULL;
-}
-
-/* seq: a list/tuple of n arrays (entries may be None when allow_none), or None
- * (allow_none: no arrays at all). */
-static int view_list_get(PyObject *seq, const char *name, Py_ssize_t n, int writable,
-                         int allow_none, uintptr_t stream, view_list *l) {
-  l->n = n;
-  l->v = (mf_py_view *)PyMem_Calloc(n > 0 ? (size_t)n : 1, sizeof(mf_py_view));
-  l->got = (char *)PyMem_Calloc(n > 0 ? (size_t)n : 1, 1);
-  if (!l->v || !l->got) {
-    PyErr_NoMemory();
+  *fast = PySequence_Fast(seq, "expected a list of arrays");
+  if (!*fast) return -1;
+  if (PySequence_Fast_GET_SIZE(*fast) != n) {
+    PyErr_Format(mf_py_ValueError, "%s: expected %zd arrays (one per parameter), got %zd", what,
+                 n, PySequence_Fast_GET_SIZE(*fast));
     return -1;
   }
-  if (seq == Py_None && allow_none) return 0;
-  PyObject *fast = PySequence_Fast(seq, "expected a list of arrays");
-  if (!fast) return -1;
-  int rc = -1;
-  if (PySequence_Fast_GET_SIZE(fast) != n) {
-    PyErr_Format(mf_py_ValueError, "%s: expected %zd arrays (one per parameter), got %zd", name,
-                 n, PySequence_Fast_GET_SIZE(fast));
-    goto finish;
-  }
   for (Py_ssize_t i = 0; i < n; i++) {
-    PyObject *o = PySequence_Fast_GET_ITEM(fast, i);
-    if (o == Py_None && allow_none) continue;
-    char item[64];
-    snprintf(item, sizeof item, "%s[%zd]", name, i);
-    if (mf_py_view_get(o, item, writable, stream, &l->v[i])) goto finish;
-    l->got[i] = 1;
+    objs[*k] = PySequence_Fast_GET_ITEM(*fast, i);
+    snprintf(names[*k], 32, "%s[%zd]", what, i);
+    fl[(*k)++] = flags;
   }
-  rc = 0;
-finish:
-  Py_DECREF(fast);
-  return rc;
-}
-
-static const mf_tensor *view_or_null(view_list *l, Py_ssize_t i) {
-  return l->got[i] ? &l->v[i].t : NULL;
+  return 0;
 }
 
 /* optim_step(kind, bits, block_size, hparams, code1, code2, params, grads, state1, absmax1,
  *            state2, absmax2, steps, grad_scale, found_inf, stream)
  * hparams = (lr, beta1, beta2, eps, weight_decay, momentum, dampening, alpha, nesterov,
- *            maximize). */
+ *            maximize). Lists have one entry per parameter; state and absmax entries may
+ * be None (states this optimizer does not keep). */
 static PyObject *py_optim_step(PyObject *self, PyObject *args) {
   (void)self;
   int kind, bits, nesterov, maximize;
   long long block_size;
   mf_optim_hparams h;
-  PyObject *ocode1, *ocode2, *oparams, *ograds, *os1, *oa1, *os2, *oa2, *osteps, *oscale, *oinf;
+  PyObject *lists[7], *ocode1, *ocode2, *oscale, *oinf;
   unsigned long long stream;
   if (!PyArg_ParseTuple(args, "iiL(ddddddddpp)OOOOOOOOOOOK", &kind, &bits, &block_size, &h.lr,
                         &h.beta1, &h.beta2, &h.eps, &h.weight_decay, &h.momentum, &h.dampening,
-                        &h.alpha, &nesterov, &maximize, &ocode1, &ocode2, &oparams, &ograds, &os1,
-                        &oa1, &os2, &oa2, &osteps, &oscale, &oinf, &stream))
+                        &h.alpha, &nesterov, &maximize, &ocode1, &ocode2, &lists[0], &lists[1],
+                        &lists[2], &lists[3], &lists[4], &lists[5], &lists[6], &oscale, &oinf,
+                        &stream))
     return NULL;
   h.kind = (mf_optim_kind)kind;
   h.nesterov = nesterov;
   h.maximize = maximize;
   const uintptr_t s = (uintptr_t)stream;
-
-  PyObject *result = NULL;
-  Py_ssize_t n = PySequence_Size(oparams);
+  const Py_ssize_t n = PySequence_Size(lists[0]);
   if (n < 0) return NULL;
-  view_list L[7] = {{0}};
-  mf_py_view code1, code2, scale, inf;
-  int have_code1 = 0, have_code2 = 0, have_scale = 0, have_inf = 0;
-  mf_optim_tensor *ts = NULL;
 
-  if (view_list_get(oparams, "params", n, 1, 0, s, &L[0])) goto finish;
-  if (view_list_get(ograds, "grads", n, 0, 0, s, &L[1])) goto finish;
-  if (view_list_get(os1, "state1", n, 1, 1, s, &L[2])) goto finish;
-  if (view_list_get(oa1, "absmax1", n, 1, 1, s, &L[3])) goto finish;
-  if (view_list_get(os2, "state2", n, 1, 1, s, &L[4])) goto finish;
-  if (view_list_get(oa2, "absmax2", n, 1, 1, s, &L[5])) goto finish;
-  if (view_list_get(osteps, "steps", n, 1, 0, s, &L[6])) goto finish;
-  if (ocode1 != Py_None) {
-    if (mf_py_view_get(ocode1, "code1", 0, s, &code1)) goto finish;
-    have_code1 = 1;
-  }
-  if (ocode2 != Py_None) {
-    if (mf_py_view_get(ocode2, "code2", 0, s, &code2)) goto finish;
-    have_code2 = 1;
-  }
-  if (oscale != Py_None) {
-    if (mf_py_view_get(oscale, "grad_scale", 0, s, &scale)) goto finish;
-    have_scale = 1;
-  }
-  if (oinf != Py_None) {
-    if (mf_py_view_get(oinf, "found_inf", 0, s, &inf)) goto finish;
-    have_inf = 1;
-  }
-  ts = (mf_optim_tensor *)PyMem_Calloc(n > 0 ? (size_t)n : 1, sizeof(mf_optim_tensor));
-  if (!ts) {
+  static const char *const list_names[7] = {"params", "grads", "state1", "absmax1",
+                                            "state2", "absmax2", "steps"};
+  static const int list_flags[7] = {MF_PY_WRITABLE, MF_PY_READ,
+                                    MF_PY_WRITABLE | MF_PY_OPTIONAL, MF_PY_WRITABLE | MF_PY_OPTIONAL,
+                                    MF_PY_WRITABLE | MF_PY_OPTIONAL, MF_PY_WRITABLE | MF_PY_OPTIONAL,
+                                    MF_PY_WRITABLE};
+  const Py_ssize_t total = 7 * n + 4; /* + code1, code2, grad_scale, found_inf */
+  PyObject *result = NULL, *fast[7] = {NULL};
+  PyObject **objs = PyMem_Calloc((size_t)total, sizeof(PyObject *));
+  char (*names)[32] = PyMem_Calloc((size_t)total, 32);
+  const char **name_ptrs = PyMem_Calloc((size_t)total, sizeof(char *));
+  int *flags = PyMem_Calloc((size_t)total, sizeof(int));
+  mf_py_view *v = PyMem_Calloc((size_t)total, sizeof(mf_py_view));
+  mf_optim_tensor *ts = PyMem_Calloc(n > 0 ? (size_t)n : 1, sizeof(mf_optim_tensor));
+  int have_views = 0;
+  if (!objs || !names || !name_ptrs || !flags || !v || !ts) {
     PyErr_NoMemory();
     goto finish;
   }
-  for (Py_ssize_t i = 0; i < n; i++) {
-    const mf_tensor *x;
-    ts[i].param = L[0].v[i].t;
-    ts[i].grad = L[1].v[i].t;
-    if ((x = view_or_null(&L[2], i))) ts[i].state1 = *x;
-    if ((x = view_or_null(&L[3], i))) ts[i].absmax1 = *x;
-    if ((x = view_or_null(&L[4], i))) ts[i].state2 = *x;
-    if ((x = view_or_null(&L[5], i))) ts[i].absmax2 = *x;
-    ts[i].step = L[6].v[i].t;
+  Py_ssize_t k = 0;
+  for (int l = 0; l < 7; l++)
+    if (add_list(lists[l], list_names[l], n, list_flags[l], &fast[l], objs, names, flags, &k))
+      goto finish;
+  PyObject *extra[4] = {ocode1, ocode2, oscale, oinf};
+  static const char *const extra_names[4] = {"code1", "code2", "grad_scale", "found_inf"};
+  for (int e = 0; e < 4; e++) {
+    objs[k] = extra[e];
+    snprintf(names[k], 32, "%s", extra_names[e]);
+    flags[k++] = MF_PY_READ | MF_PY_OPTIONAL;
   }
+  for (Py_ssize_t i = 0; i < total; i++) name_ptrs[i] = names[i];
+  if (mf_py_views_get((int)total, objs, name_ptrs, flags, s, v)) goto finish;
+  have_views = 1;
+  for (Py_ssize_t i = 0; i < n; i++) {
+    ts[i].param = v[0 * n + i].t;
+    ts[i].grad = v[1 * n + i].t;
+    ts[i].state1 = v[2 * n + i].t; /* absent views are all zero: data NULL, numel 0 */
+    ts[i].absmax1 = v[3 * n + i].t;
+    ts[i].state2 = v[4 * n + i].t;
+    ts[i].absmax2 = v[5 * n + i].t;
+    ts[i].step = v[6 * n + i].t;
+  }
+  mf_py_view *x = &v[7 * n];
   mf_status st;
   Py_BEGIN_ALLOW_THREADS
-  st = mf_optim_step(&h, (mf_state_format)bits, (int64_t)block_size,
-                     have_code1 ? &code1.t : NULL, have_code2 ? &code2.t : NULL, ts, (int64_t)n,
-                     have_scale ? &scale.t : NULL, have_inf ? &inf.t : NULL, (void *)s);
+  st = mf_optim_step(&h, (mf_state_format)bits, (int64_t)block_size, mf_py_tensor_or_null(&x[0]),
+                     mf_py_tensor_or_null(&x[1]), ts, (int64_t)n, mf_py_tensor_or_null(&x[2]),
+                     mf_py_tensor_or_null(&x[3]), (void *)s);
   Py_END_ALLOW_THREADS
   if (st) {
     mf_py_raise(st);
@@ -139,12 +113,14 @@ static PyObject *py_optim_step(PyObject *self, PyObject *args) {
   }
   result = Py_NewRef(Py_None);
 finish:
+  if (have_views) mf_py_views_release((int)total, v);
+  for (int l = 0; l < 7; l++) Py_XDECREF(fast[l]);
   PyMem_Free(ts);
-  if (have_inf) mf_py_view_release(&inf);
-  if (have_scale) mf_py_view_release(&scale);
-  if (have_code2) mf_py_view_release(&code2);
-  if (have_code1) mf_py_view_release(&code1);
-  for (int k = 6; k >= 0; k--) view_list_release(&L[k]);
+  PyMem_Free(v);
+  PyMem_Free(flags);
+  PyMem_Free(name_ptrs);
+  PyMem_Free(names);
+  PyMem_Free(objs);
   return result;
 }
 
