@@ -136,3 +136,12 @@ def test_cuda_matches_cpu(dtype):
     gpu, _ = mm.gemm(x.cuda(), w.cuda(), trans_b=True, bias=b.cuda(), activation="gelu", out_dtype=torch.float32)
     assert gpu.is_cuda
     assert rel(gpu.cpu(), cpu) < 1e-5
+
+
+def test_issue_api_names():
+    import memfit.amp
+
+    a, b = torch.randn(4, 8, dtype=torch.bfloat16), torch.randn(8, 3, dtype=torch.bfloat16)
+    assert torch.equal(memfit.amp.matmul(a, b), mm.matmul(a, b))
+    x = torch.randn(100)
+    assert torch.equal(memfit.amp.cast(x, torch.float16), x.half())

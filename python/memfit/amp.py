@@ -45,6 +45,9 @@ from typing import Any
 import numpy as np
 import torch
 
+from memfit._cast import cast  # re-exported: casts with stochastic rounding
+from memfit._matmul import matmul  # re-exported: float32-accumulating matmul
+
 from memfit import _C
 from memfit._C import MemfitTypeError, MemfitValueError
 
@@ -57,7 +60,9 @@ __all__ = [
     "ScalerConfigError",
     "ScalerWarning",
     "autocast",
+    "cast",
     "clip_grad_norm_",
+    "matmul",
     "precision",
     "setup",
 ]
