@@ -49,6 +49,7 @@ struct TensorSlot {
   const float *step;
   int64_t numel;
   int dtype;
+  int sr_stream;
 };
 
 /* Up to kMaxTensors tensors; thread block b works on tensor i with
@@ -131,7 +132,7 @@ __global__ void __launch_bounds__(kThreads)
         }
         float p = mf_load_f32(t.p, i, dt);
         mf_optim_update_one(h.kind, &c, ns, &p, mf_load_f32(t.g, i, dt), &s1, &s2);
-        mf_store_f32(t.p, i, dt, p);
+        mf_optim_store_param(t.p, i, dt, p, &h, t.sr_stream);
       }
       s1v[k] = s1;
       s2v[k] = s2;
@@ -198,7 +199,7 @@ __global__ void __launch_bounds__(kThreads)
     float s1 = ns >= 1 ? s1p[i] : 0.0f, s2 = ns >= 2 ? s2p[i] : 0.0f;
     float p = mf_load_f32(t.p, i, dt);
     mf_optim_update_one(h.kind, &c, ns, &p, mf_load_f32(t.g, i, dt), &s1, &s2);
-    mf_store_f32(t.p, i, dt, p);
+    mf_optim_store_param(t.p, i, dt, p, &h, t.sr_stream);
     if (ns >= 1) s1p[i] = s1;
     if (ns >= 2) s2p[i] = s2;
   }
@@ -283,6 +284,7 @@ extern "C" mf_status mf_cuda_optim_step(const mf_optim_hparams *h, mf_state_form
     s.step = (const float *)x.step.data;
     s.numel = x.param.numel;
     s.dtype = (int)x.param.dtype;
+    s.sr_stream = x.sr_stream;
     L.item_start[L.n + 1] = L.item_start[L.n] + items;
     L.n++;
   }

@@ -4,7 +4,7 @@ Recipe (bitsandbytes tests/test_optim.py): parameters randn*0.1, gradients randn
 50 steps; after every step the reference (torch, fp32) is reset to memfit's parameters
 and dequantized states, so each step measures one step's error. Thresholds: fp32 params
 mean abs error < 6e-5 and mean relative error < 6e-4; bf16 params < 1.7e-4 and
-< 1.6e-3; dequantized states: fewer than 20 elements not close at atol 3e-3, rtol 1e-3.
+< 1.6e-3 (with nearest rounding, as bitsandbytes); dequantized states: fewer than 20 elements not close at atol 3e-3, rtol 1e-3.
 On top of the recipe we bound the states' own quantization error, which the recipe's
 atol does not see (optimizer states are ~1e-3 and smaller).
 """
@@ -91,6 +91,11 @@ def test_accuracy_recipe(name, shape, dtype):
     p2.requires_grad_(True)
     ref = ref_f([p1])
     opt = mf_f([p2])
+    # bitsandbytes' thresholds are for nearest rounding of bf16 parameters; stochastic
+    # rounding (memfit's default for bf16) trades a slightly larger per-step error for no
+    # bias, and has its own tests (test_optim_bf16.py)
+    for group in opt.param_groups:
+        group["bf16_stochastic_round"] = False
     if dtype == torch.float32:
         max_err, max_rel = 6e-5, 6e-4
     else:

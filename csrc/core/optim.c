@@ -538,7 +538,12 @@ MF_INLINE void block_step_impl(const mf_optim_hparams *h, const mf_optim_consts 
     }
   }
   update_any(h->kind, c, ns, n, p, g, s[0], s[1]);
-  if (dt != MF_FLOAT32) narrow(p, dt, first, n, t->param.data);
+  if (dt != MF_FLOAT32 && h->stochastic_round) {
+    for (int64_t i = 0; i < n; i++)
+      mf_optim_store_param(t->param.data, first + i, dt, p[i], h, t->sr_stream);
+  } else if (dt != MF_FLOAT32) {
+    narrow(p, dt, first, n, t->param.data);
+  }
   for (int k = 0; k < ns && fmt != MF_STATE_FP32; k++) {
     float *absmax = (float *)am[k]->data + blk0;
     for (int64_t j = 0; j < nsub; j++) {

@@ -36,24 +36,29 @@ static int add_list(PyObject *seq, const char *what, Py_ssize_t n, int flags, Py
 /* optim_step(kind, bits, block_size, hparams, code1, code2, params, grads, state1, absmax1,
  *            state2, absmax2, steps, grad_scale, found_inf, stream)
  * hparams = (lr, beta1, beta2, eps, weight_decay, momentum, dampening, alpha, nesterov,
- *            maximize). Lists have one entry per parameter; state and absmax entries may
+ *            maximize, sr_seed): sr_seed != 0 turns on stochastic rounding of half-precision
+ *            parameters. Lists have one entry per parameter; state and absmax entries may
  * be None (states this optimizer does not keep). */
 static PyObject *py_optim_step(PyObject *self, PyObject *args) {
   (void)self;
   int kind, bits, nesterov, maximize;
   long long block_size;
-  mf_optim_hparams h;
+  unsigned long long sr_seed;
+  mf_optim_hparams h = {0};
   PyObject *lists[7], *ocode1, *ocode2, *oscale, *oinf;
   unsigned long long stream;
-  if (!PyArg_ParseTuple(args, "iiL(ddddddddpp)OOOOOOOOOOOK", &kind, &bits, &block_size, &h.lr,
+  if (!PyArg_ParseTuple(args, "iiL(ddddddddppK)OOOOOOOOOOOK", &kind, &bits, &block_size, &h.lr,
                         &h.beta1, &h.beta2, &h.eps, &h.weight_decay, &h.momentum, &h.dampening,
-                        &h.alpha, &nesterov, &maximize, &ocode1, &ocode2, &lists[0], &lists[1],
-                        &lists[2], &lists[3], &lists[4], &lists[5], &lists[6], &oscale, &oinf,
-                        &stream))
+                        &h.alpha, &nesterov, &maximize, &sr_seed, &ocode1, &ocode2, &lists[0],
+                        &lists[1], &lists[2], &lists[3], &lists[4], &lists[5], &lists[6], &oscale,
+                        &oinf, &stream))
     return NULL;
   h.kind = (mf_optim_kind)kind;
   h.nesterov = nesterov;
   h.maximize = maximize;
+  /* the seed is 0 when stochastic rounding is off (hparams' last field) */
+  h.stochastic_round = sr_seed != 0;
+  h.sr_seed = sr_seed;
   const uintptr_t s = (uintptr_t)stream;
   const Py_ssize_t n = PySequence_Size(lists[0]);
   if (n < 0) return NULL;
@@ -99,6 +104,7 @@ static PyObject *py_optim_step(PyObject *self, PyObject *args) {
     ts[i].state2 = v[4 * n + i].t;
     ts[i].absmax2 = v[5 * n + i].t;
     ts[i].step = v[6 * n + i].t;
+    ts[i].sr_stream = (int32_t)i;
   }
   mf_py_view *x = &v[7 * n];
   mf_status st;
@@ -129,10 +135,11 @@ finish:
 static PyObject *py_optim_check(PyObject *self, PyObject *args) {
   (void)self;
   int kind, nesterov, maximize;
-  mf_optim_hparams h;
-  if (!PyArg_ParseTuple(args, "i(ddddddddpp)", &kind, &h.lr, &h.beta1, &h.beta2, &h.eps,
+  unsigned long long sr_seed;
+  mf_optim_hparams h = {0};
+  if (!PyArg_ParseTuple(args, "i(ddddddddppK)", &kind, &h.lr, &h.beta1, &h.beta2, &h.eps,
                         &h.weight_decay, &h.momentum, &h.dampening, &h.alpha, &nesterov,
-                        &maximize))
+                        &maximize, &sr_seed))
     return NULL;
   h.kind = (mf_optim_kind)kind;
   h.nesterov = nesterov;

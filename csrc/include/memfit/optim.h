@@ -38,6 +38,7 @@
 
 #include <math.h>
 
+#include "memfit/cast.h"
 #include "memfit/common.h"
 #include "memfit/numeric.h"
 #include "memfit/quant.h"
@@ -68,6 +69,13 @@ typedef struct {
   double momentum, dampening, alpha;
   int nesterov;
   int maximize;
+  /* Half-precision parameters: 1 writes the updated value with stochastic rounding
+   * (unbiased, so updates smaller than half a bfloat16 step are kept on average;
+   * no float32 master copy needed), 0 with nearest-even. The random bits of element i
+   * of tensor k come from mf_hash64(sr_seed, k, i): reproducible, the same on CPU
+   * and GPU. */
+  int stochastic_round;
+  uint64_t sr_seed;
 } mf_optim_hparams;
 
 /* Number of states kept per element for these hyperparameters (0, 1 or 2). */
@@ -256,7 +264,19 @@ static inline MF_HD uint8_t mf_optim_quantize(const float *code, int size, float
  *   step:        float32[1] */
 typedef struct {
   mf_tensor param, grad, state1, state2, absmax1, absmax2, step;
+  int32_t sr_stream; /* distinct per tensor of one step call (stochastic rounding) */
 } mf_optim_tensor;
+
+/* Stores an updated parameter value (see mf_optim_hparams.stochastic_round). */
+static inline MF_HD void mf_optim_store_param(void *p, int64_t i, mf_dtype dt, float v,
+                                              const mf_optim_hparams *h, int32_t stream) {
+  if (h->stochastic_round && dt != MF_FLOAT32) {
+    uint64_t r = mf_hash64(h->sr_seed + 0x9e3779b97f4a7c15ull * (uint64_t)(stream + 1), (uint64_t)i);
+    ((uint16_t *)p)[i] = dt == MF_BFLOAT16 ? mf_f32_to_bf16_sr(v, (uint32_t)r) : mf_f32_to_f16_sr(v, r);
+  } else {
+    mf_store_f32(p, i, dt, v);
+  }
+}
 
 /* Default block sizes: 256 for 8-bit states, 128 for 4-bit. */
 #define MF_OPTIM_BLOCK_8BIT 256

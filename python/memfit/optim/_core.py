@@ -88,10 +88,20 @@ def code_like(bits: int, signed: bool, like):
 
 
 def hparams(lr=0.0, beta1=0.0, beta2=0.0, eps=0.0, weight_decay=0.0, momentum=0.0,
-            dampening=0.0, alpha=0.0, nesterov=False, maximize=False) -> tuple:
-    """The tuple the C binding takes (mf_optim_hparams)."""
+            dampening=0.0, alpha=0.0, nesterov=False, maximize=False, sr_seed=0) -> tuple:
+    """The tuple the C binding takes (mf_optim_hparams). ``sr_seed`` != 0 writes
+    half-precision parameters with stochastic rounding seeded by it."""
     return (float(lr), float(beta1), float(beta2), float(eps), float(weight_decay),
-            float(momentum), float(dampening), float(alpha), bool(nesterov), bool(maximize))
+            float(momentum), float(dampening), float(alpha), bool(nesterov), bool(maximize),
+            int(sr_seed) & ((1 << 64) - 1))
+
+
+def sr_seed(base: int, step: int, bucket: int) -> int:
+    """The stochastic-rounding seed of one step call: a mix of the group's base seed,
+    its step counter and the bucket (device, state format) being stepped; never 0."""
+    z = (int(base) * 0x9E3779B97F4A7C15 + int(step) * 0xBF58476D1CE4E5B9 + int(bucket) + 1) & ((1 << 64) - 1)
+    z = ((z ^ (z >> 30)) * 0x94D049BB133111EB) & ((1 << 64) - 1)
+    return (z ^ (z >> 31)) | 1
 
 
 def check(kind: int, hp: tuple) -> None:

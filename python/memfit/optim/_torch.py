@@ -37,6 +37,11 @@ class _MemfitOptimizer(torch.optim.Optimizer):
         defaults.setdefault("block_size", _core.DEFAULT_BLOCK[defaults["bits"]])
         defaults.setdefault("min_8bit_size", 4096)
         defaults.setdefault("maximize", False)
+        # bfloat16/float16 parameters are written with stochastic rounding (no fp32 master
+        # copy needed); the seed and a per-group step counter live in the param group,
+        # so a resumed run draws the same random bits
+        defaults.setdefault("bf16_stochastic_round", True)
+        defaults.setdefault("sr_seed", 0)
         super().__init__(params, defaults)  # checks each group (add_param_group)
 
     # -- hyperparameters -------------------------------------------------------------
@@ -120,8 +125,13 @@ class _MemfitOptimizer(torch.optim.Optimizer):
                     raise ValueError(f"{name}: a gradient is on {p.grad.device} but its parameter on {p.device}")
                 state = self._init_state(group, p)
                 buckets[(p.device, self._format(group, p))].append((p, state))
-            for (device, fmt), items in buckets.items():
-                self._step_bucket(group, hp, device, fmt, items, grad_scale, found_inf)
+            sr_step = group.get("sr_step", 0)
+            for b, ((device, fmt), items) in enumerate(buckets.items()):
+                bhp = hp
+                if group.get("bf16_stochastic_round", True) and any(p.dtype != torch.float32 for p, _ in items):
+                    bhp = hp[:-1] + (_core.sr_seed(group.get("sr_seed", 0), sr_step, b),)
+                self._step_bucket(group, bhp, device, fmt, items, grad_scale, found_inf)
+            group["sr_step"] = sr_step + 1
         return loss
 
     def _step_bucket(self, group, hp, device, fmt, items, grad_scale, found_inf):

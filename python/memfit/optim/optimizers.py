@@ -7,6 +7,11 @@ Common keyword options (also settable per param group):
     min_8bit_size: parameters with fewer elements keep float32 states (as
         bitsandbytes; default 4096). Applies to the 4-bit optimizer too.
     bits: per param group, 8, 4 or 32 (32: float32 states), overriding the class.
+    bf16_stochastic_round: bfloat16/float16 parameters are written from the float32
+        update with stochastic rounding (default True), so updates smaller than half a
+        bfloat16 step are kept on average and no float32 master copy is needed; False
+        rounds to nearest-even. Reproducible: seeded by the group's ``sr_seed`` (default
+        0) and step counter, both saved in the state dict.
 """
 
 from __future__ import annotations
@@ -35,10 +40,12 @@ class _AdamBase(_MemfitOptimizer):
     _kind = _core.ADAMW
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2,
-                 amsgrad=False, *, maximize=False, block_size=None, min_8bit_size=4096):
+                 amsgrad=False, *, maximize=False, block_size=None, min_8bit_size=4096,
+                 bf16_stochastic_round=True):
         _no_amsgrad(amsgrad)
         defaults = dict(lr=lr, betas=_betas(betas), eps=eps, weight_decay=weight_decay,
-                        amsgrad=False, maximize=maximize, min_8bit_size=min_8bit_size)
+                        amsgrad=False, maximize=maximize, min_8bit_size=min_8bit_size,
+                        bf16_stochastic_round=bf16_stochastic_round)
         if block_size is not None:
             defaults["block_size"] = block_size
         super().__init__(params, defaults)
@@ -69,9 +76,11 @@ class Adam8bit(_AdamBase):
     _bits = 8
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0,
-                 amsgrad=False, *, maximize=False, block_size=None, min_8bit_size=4096):
+                 amsgrad=False, *, maximize=False, block_size=None, min_8bit_size=4096,
+                 bf16_stochastic_round=True):
         super().__init__(params, lr, betas, eps, weight_decay, amsgrad, maximize=maximize,
-                         block_size=block_size, min_8bit_size=min_8bit_size)
+                         block_size=block_size, min_8bit_size=min_8bit_size,
+                        bf16_stochastic_round=bf16_stochastic_round)
 
 
 class AdamW4bit(_AdamBase):
@@ -97,9 +106,11 @@ class Adam(_AdamBase):
     _bits = 32
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0,
-                 amsgrad=False, *, maximize=False, block_size=None, min_8bit_size=4096):
+                 amsgrad=False, *, maximize=False, block_size=None, min_8bit_size=4096,
+                 bf16_stochastic_round=True):
         super().__init__(params, lr, betas, eps, weight_decay, amsgrad, maximize=maximize,
-                         block_size=block_size, min_8bit_size=min_8bit_size)
+                         block_size=block_size, min_8bit_size=min_8bit_size,
+                        bf16_stochastic_round=bf16_stochastic_round)
 
 
 class Lion8bit(_MemfitOptimizer):
@@ -111,9 +122,11 @@ class Lion8bit(_MemfitOptimizer):
     _bits = 8
 
     def __init__(self, params, lr=1e-4, betas=(0.9, 0.99), weight_decay=0.0, *,
-                 maximize=False, block_size=None, min_8bit_size=4096):
+                 maximize=False, block_size=None, min_8bit_size=4096,
+                 bf16_stochastic_round=True):
         defaults = dict(lr=lr, betas=_betas(betas), weight_decay=weight_decay,
-                        maximize=maximize, min_8bit_size=min_8bit_size)
+                        maximize=maximize, min_8bit_size=min_8bit_size,
+                        bf16_stochastic_round=bf16_stochastic_round)
         if block_size is not None:
             defaults["block_size"] = block_size
         super().__init__(params, defaults)
@@ -132,10 +145,12 @@ class SGD8bit(_MemfitOptimizer):
     _bits = 8
 
     def __init__(self, params, lr=1e-3, momentum=0.0, dampening=0.0, weight_decay=0.0,
-                 nesterov=False, *, maximize=False, block_size=None, min_8bit_size=4096):
+                 nesterov=False, *, maximize=False, block_size=None, min_8bit_size=4096,
+                 bf16_stochastic_round=True):
         defaults = dict(lr=lr, momentum=momentum, dampening=dampening,
                         weight_decay=weight_decay, nesterov=nesterov, maximize=maximize,
-                        min_8bit_size=min_8bit_size)
+                        min_8bit_size=min_8bit_size,
+                        bf16_stochastic_round=bf16_stochastic_round)
         if block_size is not None:
             defaults["block_size"] = block_size
         super().__init__(params, defaults)
@@ -154,12 +169,14 @@ class RMSprop8bit(_MemfitOptimizer):
     _bits = 8
 
     def __init__(self, params, lr=1e-2, alpha=0.99, eps=1e-8, weight_decay=0.0, momentum=0.0,
-                 centered=False, *, maximize=False, block_size=None, min_8bit_size=4096):
+                 centered=False, *, maximize=False, block_size=None, min_8bit_size=4096,
+                 bf16_stochastic_round=True):
         if centered:
             raise ValueError("centered=True is not supported by RMSprop8bit")
         defaults = dict(lr=lr, alpha=alpha, eps=eps, weight_decay=weight_decay,
                         momentum=momentum, centered=False, maximize=maximize,
-                        min_8bit_size=min_8bit_size)
+                        min_8bit_size=min_8bit_size,
+                        bf16_stochastic_round=bf16_stochastic_round)
         if block_size is not None:
             defaults["block_size"] = block_size
         super().__init__(params, defaults)
