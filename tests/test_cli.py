@@ -58,3 +58,14 @@ def test_bad_arguments(args, msg, tmp_path):
 def test_no_command_is_a_usage_error():
     out = run()
     assert out.returncode == 2 and "usage:" in out.stderr
+
+
+def test_demo_without_torch_says_how_to_get_it(monkeypatch, capsys):
+    import importlib.util
+
+    from memfit import cli
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "torch" else real(name, *a))
+    assert cli.main(["demo"]) == 2
+    assert 'pip install "memfit[torch]"' in capsys.readouterr().err

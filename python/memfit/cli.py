@@ -102,8 +102,20 @@ def _estimate(args) -> int:
     return 0
 
 
+def _torch_missing(command: str) -> bool:
+    import importlib.util
+
+    if importlib.util.find_spec("torch") is not None:
+        return False
+    print(f"memfit {command}: needs PyTorch, which is not installed: pip install \"memfit[torch]\" "
+          "(or pip install torch)", file=sys.stderr)
+    return True
+
+
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
+    if args.command in ("demo", "profile") and _torch_missing(args.command):
+        return 2
     if args.command == "doctor":
         from memfit import doctor
 
