@@ -235,24 +235,9 @@ static inline MF_HD int mf_optim_update_one(mf_optim_kind kind, const mf_optim_c
 
 #define MF_CODE4_SIZE 16
 
-/* Largest index i with code[i] <= x in a sorted 16-entry code (0 if none or NaN). */
-static inline MF_HD int mf_code_floor16(const float *code, float x) {
-  int lo = 0;
-  for (int step = MF_CODE4_SIZE / 2; step > 0; step >>= 1)
-    lo += (code[lo + step] <= x) ? step : 0;
-  return lo;
-}
-
-/* Nearest of 16 code values, ties to the lower index (mf_quantize_nearest for 4 bits). */
-static inline MF_HD uint8_t mf_quantize_nearest16(const float *code, float x) {
-  int lo = mf_code_floor16(code, x);
-  if (lo + 1 < MF_CODE4_SIZE && (code[lo + 1] - x) < (x - code[lo])) lo++;
-  return (uint8_t)lo;
-}
-
 /* Code index of x (already divided by absmax) for a code of `size` (16 or 256). */
 static inline MF_HD uint8_t mf_optim_quantize(const float *code, int size, float x) {
-  return size == MF_CODE4_SIZE ? mf_quantize_nearest16(code, x) : mf_quantize_nearest(code, x);
+  return mf_quantize_nearest_n(code, size, x);
 }
 
 /* ---- entry points ------------------------------------------------------------- */

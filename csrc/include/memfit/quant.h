@@ -54,20 +54,29 @@ static inline MF_HD float mf_absmax_inverse(float absmax) {
   return absmax > 0.0f ? 1.0f / absmax : 0.0f;
 }
 
-/* Largest index i with code[i] <= x in a sorted 256-entry code (0 if x is below
- * code[0] or NaN). Eight branch-free steps. */
-static inline MF_HD int mf_code_floor(const float *code, float x) {
+/* Largest index i with code[i] <= x in a sorted code of `size` entries (a power of
+ * two, at most 256); 0 if x is below code[0] or NaN. log2(size) branch-free steps. */
+static inline MF_HD int mf_code_floor_n(const float *code, int size, float x) {
   int lo = 0;
-  for (int step = MF_CODE_SIZE / 2; step > 0; step >>= 1)
+  for (int step = size / 2; step > 0; step >>= 1)
     lo += (code[lo + step] <= x) ? step : 0;
   return lo;
 }
 
 /* Index of the code value nearest to x; a tie goes to the lower index. */
-static inline MF_HD uint8_t mf_quantize_nearest(const float *code, float x) {
-  int lo = mf_code_floor(code, x);
-  if (lo + 1 < MF_CODE_SIZE && (code[lo + 1] - x) < (x - code[lo])) lo++;
+static inline MF_HD uint8_t mf_quantize_nearest_n(const float *code, int size, float x) {
+  int lo = mf_code_floor_n(code, size, x);
+  if (lo + 1 < size && (code[lo + 1] - x) < (x - code[lo])) lo++;
   return (uint8_t)lo;
+}
+
+/* The same for the 256-entry codes of 8-bit quantization. */
+static inline MF_HD int mf_code_floor(const float *code, float x) {
+  return mf_code_floor_n(code, MF_CODE_SIZE, x);
+}
+
+static inline MF_HD uint8_t mf_quantize_nearest(const float *code, float x) {
+  return mf_quantize_nearest_n(code, MF_CODE_SIZE, x);
 }
 
 /* Stochastic rounding between the two code values around x: rounds up with
