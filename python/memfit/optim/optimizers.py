@@ -69,11 +69,11 @@ class AdamW8bit(_AdamBase):
     _bits = 8
 
 
-class Adam8bit(_AdamBase):
-    """Adam (L2 weight decay added to the gradient, as torch.optim.Adam) with 8-bit states."""
+class _AdamL2Base(_AdamBase):
+    """Adam with torch.optim.Adam's default (no weight decay); decay is L2, added to the
+    gradient."""
 
     _kind = _core.ADAM
-    _bits = 8
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0,
                  amsgrad=False, *, maximize=False, block_size=None, min_8bit_size=4096,
@@ -81,6 +81,12 @@ class Adam8bit(_AdamBase):
         super().__init__(params, lr, betas, eps, weight_decay, amsgrad, maximize=maximize,
                          block_size=block_size, min_8bit_size=min_8bit_size,
                         bf16_stochastic_round=bf16_stochastic_round)
+
+
+class Adam8bit(_AdamL2Base):
+    """Adam (L2 weight decay added to the gradient, as torch.optim.Adam) with 8-bit states."""
+
+    _bits = 8
 
 
 class AdamW4bit(_AdamBase):
@@ -99,18 +105,10 @@ class AdamW(_AdamBase):
     _bits = 32
 
 
-class Adam(_AdamBase):
+class Adam(_AdamL2Base):
     """torch.optim.Adam on memfit's fused kernel, float32 states."""
 
-    _kind = _core.ADAM
     _bits = 32
-
-    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0,
-                 amsgrad=False, *, maximize=False, block_size=None, min_8bit_size=4096,
-                 bf16_stochastic_round=True):
-        super().__init__(params, lr, betas, eps, weight_decay, amsgrad, maximize=maximize,
-                         block_size=block_size, min_8bit_size=min_8bit_size,
-                        bf16_stochastic_round=bf16_stochastic_round)
 
 
 class Lion8bit(_MemfitOptimizer):
