@@ -32,7 +32,7 @@ static uint32_t bucket_entry(const float *code, int size, uint32_t neg, uint32_t
   const uint32_t sign = neg << 31;
 #define AT(p) search(code, size, sign | (lo + (neg ? 0xffffu - (p) : (p))))
   const uint32_t q0 = AT(0u), q1 = AT(0xffffu);
-  if (q1 == q0) return (q0 << 17) | MF_CODE_LUT_NO_JUMP;
+  if (q1 == q0) return (q0 << 17) + 0x10000u; /* jump = 0x10000: never */
   if (q1 != q0 + 1) return MF_CODE_LUT_SLOW;
   uint32_t below = 0, at = 0xffffu; /* q(below) == q0, q(at) == q1 */
   while (at - below > 1) {
@@ -41,7 +41,7 @@ static uint32_t bucket_entry(const float *code, int size, uint32_t neg, uint32_t
     else at = mid;
   }
 #undef AT
-  return (q0 << 17) | at;
+  return (q0 << 17) + 0x20000u - at;
 }
 
 static int build(const float *code, int size, mf_code_lut *t) {
@@ -51,12 +51,16 @@ static int build(const float *code, int size, mf_code_lut *t) {
     exp_lo--;
   t->min_abs = exp_lo << 23;
   t->bucket0 = t->min_abs >> 16;
-  t->per_sign = (MF_CODE_LUT_MAX_ABS >> 16) - t->bucket0 + 1;
-  uint32_t *entry = (uint32_t *)malloc(2 * (size_t)t->per_sign * sizeof(uint32_t));
+  const uint32_t last = MF_CODE_LUT_MAX_ABS >> 16; /* last positive bucket */
+  uint32_t *entry = (uint32_t *)malloc((0x8000u + last + 1u - t->bucket0) * sizeof(uint32_t));
   if (!entry) return 0;
+  t->has_slow = 0;
   for (uint32_t neg = 0; neg < 2; neg++)
-    for (uint32_t b = 0; b < t->per_sign; b++)
-      entry[neg * t->per_sign + b] = bucket_entry(code, size, neg, (t->bucket0 + b) << 16);
+    for (uint32_t b = t->bucket0; b <= last; b++) {
+      const uint32_t e = bucket_entry(code, size, neg, b << 16);
+      entry[neg * 0x8000u + b - t->bucket0] = e;
+      t->has_slow |= (e & MF_CODE_LUT_SLOW) != 0;
+    }
   t->entry = entry;
   t->size = size;
   return 1;

@@ -3,15 +3,17 @@
  *
  * q(x) = mf_quantize_nearest_n(code, size, x) is monotone in x (x not NaN), so it is a
  * step function with at most size - 1 jumps. We cut floats into buckets by sign,
- * exponent and the top 7 mantissa bits (1/128 of a binade) and store, per bucket, q at
- * the bucket's low end and the position of its jump inside the bucket, if q jumps
- * there once:
- *     q(x) = base[bucket] + (pos(x) >= jump[bucket])
- * where pos(x) is the low 16 bits of |x|'s bit pattern, counted from the low end of
- * the bucket (reversed for negative x, whose value falls as those bits grow). That is
- * exact: the table only skips the search, it never approximates. A bucket where q
- * jumps more than once (codes closer together than 1/128 of a binade; none of the
- * codes memfit ships) is flagged, and its elements take the binary search.
+ * exponent and the top 7 mantissa bits (1/128 of a binade), and store per bucket q at
+ * the bucket's low end (`base`) and the position `jump` inside the bucket where q
+ * steps up by one, if it does (jump = 0x10000 when it does not). With pos(x) the low
+ * 16 bits of |x|'s bit pattern, counted from the bucket's low end (reversed for
+ * negative x, whose value falls as those bits grow),
+ *     q(x) = base + (pos(x) >= jump) = (entry + pos(x)) >> 17,
+ *     entry = (base << 17) + 0x20000 - jump,
+ * which is exact: the table only skips the search, it never approximates. The sum
+ * form costs two vector instructions. A bucket where q jumps more than once (codes
+ * closer together than 1/128 of a binade; none of the codes memfit ships) is flagged,
+ * and its elements take the binary search.
  *
  * Only binades that matter get buckets. Codes lie in [-1, 1], so q is constant for
  * |x| >= 1 (the last code, or the first for negative x): magnitudes of 2 and more
@@ -33,17 +35,19 @@
 #include "memfit/quant.h"
 
 #define MF_CODE_LUT_MANT_BITS 7
-#define MF_CODE_LUT_NO_JUMP 0x10000u /* jump position past the bucket's end */
 #define MF_CODE_LUT_SLOW 0x80000000u  /* q jumps more than once in this bucket */
 #define MF_CODE_LUT_MAX_ABS 0x3fffffffu /* the largest float below 2, as bits */
 
+/* Buckets are numbered by the top 16 bits of the (clamped) float: positive ones from
+ * bucket0 to MF_CODE_LUT_MAX_ABS >> 16, negative ones 0x8000 higher; entry[b - bucket0]
+ * (the range between the two signs is allocated but never touched). */
 typedef struct {
-  const uint32_t *entry;   /* per bucket: base << 17 | jump, or MF_CODE_LUT_SLOW */
+  const uint32_t *entry;   /* (base << 17) + 0x20000 - jump, or MF_CODE_LUT_SLOW */
   const float *code;       /* the code (a private copy, sorted ascending in [-1, 1]) */
   int size;                /* 16 or 256 entries */
+  int has_slow;            /* some bucket is MF_CODE_LUT_SLOW */
   uint32_t min_abs;        /* 2^(exp_lo - 127) as bits: smaller magnitudes clamp up */
   uint32_t bucket0;        /* bucket number of min_abs */
-  uint32_t per_sign;       /* buckets per sign; negative x use per_sign + bucket */
 } mf_code_lut;
 
 /* The table for this code (size 16 or 256, validated by the caller), or NULL when out
@@ -53,14 +57,14 @@ const mf_code_lut *mf_code_lut_get(const float *code, int size);
 
 /* Exactly mf_quantize_nearest_n(t->code, t->size, x). */
 static inline uint8_t mf_code_lut_quantize(const mf_code_lut *t, float x) {
-  const uint32_t u = mf_f32_bits(x), neg = u >> 31;
+  const uint32_t u = mf_f32_bits(x), neg = (uint32_t)((int32_t)u >> 31);
   uint32_t a = u & 0x7fffffffu;
   if (a > 0x7f800000u) return 0; /* NaN */
   a = a < t->min_abs ? t->min_abs : (a > MF_CODE_LUT_MAX_ABS ? MF_CODE_LUT_MAX_ABS : a);
-  const uint32_t e = t->entry[(neg ? t->per_sign : 0u) + (a >> 16) - t->bucket0];
+  const uint32_t clamped = a | (u & 0x80000000u);
+  const uint32_t e = t->entry[(clamped >> 16) - t->bucket0];
   if (e & MF_CODE_LUT_SLOW) return mf_quantize_nearest_n(t->code, t->size, x);
-  const uint32_t pos = (a ^ (neg ? 0xffffu : 0u)) & 0xffffu;
-  return (uint8_t)(((e >> 17) & 0xffu) + (pos >= (e & 0x1ffffu)));
+  return (uint8_t)((e + ((clamped ^ neg) & 0xffffu)) >> 17);
 }
 
 #endif /* MEMFIT_CODE_LUT_H */

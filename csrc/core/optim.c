@@ -408,6 +408,7 @@ static block_fn pick_block_fn(void) {
 /* Elements per work item: a long update loop and long runs through each array (the
  * hardware prefetchers follow runs within a 4 KB page); whole quantization blocks. */
 #define CPU_CHUNK 2048
+#define FUSED_CHUNK 16384
 
 /* Whether work items with whole quantization blocks go to the fused AVX-512 kernel
  * for 8-bit states (optim_avx512.c; the partial last block of a tensor, if any, takes
@@ -438,12 +439,14 @@ static mf_status step_cpu(const mf_optim_hparams *h, mf_state_format fmt, int64_
       qc.lut[k] = mf_code_lut_get(qc.code[k], qc.code_size);
     }
   }
-  const int64_t chunk = fmt == MF_STATE_FP32 || bs < CPU_CHUNK ? CPU_CHUNK : bs;
+  const block_fn block_step = pick_block_fn();
+  const int fused = use_fused8(fmt, ns, bs, &qc);
+  /* the fused kernel drains its pipeline once per item: give it longer ones */
+  const int64_t item = fused ? FUSED_CHUNK : CPU_CHUNK;
+  const int64_t chunk = fmt == MF_STATE_FP32 || bs < item ? item : bs;
   int64_t total_blocks = 0;
   for (int64_t i = 0; i < n; i++) total_blocks += mf_quant_num_blocks(ts[i].param.numel, chunk);
 
-  const block_fn block_step = pick_block_fn();
-  const int fused = use_fused8(fmt, ns, bs, &qc);
   int failed = 0;
 #pragma omp parallel num_threads(mf_get_num_threads()) if (total_blocks > 8)
   {

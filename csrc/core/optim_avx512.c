@@ -32,23 +32,26 @@
 #define MF_TARGET_VBMI __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vbmi")))
 
 /* 16 floats x * inv -> 16 code indices; the vector form of mf_code_lut_quantize.
- * *slow collects the entries, to find buckets that need the binary search. */
+ * *slow collects the entries, to find buckets that need the binary search. NaN input
+ * (only the public search sees any: optimizer states are finite) maps to 0 when
+ * check_nan is set. */
 MF_TARGET_AVX512 static inline __m128i quantize16(const mf_code_lut *t, __m512 x, __m512 inv,
-                                                  __m512i *slow) {
+                                                  __m512i *slow, const int check_nan) {
   const __m512i u = _mm512_castps_si512(_mm512_mul_ps(x, inv));
   const __m512i neg = _mm512_srai_epi32(u, 31); /* all ones for negative x */
-  __m512i a = _mm512_and_si512(u, _mm512_set1_epi32(0x7fffffff));
-  const __mmask16 nan = _mm512_cmpgt_epu32_mask(a, _mm512_set1_epi32(0x7f800000));
-  a = _mm512_min_epu32(_mm512_max_epu32(a, _mm512_set1_epi32((int)t->min_abs)),
-                       _mm512_set1_epi32((int)MF_CODE_LUT_MAX_ABS));
-  __m512i bucket = _mm512_sub_epi32(_mm512_srli_epi32(a, 16), _mm512_set1_epi32((int)t->bucket0));
-  bucket = _mm512_add_epi32(bucket, _mm512_and_si512(neg, _mm512_set1_epi32((int)t->per_sign)));
+  const __m512i a = _mm512_and_si512(u, _mm512_set1_epi32(0x7fffffff));
+  const __m512i clamped_abs = _mm512_min_epu32(_mm512_max_epu32(a, _mm512_set1_epi32((int)t->min_abs)),
+                                               _mm512_set1_epi32((int)MF_CODE_LUT_MAX_ABS));
+  /* sign of u, magnitude of clamped_abs (ternary-logic bit select: C ? A : B) */
+  const __m512i clamped = _mm512_ternarylogic_epi32(u, clamped_abs, _mm512_set1_epi32((int)0x80000000u), 0xe4);
+  const __m512i bucket = _mm512_sub_epi32(_mm512_srli_epi32(clamped, 16), _mm512_set1_epi32((int)t->bucket0));
   const __m512i e = _mm512_i32gather_epi32(bucket, (const void *)t->entry, 4);
-  const __m512i pos = _mm512_and_si512(_mm512_xor_si512(a, neg), _mm512_set1_epi32(0xffff));
-  const __m512i base = _mm512_and_si512(_mm512_srli_epi32(e, 17), _mm512_set1_epi32(0xff));
-  const __mmask16 up = _mm512_cmpge_epu32_mask(pos, _mm512_and_si512(e, _mm512_set1_epi32(0x1ffff)));
-  *slow = _mm512_or_si512(*slow, e);
-  const __m512i q = _mm512_maskz_mov_epi32((__mmask16)~nan, _mm512_mask_add_epi32(base, up, base, _mm512_set1_epi32(1)));
+  /* pos = (clamped ^ neg) & 0xffff */
+  const __m512i pos = _mm512_ternarylogic_epi32(clamped, neg, _mm512_set1_epi32(0xffff), 0x28);
+  if (t->has_slow) *slow = _mm512_or_si512(*slow, e);
+  __m512i q = _mm512_srli_epi32(_mm512_add_epi32(e, pos), 17);
+  if (check_nan)
+    q = _mm512_maskz_mov_epi32(_mm512_cmple_epu32_mask(a, _mm512_set1_epi32(0x7f800000)), q);
   return _mm512_cvtepi32_epi8(q);
 }
 
@@ -63,7 +66,7 @@ MF_TARGET_AVX512 void mf_code_lut_quantize_avx512(const mf_code_lut *t, const fl
   __m512i slow = _mm512_setzero_si512();
   int64_t i = 0;
   for (; i + 16 <= n; i += 16)
-    _mm_storeu_si128((__m128i *)(q + i), quantize16(t, _mm512_loadu_ps(s + i), vinv, &slow));
+    _mm_storeu_si128((__m128i *)(q + i), quantize16(t, _mm512_loadu_ps(s + i), vinv, &slow, 1));
   for (; i < n; i++) q[i] = mf_code_lut_quantize(t, s[i] * inv);
   if ((uint32_t)_mm512_reduce_or_epi32(slow) & MF_CODE_LUT_SLOW) fix_slow(t, s, inv, n, q);
 }
@@ -76,7 +79,7 @@ MF_TARGET_AVX512 static inline __m512i absmax64(__m512i m, const float *s) {
   return m;
 }
 
-#define GROUP 64
+#define GROUP 64 /* one VBMI dequantization and one absmax64 per state */
 
 /* Dequantization without gathers (AVX512-VBMI): the 256-entry code is split into four
  * byte planes (byte j of every code value), 4 registers each; vpermi2b looks up 64
@@ -120,17 +123,18 @@ MF_TARGET_VBMI static inline void dequant64_vbmi(const vbmi_code *v, const uint8
   _mm512_storeu_ps(out + 48, _mm512_mul_ps(_mm512_castsi512_ps(_mm512_unpackhi_epi16(h01, h23)), absmax));
 }
 
-MF_TARGET_VBMI void mf_optim_fused8_avx512(const mf_optim_hparams *h, const mf_optim_consts *c,
-                                             int ns, int64_t bs, const quant_ctx *qc,
-                                             const mf_optim_tensor *t, int64_t first, int64_t n,
-                                             thread_bufs *b) {
+/* `kind` and `ns` are constants in each instantiation below (no branches on them in
+ * the loop). */
+MF_INLINE MF_TARGET_VBMI void fused8(const mf_optim_kind kind, const int ns,
+                                     const mf_optim_hparams *h, const mf_optim_consts *c,
+                                     int64_t bs, const quant_ctx *qc, const mf_optim_tensor *t,
+                                     int64_t first, int64_t n, thread_bufs *b) {
   const mf_dtype dt = t->param.dtype;
   const int64_t blocks = n / bs;
   uint8_t *codes[2] = {(uint8_t *)t->state1.data + first, (uint8_t *)t->state2.data + first};
   float *absmax[2] = {(float *)t->absmax1.data + first / bs, (float *)t->absmax2.data + first / bs};
   float *p = dt == MF_FLOAT32 ? (float *)t->param.data + first : b->p;
   const float *g = dt == MF_FLOAT32 ? (const float *)t->grad.data + first : b->g;
-  if (dt != MF_FLOAT32) widen(t->grad.data, dt, first, n, b->g);
   float inv_prev[2] = {0.0f, 0.0f};
   vbmi_code vc[2];
   for (int k = 0; k < ns; k++) vbmi_code_init(&vc[k], qc->code[k]);
@@ -146,8 +150,11 @@ MF_TARGET_VBMI void mf_optim_fused8_avx512(const mf_optim_hparams *h, const mf_o
       if (j < blocks) {
         const int64_t at = j * bs + o;
         for (int k = 0; k < ns; k++) dequant64_vbmi(&vc[k], codes[k] + at, am[k], cur[k] + o);
-        if (dt != MF_FLOAT32) widen(t->param.data, dt, first + at, GROUP, p + at);
-        update_any(h->kind, c, ns, GROUP, p + at, g + at, cur[0] + o, ns > 1 ? cur[1] + o : b->zero);
+        if (dt != MF_FLOAT32) {
+          widen(t->param.data, dt, first + at, GROUP, p + at);
+          widen(t->grad.data, dt, first + at, GROUP, b->g + at);
+        }
+        update_loop(kind, c, ns, GROUP, p + at, g + at, cur[0] + o, ns > 1 ? cur[1] + o : b->zero);
         if (dt != MF_FLOAT32) store_params(h, t, p + at, first + at, GROUP);
         for (int k = 0; k < ns; k++) mx[k] = absmax64(mx[k], cur[k] + o);
       }
@@ -156,7 +163,7 @@ MF_TARGET_VBMI void mf_optim_fused8_avx512(const mf_optim_hparams *h, const mf_o
         for (int k = 0; k < ns; k++)
           for (int v = 0; v < GROUP; v += 16)
             _mm_storeu_si128((__m128i *)(codes[k] + at + v),
-                             quantize16(qc->lut[k], _mm512_loadu_ps(prev[k] + o + v), inv[k], &slow));
+                             quantize16(qc->lut[k], _mm512_loadu_ps(prev[k] + o + v), inv[k], &slow, 0));
       }
     }
     if (j > 0 && ((uint32_t)_mm512_reduce_or_epi32(slow) & MF_CODE_LUT_SLOW)) {
@@ -171,5 +178,22 @@ MF_TARGET_VBMI void mf_optim_fused8_avx512(const mf_optim_hparams *h, const mf_o
       }
     }
   }
+}
+MF_TARGET_VBMI void mf_optim_fused8_avx512(const mf_optim_hparams *h, const mf_optim_consts *c,
+                                           int ns, int64_t bs, const quant_ctx *qc,
+                                           const mf_optim_tensor *t, int64_t first, int64_t n,
+                                           thread_bufs *b) {
+#define FUSED8(kind, ns) fused8(kind, ns, h, c, bs, qc, t, first, n, b)
+  switch (h->kind) {
+    case MF_OPT_ADAMW: FUSED8(MF_OPT_ADAMW, 2); break;
+    case MF_OPT_ADAM: FUSED8(MF_OPT_ADAM, 2); break;
+    case MF_OPT_LION: FUSED8(MF_OPT_LION, 1); break;
+    case MF_OPT_SGD: FUSED8(MF_OPT_SGD, 1); break; /* with momentum: one state */
+    case MF_OPT_RMSPROP:
+      if (ns == 2) FUSED8(MF_OPT_RMSPROP, 2);
+      else FUSED8(MF_OPT_RMSPROP, 1);
+      break;
+  }
+#undef FUSED8
 }
 #endif /* MF_X86_SIMD */
