@@ -13,6 +13,7 @@ error otherwise) and "portable" (memfit's tiled kernel, no tensor cores); linear
 runs with exact GELU ("gelu", cuBLASLt bias epilogue + memfit's elementwise pass)
 and with the tanh form ("gelu_tanh", fused in cuBLASLt's GELU_AUX_BIAS epilogue),
 each against torch's same GELU. On the CPU: memfit's blocked kernel against torch.
+(The GPU part was written without a GPU and has not been run yet.)
 
     python benchmarks/bench_gemm.py                 # CPU (and GPU when present)
     python benchmarks/bench_gemm.py --device cuda

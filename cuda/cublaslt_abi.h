@@ -61,8 +61,7 @@ enum {
   MFLT_DESC_EPILOGUE = 7,             /* uint32_t (cublasLtEpilogue_t) */
   MFLT_DESC_BIAS_POINTER = 8,         /* const void * */
   MFLT_DESC_EPILOGUE_AUX_POINTER = 11,/* void * */
-  MFLT_DESC_EPILOGUE_AUX_LD = 12,     /* int64_t, a multiple of 8 for GELU_AUX */
-  MFLT_DESC_BIAS_DATA_TYPE = 26       /* int32_t (cudaDataType) */
+  MFLT_DESC_EPILOGUE_AUX_LD = 12      /* int64_t, a multiple of 8 for GELU_AUX */
 };
 
 /* cublasLtMatmulPreferenceAttributes_t */

@@ -334,7 +334,7 @@ uint32_t alignment_of(const void *p) {
 
 // Everything cuBLASLt needs for D[n,m] = A'[n,k] B'[k,m] (+ bias) -> epilogue.
 struct LtPlan {
-  int in_type, d_type, bias_type;
+  int in_type, d_type;  // the bias has D's type (cuBLASLt's default; we require it)
   int transa, transb;
   uint64_t a_rows, a_cols, b_rows, b_cols, d_rows, d_cols;
   int64_t lda, ldb, ldd;
@@ -350,7 +350,6 @@ LtPlan lt_plan(const mf_tensor *a, int trans_a, const mf_tensor *b, int trans_b,
   LtPlan p = {};
   p.in_type = lt_type(a->dtype);
   p.d_type = lt_type(d_dtype);
-  p.bias_type = p.d_type;
   // A' = memfit's B: stored [k,n] row-major = [n,k] column-major (ld n), used as is;
   //      stored [n,k] (trans_b)  = [k,n] column-major (ld k), used transposed.
   p.a = b->data;
@@ -399,16 +398,13 @@ mflt_status lt_describe(const LtPlan &p, uint64_t ws_size, LtDescs *x, const cha
       return s;                                      \
     }                                                \
   } while (0)
-  const int32_t transa = p.transa, transb = p.transb, bias_type = p.bias_type;
+  const int32_t transa = p.transa, transb = p.transb;
   const uint32_t epilogue = p.epilogue;
   LT_TRY(g_lt.desc_create(&x->op, MFLT_COMPUTE_32F, MFLT_R_32F));
   LT_TRY(g_lt.desc_set(x->op, MFLT_DESC_TRANSA, &transa, sizeof transa));
   LT_TRY(g_lt.desc_set(x->op, MFLT_DESC_TRANSB, &transb, sizeof transb));
   LT_TRY(g_lt.desc_set(x->op, MFLT_DESC_EPILOGUE, &epilogue, sizeof epilogue));
-  if (p.bias) {
-    LT_TRY(g_lt.desc_set(x->op, MFLT_DESC_BIAS_POINTER, &p.bias, sizeof p.bias));
-    LT_TRY(g_lt.desc_set(x->op, MFLT_DESC_BIAS_DATA_TYPE, &bias_type, sizeof bias_type));
-  }
+  if (p.bias) LT_TRY(g_lt.desc_set(x->op, MFLT_DESC_BIAS_POINTER, &p.bias, sizeof p.bias));
   if (p.aux) {
     LT_TRY(g_lt.desc_set(x->op, MFLT_DESC_EPILOGUE_AUX_POINTER, &p.aux, sizeof p.aux));
     LT_TRY(g_lt.desc_set(x->op, MFLT_DESC_EPILOGUE_AUX_LD, &p.aux_ld, sizeof p.aux_ld));
