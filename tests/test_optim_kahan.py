@@ -5,8 +5,9 @@ compensation buffer in the parameter's dtype, the update starts from ``p + comp`
 Checked here: one step of every optimizer against a float64 NumPy reference of the same
 scheme (teacher-forced from memfit's own state), weight decay reading ``p + comp``,
 small updates that nearest rounding loses and Kahan keeps, float16, float32 parameters
-(no buffer), state_dict round trip and bit-exact resume, switching Kahan off and on,
-skipped steps and elements, the functional API, bad input, and CPU == CUDA bits."""
+(no buffer; also tests/test_optim_bf16.py), state_dict round trip and bit-exact resume,
+switching Kahan off and on, skipped steps and elements, the functional API and bad
+input. CPU == CUDA bits: tests/test_optim.py::test_cpu_cuda_agree_bitwise (kahan=True)."""
 
 import io
 
@@ -205,25 +206,6 @@ def test_float16_parameters():
     assert ((kahan - target).abs() / (target - x0).abs()).max().item() < 0.01
 
 
-def test_float32_parameters_ignore_kahan():
-    """No buffer for float32 parameters (they need none): same bits, no extra state."""
-    torch.manual_seed(2)
-    x = torch.randn(5000)
-    out = []
-    for kahan in (False, True):
-        p = torch.nn.Parameter(x.clone())
-        opt = mo.AdamW8bit([p], lr=1e-3, kahan=kahan)
-        for _ in range(3):
-            p.grad = torch.ones_like(p)
-            opt.step()
-        assert "kahan_comp" not in opt.state[p]
-        assert "kahan_comp" not in mo.dequantized_state(opt, p)
-        out.append(p.detach())
-    assert torch.equal(out[0], out[1])
-    st = F.adamw8bit_init(x.numpy().copy(), kahan=True)
-    assert st["kahan_comp"] is None
-
-
 def test_mixed_groups_and_dtypes():
     """kahan per param group; bf16 and fp32 parameters in one Kahan group."""
     torch.manual_seed(3)
@@ -396,6 +378,7 @@ def test_functional_helpers_take_kahan():
                  F.lion8bit_init, F.sgd8bit_init, F.rmsprop8bit_init):
         assert init(p, kahan=True)["kahan_comp"].dtype == np.float16
         assert init(p)["kahan_comp"] is None
+        assert init(p.astype(np.float32), kahan=True)["kahan_comp"] is None  # float32: none needed
     st = F.adamw_init(p, kahan=True)
     for _ in range(20):
         F.adamw_step(p, -np.ones_like(p), st, lr=1e-5, weight_decay=0.0)
@@ -445,30 +428,3 @@ def test_wrong_types_are_refused():
     st["kahan_comp"] = np.zeros(300, np.float32)
     with pytest.raises(ValueError, match="only for float16/bfloat16"):
         F.adamw8bit_step(r, r, st)
-
-
-# ---- CPU vs CUDA -------------------------------------------------------------------------
-
-@pytest.mark.cuda
-@pytest.mark.parametrize("dtype", HALF, ids=str)
-@pytest.mark.parametrize("cls", ALL, ids=lambda c: c.__name__)
-def test_cpu_cuda_agree_bitwise(cls, dtype):
-    """Same element math on both devices: params, compensation, codes, absmax and step
-    bit-identical (several tensors in one call, odd sizes, a partial last block)."""
-    torch.manual_seed(0)
-    shapes = [(1000, 37), (4097,), (33,), (256, 256)]
-    cpu = [torch.nn.Parameter((torch.randn(s) * 0.1).to(dtype)) for s in shapes]
-    gpu = [torch.nn.Parameter(p.detach().cuda()) for p in cpu]
-    oc = make(cls, cpu, lr=1e-3, weight_decay=0.1, min_8bit_size=1000, kahan=True)
-    og = make(cls, gpu, lr=1e-3, weight_decay=0.1, min_8bit_size=1000, kahan=True)
-    for _ in range(4):
-        for pc, pg in zip(cpu, gpu):
-            g = (torch.randn(pc.shape) * 0.01).to(dtype)
-            pc.grad, pg.grad = g, g.cuda()
-        oc.step()
-        og.step()
-    for pc, pg in zip(cpu, gpu):
-        assert torch.equal(bits(pc), bits(pg).cpu())
-        assert "kahan_comp" in oc.state[pc]
-        for k, v in oc.state[pc].items():
-            assert torch.equal(v, og.state[pg][k].cpu()), k
