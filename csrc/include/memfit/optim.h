@@ -41,9 +41,11 @@
  *                      parameter's dtype, 2 bytes for bfloat16; Zamirai et al. 2020,
  *                      "Revisiting BFloat16 Training").
  * The Kahan scheme, exactly as computed on the CPU and the GPU:
- *     x     = float(p) + float(comp)          (float32 add: the parameter's value)
- *     x_new = the optimizer's update of x     (mf_optim_update_one; weight decay and
- *                                              Adam's/SGD's L2 term read x, not p)
+ *     x     = float(p) + float(comp)          (float32 add, exact unless comp lies far
+ *                                              below p's last bit: the parameter's value)
+ *     x_new = the optimizer's update of x     (mf_optim_update_one: every read of the
+ *                                              parameter, decoupled weight decay and the
+ *                                              L2 terms included, sees x, not p)
  *     p     = nearest_even(x_new)
  *     comp  = nearest_even(x_new - float(p))  (the subtraction is exact in float32;
  *                                              comp = 0 where it is not finite, i.e.
