@@ -16,7 +16,8 @@ Reported: the held-out loss at the end (mean over 40 fixed batches) and the trai
 loss averaged over the last 100 steps, per seed and averaged; the relative difference
 to torch AdamW. Criterion of the issues: AdamW8bit within 2%, AdamW4bit within 5%; a pure-bf16 model
 (bf16 weights and gradients, no fp32 master copy) with AdamW8bit and stochastic
-rounding within 3% (nearest rounding shown for contrast).
+rounding, or with a Kahan compensation buffer (kahan=True), within 3% (nearest rounding
+shown for contrast).
 Writes benchmarks/out/bench_convergence-<time>.json and a PNG of the curves (when
 matplotlib is installed).
 """
@@ -82,8 +83,10 @@ OPTIMIZERS = {
     # pure bf16: bf16 weights, gradients and activations, no fp32 master copy
     "bf16 AdamW8bit SR": lambda p, lr: mo.AdamW8bit(p, lr=lr, bf16_stochastic_round=True),
     "bf16 AdamW8bit RNE": lambda p, lr: mo.AdamW8bit(p, lr=lr, bf16_stochastic_round=False),
+    "bf16 AdamW8bit Kahan": lambda p, lr: mo.AdamW8bit(p, lr=lr, kahan=True),
 }
-PARAM_DTYPE = {"bf16 AdamW8bit SR": torch.bfloat16, "bf16 AdamW8bit RNE": torch.bfloat16}
+PARAM_DTYPE = {"bf16 AdamW8bit SR": torch.bfloat16, "bf16 AdamW8bit RNE": torch.bfloat16,
+               "bf16 AdamW8bit Kahan": torch.bfloat16}
 
 
 def run(name, seed, train, held, steps, batch, lr):
@@ -130,7 +133,7 @@ def main(argv=None):
         for name in chosen:
             r = run(name, seed, train, held, args.steps, args.batch, args.lr)
             results.append(r)
-            print(f"seed {seed} {name:17} held-out {r['held_out_loss']:.4f} "
+            print(f"seed {seed} {name:20} held-out {r['held_out_loss']:.4f} "
                   f"train(last 100) {r['train_loss_last100']:.4f}  {r['seconds']:.1f}s", flush=True)
     summary = {}
     for name in chosen:
@@ -139,13 +142,14 @@ def main(argv=None):
                          "train_loss_last100": float(np.mean([r["train_loss_last100"] for r in rs]))}
     ref = summary["torch AdamW"]
     print(f"\nmean over seeds {args.seeds}:")
-    print(f"{'optimizer':17} {'held-out':>9} {'vs torch':>9} {'train':>8} {'vs torch':>9}")
+    print(f"{'optimizer':20} {'held-out':>9} {'vs torch':>9} {'train':>8} {'vs torch':>9}")
     for name, s in summary.items():
         s["held_out_rel"] = s["held_out_loss"] / ref["held_out_loss"] - 1
         s["train_rel"] = s["train_loss_last100"] / ref["train_loss_last100"] - 1
-        print(f"{name:17} {s['held_out_loss']:9.4f} {100 * s['held_out_rel']:+8.2f}% "
+        print(f"{name:20} {s['held_out_loss']:9.4f} {100 * s['held_out_rel']:+8.2f}% "
               f"{s['train_loss_last100']:8.4f} {100 * s['train_rel']:+8.2f}%")
-    for name, bound in (("memfit AdamW8bit", 0.02), ("memfit AdamW4bit", 0.05), ("bf16 AdamW8bit SR", 0.03)):
+    for name, bound in (("memfit AdamW8bit", 0.02), ("memfit AdamW4bit", 0.05), ("bf16 AdamW8bit SR", 0.03),
+                        ("bf16 AdamW8bit Kahan", 0.03)):
         if name not in summary:
             continue
         s = summary[name]
@@ -169,7 +173,8 @@ def main(argv=None):
         print("matplotlib not installed: no plot")
         return
     fig, ax = plt.subplots(figsize=(8, 5))
-    colors = dict(zip(OPTIMIZERS, ["black", "tab:blue", "tab:orange", "tab:green", "tab:red", "tab:purple"]))
+    colors = dict(zip(OPTIMIZERS, ["black", "tab:blue", "tab:orange", "tab:green", "tab:red", "tab:purple",
+                                   "tab:brown"]))
     k = 25
     for r in results:
         c = np.convolve(r["curve"], np.ones(k) / k, mode="valid")

@@ -1,11 +1,12 @@
 /*
- * Matrix products on the GPU: a portable shared-memory tiled kernel with float32
- * accumulation and the same fused epilogue as the CPU kernel (bias, saved
- * pre-activation, activation from memfit/gemm.h).
+ * Matrix products on the GPU: the dispatch between cuBLASLt (cuda/gemm_cublaslt.cu)
+ * and a portable shared-memory tiled kernel with float32 accumulation and the same
+ * fused epilogue as the CPU kernel (bias, saved pre-activation, activation from
+ * memfit/gemm.h).
  *
- * This is the correctness baseline that works on every architecture memfit builds
- * for. It does not use tensor cores; the cuBLASLt path (tensor cores, epilogue
- * fusion in the library) is planned on top of it and falls back to it.
+ * The portable kernel is the correctness baseline that works on every architecture
+ * memfit builds for, without tensor cores. mf_cuda_gemm tries cuBLASLt first and runs
+ * the portable kernel when cuBLASLt declines (it says why: mf_gemm_last_backend).
  *
  * gemm_tiled_kernel: 64 x 64 tile of C per block of 256 threads, each thread a 4 x 4
  * micro tile; 64 x 16 slices of op(A) and 16 x 64 of op(B) staged in shared memory.
@@ -79,6 +80,13 @@ gemm_tiled_kernel(const void *a, int trans_a, const void *b, int trans_b, mf_dty
   }
 }
 
+__global__ void act_forward_kernel(const void *x, mf_dtype x_dt, void *y, mf_dtype y_dt, int64_t n,
+                                   mf_activation act) {
+  const int64_t stride = (int64_t)gridDim.x * blockDim.x;
+  for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += stride)
+    mf_store_f32(y, i, y_dt, mf_act_forward(mf_load_f32(x, i, x_dt), act));
+}
+
 __global__ void act_backward_kernel(const void *dy, mf_dtype dy_dt, const void *pre, mf_dtype pre_dt,
                                     void *dpre, mf_dtype dpre_dt, int64_t n, mf_activation act) {
   const int64_t stride = (int64_t)gridDim.x * blockDim.x;
@@ -93,9 +101,24 @@ extern "C" mf_status mf_cuda_gemm(const mf_tensor *a, int trans_a, const mf_tens
                                   mf_tensor *c, int64_t m, int64_t n, int64_t k,
                                   const mf_tensor *bias, mf_activation act, mf_tensor *pre,
                                   void *stream) {
-  if (m == 0 || n == 0) return MF_OK;
+  if (m == 0 || n == 0) {
+    mf_gemm_note_backend("portable", "m == 0 or n == 0 (nothing to compute)");
+    return MF_OK;
+  }
   MfDeviceGuard guard(a->device_id);
   if (guard.err != cudaSuccess) return mf_cuda_status(guard.err, "gemm");
+  char why[512] = "";
+  int ran = 0;
+  mf_status st = mf_cublaslt_gemm(a, trans_a, b, trans_b, c, m, n, k, bias, act, pre, stream, &ran,
+                                  why, sizeof why);
+  if (st) return st;
+  if (ran) {
+    mf_gemm_note_backend("cublaslt", "");
+    return MF_OK;
+  }
+  if (mf_gemm_get_backend() == MF_GEMM_CUBLASLT)
+    return mf_error(MF_ERR_CUDA, "gemm: the GEMM backend is set to cublaslt, but cuBLASLt cannot run this product: %s", why);
+  mf_gemm_note_backend("portable", why);
   const int64_t gx = (n + BN - 1) / BN, gy = (m + BM - 1) / BM;
   if (gx > 0x7fffffffLL || gy > 65535)
     return mf_error(MF_ERR_VALUE, "gemm: matrix too large for one launch (m=%lld, n=%lld)",
@@ -106,6 +129,14 @@ extern "C" mf_status mf_cuda_gemm(const mf_tensor *a, int trans_a, const mf_tens
       bias ? bias->data : nullptr, bias ? bias->dtype : MF_FLOAT32, act,
       pre ? pre->data : nullptr, pre ? pre->dtype : MF_FLOAT32);
   return mf_cuda_status(cudaGetLastError(), "gemm");
+}
+
+extern "C" mf_status mf_cuda_act_forward(const mf_tensor *x, mf_tensor *y, mf_activation act,
+                                         void *stream) {
+  if (x->numel == 0) return MF_OK;
+  act_forward_kernel<<<mf_grid_for(x->numel, 256), 256, 0, (cudaStream_t)stream>>>(
+      x->data, x->dtype, y->data, y->dtype, x->numel, act);
+  return mf_cuda_status(cudaGetLastError(), "act_forward");
 }
 
 extern "C" mf_status mf_cuda_act_backward(const mf_tensor *dy, const mf_tensor *pre,

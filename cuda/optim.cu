@@ -18,6 +18,8 @@
  * bit). 4-bit codes of elements 2j and 2j+1 live in neighbouring lanes and are packed
  * with one shuffle.
  * optim_fp32_kernel: float32 states, element-wise.
+ * Both read and write parameters through mf_optim_load_param/mf_optim_store_param
+ * (optim.h): the Kahan compensation buffer and stochastic rounding live there.
  * optim_count_kernel: after all updates, step += 1 for every tensor (unless found_inf).
  *
  * GradScaler: grad_scale and found_inf are device pointers read inside the kernels;
@@ -45,6 +47,7 @@ struct TensorSlot {
   void *p;
   const void *g;
   void *s1, *s2;
+  void *c; /* Kahan compensation, or null */
   float *a1, *a2;
   const float *step;
   int64_t numel;
@@ -130,9 +133,9 @@ __global__ void __launch_bounds__(kThreads)
                                 : (((const uint8_t *)t.s2)[i >> 1] >> ((i & 1) * 4)) & 15;
           s2 = mf_dequantize_one(c2s, q, t.a2[blk]);
         }
-        float p = mf_load_f32(t.p, i, dt);
+        float p = mf_optim_load_param(t.p, t.c, i, dt);
         mf_optim_update_one(h.kind, &c, ns, &p, mf_load_f32(t.g, i, dt), &s1, &s2);
-        mf_optim_store_param(t.p, i, dt, p, &h, t.sr_stream);
+        mf_optim_store_param(t.p, t.c, i, dt, p, &h, t.sr_stream);
       }
       s1v[k] = s1;
       s2v[k] = s2;
@@ -197,9 +200,9 @@ __global__ void __launch_bounds__(kThreads)
   float *s1p = (float *)t.s1, *s2p = (float *)t.s2;
   for (int64_t i = cstart + threadIdx.x; i < cend; i += kThreads) {
     float s1 = ns >= 1 ? s1p[i] : 0.0f, s2 = ns >= 2 ? s2p[i] : 0.0f;
-    float p = mf_load_f32(t.p, i, dt);
+    float p = mf_optim_load_param(t.p, t.c, i, dt);
     mf_optim_update_one(h.kind, &c, ns, &p, mf_load_f32(t.g, i, dt), &s1, &s2);
-    mf_optim_store_param(t.p, i, dt, p, &h, t.sr_stream);
+    mf_optim_store_param(t.p, t.c, i, dt, p, &h, t.sr_stream);
     if (ns >= 1) s1p[i] = s1;
     if (ns >= 2) s2p[i] = s2;
   }
@@ -279,6 +282,7 @@ extern "C" mf_status mf_cuda_optim_step(const mf_optim_hparams *h, mf_state_form
     s.g = x.grad.data;
     s.s1 = x.state1.data;
     s.s2 = x.state2.data;
+    s.c = x.comp.data;
     s.a1 = (float *)x.absmax1.data;
     s.a2 = (float *)x.absmax2.data;
     s.step = (const float *)x.step.data;

@@ -51,12 +51,16 @@ def test_numpy_inputs():
     np.testing.assert_allclose(out, a.astype(np.float64) @ b, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("activation", [None, "relu", "gelu"])
+ACT_REF = {None: lambda r: r, "relu": torch.relu, "gelu": torch.nn.functional.gelu,
+           "gelu_tanh": lambda r: torch.nn.functional.gelu(r, approximate="tanh")}
+
+
+@pytest.mark.parametrize("activation", list(ACT_REF))
 def test_fused_bias_activation_matches_torch(activation):
     x, w, b = torch.randn(33, 70), torch.randn(50, 70), torch.randn(50)
     y, pre = mm.gemm(x, w, trans_b=True, bias=b, activation=activation, save_pre=True)
     ref_pre = torch.nn.functional.linear(x, w, b)
-    ref = {None: ref_pre, "relu": torch.relu(ref_pre), "gelu": torch.nn.functional.gelu(ref_pre)}[activation]
+    ref = ACT_REF[activation](ref_pre)
     torch.testing.assert_close(y, ref, rtol=1e-5, atol=1e-5)
     if activation:
         torch.testing.assert_close(pre, ref_pre, rtol=1e-5, atol=1e-5)
@@ -64,7 +68,7 @@ def test_fused_bias_activation_matches_torch(activation):
         assert pre is None
 
 
-@pytest.mark.parametrize("activation", [None, "relu", "gelu"])
+@pytest.mark.parametrize("activation", list(ACT_REF))
 @pytest.mark.parametrize("bias", [True, False])
 def test_linear_forward_backward_match_torch(activation, bias):
     torch.manual_seed(0)
@@ -78,7 +82,7 @@ def test_linear_forward_backward_match_torch(activation, bias):
     x2, w2 = x.detach().clone().requires_grad_(), w.detach().clone().requires_grad_()
     b2 = b.detach().clone().requires_grad_() if bias else None
     r = torch.nn.functional.linear(x2, w2, b2)
-    r = {None: r, "relu": torch.relu(r), "gelu": torch.nn.functional.gelu(r)}[activation]
+    r = ACT_REF[activation](r)
     r.backward(gy)
     torch.testing.assert_close(y, r, rtol=1e-5, atol=1e-5)
     for got, want in zip(grads, [x2.grad, w2.grad] + ([b2.grad] if bias else [])):
@@ -115,7 +119,7 @@ BAD = [
     ("mixed dtypes", lambda: mm.matmul(torch.randn(3, 4), torch.randn(4, 2).half()), TypeError, "a and b must have the same dtype"),
     ("b not 2-D", lambda: mm.matmul(torch.randn(3, 4), torch.randn(4)), ValueError, "b: expected a 2-D array"),
     ("bias shape", lambda: mm.gemm(torch.randn(3, 4), torch.randn(4, 2), bias=torch.randn(3)), ValueError, r"bias: expected shape \(2,\)"),
-    ("activation", lambda: MF.linear(torch.randn(3, 4), torch.randn(2, 4), activation="tanh"), ValueError, "activation: expected None, 'relu' or 'gelu'"),
+    ("activation", lambda: MF.linear(torch.randn(3, 4), torch.randn(2, 4), activation="tanh"), ValueError, "activation: expected None, 'relu', 'gelu' or 'gelu_tanh'"),
     ("out dtype", lambda: mm.matmul(torch.randn(3, 4), torch.randn(4, 2), out_dtype=torch.int8), TypeError, "out_dtype: expected"),
     ("non-contiguous", lambda: mm.matmul(torch.randn(4, 3).t(), torch.randn(4, 2)), ValueError, "a: must be contiguous"),
     ("weight dtype", lambda: MF.linear(torch.randn(3, 4), torch.randn(2, 4).half()), TypeError, "w: expected dtype"),

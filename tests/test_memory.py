@@ -105,6 +105,41 @@ def test_checkpointing_and_optimizers_shrink_their_component():
     assert half.activations < plain.activations and half.weights == plain.weights
 
 
+def test_kahan_buffer_counted_for_pure_bf16():
+    """kahan=True adds the bf16 compensation buffer (2 B/param) to the optimizer states of
+    a pure-bf16 setting, nothing where the weights are float32; and the count matches
+    the bytes memfit's AdamW8bit(kahan=True) holds on a real bf16 model."""
+    spec = M.PRESETS["gpt2"]
+    base = M.Setup(batch=8, seq=1024, precision="bf16-pure", optimizer="adamw8bit")
+    plain, kahan = M.estimate(spec, base), M.estimate(spec, M.replace(base, kahan=True))
+    assert kahan.optimizer - plain.optimizer == 2 * spec.n_params()
+    assert kahan.total - plain.total == 2 * spec.n_params()
+    for prec in ("fp32", "bf16", "fp16"):
+        other = M.replace(base, precision=prec)
+        assert M.estimate(spec, M.replace(other, kahan=True)).optimizer == M.estimate(spec, other).optimizer
+
+    import memfit.optim as mo
+    from memfit.profile import state_bytes
+
+    cfg = GPTConfig(n_layer=2, d_model=256, n_head=4, vocab=512, max_pos=64)
+    model = GPT(cfg).to(torch.bfloat16)
+    params = list(model.parameters())
+    opt = mo.AdamW8bit(params, kahan=True, min_8bit_size=0)
+    for p in params:
+        p.grad = torch.zeros_like(p)
+    opt.step()
+    est = M.estimate(spec_of(cfg), M.Setup(batch=1, seq=64, precision="bf16-pure", optimizer="adamw8bit",
+                                           kahan=True, gpu=False))
+    # per tensor: a 4-byte step counter and a partial last absmax block the formula spreads out
+    assert abs(state_bytes(opt) - est.optimizer) <= 12 * len(params), (state_bytes(opt), est.optimizer)
+    assert sum(s["kahan_comp"].numel() * 2 for s in opt.state.values()) == 2 * spec_of(cfg).n_params()
+
+    js = run_cli("estimate", "gpt2", "--json", "--precision", "bf16-pure", "--optimizer", "adamw8bit", "--kahan")
+    data = json.loads(js.stdout)
+    assert data["setting"]["optimizer"] == kahan.optimizer and data["setting"]["setup"]["kahan"] is True
+    assert "Kahan" in data["rows"][-1]["label"]
+
+
 def test_recommendation_fits_and_is_none_when_impossible():
     spec, base = M.PRESETS["gpt2-xl"], M.Setup(batch=8, seq=1024)
     setting, est, slow = M.recommend(spec, base, "a10")

@@ -492,16 +492,20 @@ def test_import_memfit_optim_functional_without_torch():
 
 @pytest.mark.cuda
 @pytest.mark.parametrize("cls", ALL, ids=lambda c: c.__name__)
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-def test_cpu_cuda_agree_bitwise(cls, dtype):
-    """Same function on both devices: params, codes, absmax and step bit-identical
-    (several tensors in one call, odd sizes, a partial last block)."""
+@pytest.mark.parametrize("dtype,kahan", [(torch.float32, False), (torch.bfloat16, False),
+                                         (torch.float16, False), (torch.bfloat16, True),
+                                         (torch.float16, True)])
+def test_cpu_cuda_agree_bitwise(cls, dtype, kahan):
+    """Same function on both devices: params, codes, absmax, step (and the Kahan
+    compensation) bit-identical (several tensors in one call, odd sizes, a partial last
+    block)."""
     torch.manual_seed(0)
     shapes = [(1000, 37), (4097,), (33,), (256, 256)]
     cpu = [torch.nn.Parameter((torch.randn(s) * 0.1).to(dtype)) for s in shapes]
     gpu = [torch.nn.Parameter(p.detach().cuda()) for p in cpu]
-    oc = make(cls, cpu, lr=1e-2, min_8bit_size=1000)
-    og = make(cls, gpu, lr=1e-2, min_8bit_size=1000)
+    kw = {"kahan": True, "weight_decay": 0.1} if kahan else {}
+    oc = make(cls, cpu, lr=1e-2, min_8bit_size=1000, **kw)
+    og = make(cls, gpu, lr=1e-2, min_8bit_size=1000, **kw)
     for _ in range(4):
         for pc, pg in zip(cpu, gpu):
             g = (torch.randn(pc.shape) * 0.01).to(dtype)
@@ -510,6 +514,7 @@ def test_cpu_cuda_agree_bitwise(cls, dtype):
         og.step()
     for pc, pg in zip(cpu, gpu):
         assert torch.equal(pc.detach(), pg.detach().cpu())
+        assert ("kahan_comp" in oc.state[pc]) == kahan
         for k, v in oc.state[pc].items():
             assert torch.equal(v, og.state[pg][k].cpu()), k
 

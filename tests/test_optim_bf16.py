@@ -75,16 +75,20 @@ def test_resume_is_bit_exact_with_stochastic_rounding():
 
 
 def test_float32_parameters_are_unaffected():
+    """Neither stochastic rounding nor Kahan (which needs no buffer for them) changes
+    float32 parameters."""
     torch.manual_seed(2)
     x = torch.randn(5000)
     out = []
-    for sr in (True, False):
+    for kw in ({"bf16_stochastic_round": True}, {"bf16_stochastic_round": False}, {"kahan": True}):
         p = torch.nn.Parameter(x.clone())
-        opt = mo.AdamW8bit([p], lr=1e-3, bf16_stochastic_round=sr)
-        p.grad = torch.ones_like(p)
-        opt.step()
+        opt = mo.AdamW8bit([p], lr=1e-3, **kw)
+        for _ in range(3):
+            p.grad = torch.ones_like(p)
+            opt.step()
+        assert "kahan_comp" not in opt.state[p] and "kahan_comp" not in mo.dequantized_state(opt, p)
         out.append(p.detach())
-    assert torch.equal(out[0], out[1])
+    assert torch.equal(out[0], out[1]) and torch.equal(out[0], out[2])
 
 
 @pytest.mark.cuda

@@ -9,6 +9,8 @@
  * for AVX-512, AVX2+FMA and baseline, chosen at run time. The epilogue adds the bias,
  * stores the pre-activation if asked, applies the activation and narrows to C's dtype.
  */
+#include <stdatomic.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -149,7 +151,7 @@ mf_status mf_gemm(const mf_tensor *a, int trans_a, const mf_tensor *b, int trans
   if (pre && ((st = mf_check_float(pre, "pre")) || (st = mf_check_numel(pre, "pre", m * n)) ||
               (st = mf_check_same_device(a, "a", pre, "pre"))))
     return st;
-  if (act != MF_ACT_NONE && act != MF_ACT_RELU && act != MF_ACT_GELU)
+  if (!mf_act_valid(act))
     return mf_error(MF_ERR_VALUE, "activation: unknown activation %d", (int)act);
   if (a->device == MF_CUDA) {
 #ifdef MEMFIT_WITH_CUDA
@@ -159,6 +161,7 @@ mf_status mf_gemm(const mf_tensor *a, int trans_a, const mf_tensor *b, int trans
     return mf_error(MF_ERR_NO_CUDA, "gemm: got CUDA arrays, but this memfit was built without CUDA support");
 #endif
   }
+  mf_gemm_note_backend("cpu", "");
   if (m == 0 || n == 0) return MF_OK;
   return gemm_cpu(a, trans_a, b, trans_b, c, m, n, k, bias, act, pre);
 }
@@ -174,7 +177,7 @@ mf_status mf_act_backward(const mf_tensor *dy, const mf_tensor *pre, mf_tensor *
   if ((st = mf_check_same_device(dy, "grad_output", pre, "pre")) ||
       (st = mf_check_same_device(dy, "grad_output", dpre, "out")))
     return st;
-  if (act != MF_ACT_NONE && act != MF_ACT_RELU && act != MF_ACT_GELU)
+  if (!mf_act_valid(act))
     return mf_error(MF_ERR_VALUE, "activation: unknown activation %d", (int)act);
   if (dy->device == MF_CUDA) {
 #ifdef MEMFIT_WITH_CUDA
@@ -193,3 +196,67 @@ mf_status mf_act_backward(const mf_tensor *dy, const mf_tensor *pre, mf_tensor *
   }
   return MF_OK;
 }
+
+/* ---- backend choice and reporting (the cuBLASLt side is cuda/gemm_cublaslt.cu) ---- */
+
+/* -1: not decided yet; MEMFIT_GEMM_BACKEND is read on the first use. */
+static atomic_int g_backend = -1;
+
+mf_status mf_gemm_set_backend(mf_gemm_backend backend) {
+  if (backend != MF_GEMM_AUTO && backend != MF_GEMM_PORTABLE && backend != MF_GEMM_CUBLASLT)
+    return mf_error(MF_ERR_VALUE, "backend: unknown GEMM backend %d", (int)backend);
+  atomic_store(&g_backend, (int)backend);
+  return MF_OK;
+}
+
+mf_gemm_backend mf_gemm_get_backend(void) {
+  int b = atomic_load(&g_backend);
+  if (b >= 0) return (mf_gemm_backend)b;
+  const char *env = getenv("MEMFIT_GEMM_BACKEND");
+  b = MF_GEMM_AUTO; /* unset, empty or unknown (memfit.amp.gemm_backend() reports an unknown value) */
+  if (env && !strcmp(env, "portable")) b = MF_GEMM_PORTABLE;
+  if (env && !strcmp(env, "cublaslt")) b = MF_GEMM_CUBLASLT;
+  int unset = -1;
+  atomic_compare_exchange_strong(&g_backend, &unset, b); /* a concurrent set wins */
+  return (mf_gemm_backend)atomic_load(&g_backend);
+}
+
+static _Thread_local const char *g_last_backend = "";
+static _Thread_local char g_last_reason[512];
+
+void mf_gemm_note_backend(const char *backend, const char *reason) {
+  g_last_backend = backend;
+  snprintf(g_last_reason, sizeof g_last_reason, "%s", reason ? reason : "");
+}
+
+void mf_gemm_last_backend(const char **backend, const char **reason) {
+  *backend = g_last_backend;
+  *reason = g_last_reason;
+}
+
+#ifndef MEMFIT_WITH_CUDA
+static const char no_cuda[] = "memfit was built without CUDA support";
+
+mf_status mf_gemm_cublaslt_info(mf_cublaslt_info *info, int load) {
+  (void)load;
+  memset(info, 0, sizeof *info);
+  snprintf(info->reason, sizeof info->reason, "%s", no_cuda);
+  return MF_OK;
+}
+
+mf_status mf_gemm_cublaslt_add_path(const char *path) {
+  (void)path;
+  return MF_OK; /* nothing will ever be loaded */
+}
+
+mf_status mf_gemm_cublaslt_device(int device, int *usable, const char **reason) {
+  (void)device;
+  *usable = 0;
+  *reason = no_cuda;
+  return MF_OK;
+}
+
+mf_status mf_gemm_cublaslt_selfcheck(void) {
+  return mf_error(MF_ERR_NO_CUDA, "cublaslt: %s", no_cuda);
+}
+#endif

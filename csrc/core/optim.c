@@ -167,6 +167,18 @@ static mf_status check_call(const mf_optim_hparams *h, mf_state_format fmt, int6
       return st;
     }
     if ((st = check_one(&t->step, "steps", i, MF_FLOAT32, 1, dev))) return st;
+    if (has(&t->comp)) {
+      if (t->param.dtype != MF_FLOAT16 && t->param.dtype != MF_BFLOAT16)
+        return mf_error(MF_ERR_VALUE,
+                        "comps[%lld]: a Kahan compensation buffer is only for float16/bfloat16 "
+                        "parameters, but params[%lld] is %s (which needs none)",
+                        (long long)i, (long long)i, mf_dtype_name(t->param.dtype));
+      if (h->stochastic_round)
+        return mf_error(MF_ERR_VALUE,
+                        "comps[%lld]: Kahan compensation and stochastic rounding (sr_seed != 0) "
+                        "cannot be combined; use one or the other", (long long)i);
+      if ((st = check_one(&t->comp, "comps", i, t->param.dtype, pn, dev))) return st;
+    }
     const mf_dtype sdt = fmt == MF_STATE_FP32 ? MF_FLOAT32 : MF_UINT8;
     const int64_t sn = mf_optim_state_numel(fmt, pn);
     const int64_t nb = fmt == MF_STATE_FP32 ? 0 : mf_quant_num_blocks(pn, bs);
@@ -298,7 +310,12 @@ MF_INLINE void block_step_impl(const mf_optim_hparams *h, const mf_optim_consts 
   } else {
     p = b->p;
     g = b->g;
-    widen(t->param.data, dt, first, n, p);
+    if (t->comp.data) { /* Kahan: the update starts from param + comp */
+      for (int64_t i = 0; i < n; i++)
+        p[i] = mf_optim_load_param(t->param.data, t->comp.data, first + i, dt);
+    } else {
+      widen(t->param.data, dt, first, n, p);
+    }
     widen(t->grad.data, dt, first, n, g);
   }
   const mf_tensor *st[2] = {&t->state1, &t->state2};
@@ -341,9 +358,9 @@ MF_INLINE void block_step_impl(const mf_optim_hparams *h, const mf_optim_consts 
     }
   }
   update_any(h->kind, c, ns, n, p, g, s[0], s[1]);
-  if (dt != MF_FLOAT32 && h->stochastic_round) {
+  if (dt != MF_FLOAT32 && (h->stochastic_round || t->comp.data)) {
     for (int64_t i = 0; i < n; i++)
-      mf_optim_store_param(t->param.data, first + i, dt, p[i], h, t->sr_stream);
+      mf_optim_store_param(t->param.data, t->comp.data, first + i, dt, p[i], h, t->sr_stream);
   } else if (dt != MF_FLOAT32) {
     narrow(p, dt, first, n, t->param.data);
   }

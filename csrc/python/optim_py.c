@@ -34,24 +34,26 @@ static int add_list(PyObject *seq, const char *what, Py_ssize_t n, int flags, Py
 }
 
 /* optim_step(kind, bits, block_size, hparams, code1, code2, params, grads, state1, absmax1,
- *            state2, absmax2, steps, grad_scale, found_inf, stream)
+ *            state2, absmax2, steps, grad_scale, found_inf, stream[, comps])
  * hparams = (lr, beta1, beta2, eps, weight_decay, momentum, dampening, alpha, nesterov,
  *            maximize, sr_seed): sr_seed != 0 turns on stochastic rounding of half-precision
  *            parameters. Lists have one entry per parameter; state and absmax entries may
- * be None (states this optimizer does not keep). */
+ * be None (states this optimizer does not keep). comps: None, or a list of Kahan
+ * compensation buffers (None for a parameter without one; see optim.h). */
 static PyObject *py_optim_step(PyObject *self, PyObject *args) {
   (void)self;
   int kind, bits, nesterov, maximize;
   long long block_size;
   unsigned long long sr_seed;
   mf_optim_hparams h = {0};
-  PyObject *lists[7], *ocode1, *ocode2, *oscale, *oinf;
+  PyObject *lists[8], *ocode1, *ocode2, *oscale, *oinf;
   unsigned long long stream;
-  if (!PyArg_ParseTuple(args, "iiL(ddddddddppK)OOOOOOOOOOOK", &kind, &bits, &block_size, &h.lr,
+  lists[7] = Py_None; /* comps */
+  if (!PyArg_ParseTuple(args, "iiL(ddddddddppK)OOOOOOOOOOOK|O", &kind, &bits, &block_size, &h.lr,
                         &h.beta1, &h.beta2, &h.eps, &h.weight_decay, &h.momentum, &h.dampening,
                         &h.alpha, &nesterov, &maximize, &sr_seed, &ocode1, &ocode2, &lists[0],
                         &lists[1], &lists[2], &lists[3], &lists[4], &lists[5], &lists[6], &oscale,
-                        &oinf, &stream))
+                        &oinf, &stream, &lists[7]))
     return NULL;
   h.kind = (mf_optim_kind)kind;
   h.nesterov = nesterov;
@@ -63,14 +65,14 @@ static PyObject *py_optim_step(PyObject *self, PyObject *args) {
   const Py_ssize_t n = PySequence_Size(lists[0]);
   if (n < 0) return NULL;
 
-  static const char *const list_names[7] = {"params", "grads", "state1", "absmax1",
-                                            "state2", "absmax2", "steps"};
-  static const int list_flags[7] = {MF_PY_WRITABLE, MF_PY_READ,
+  static const char *const list_names[8] = {"params", "grads", "state1", "absmax1",
+                                            "state2", "absmax2", "steps", "comps"};
+  static const int list_flags[8] = {MF_PY_WRITABLE, MF_PY_READ,
                                     MF_PY_WRITABLE | MF_PY_OPTIONAL, MF_PY_WRITABLE | MF_PY_OPTIONAL,
                                     MF_PY_WRITABLE | MF_PY_OPTIONAL, MF_PY_WRITABLE | MF_PY_OPTIONAL,
-                                    MF_PY_WRITABLE};
-  const Py_ssize_t total = 7 * n + 4; /* + code1, code2, grad_scale, found_inf */
-  PyObject *result = NULL, *fast[7] = {NULL};
+                                    MF_PY_WRITABLE, MF_PY_WRITABLE | MF_PY_OPTIONAL};
+  const Py_ssize_t total = 8 * n + 4; /* + code1, code2, grad_scale, found_inf */
+  PyObject *result = NULL, *fast[8] = {NULL};
   PyObject **objs = PyMem_Calloc((size_t)total, sizeof(PyObject *));
   char (*names)[32] = PyMem_Calloc((size_t)total, 32);
   const char **name_ptrs = PyMem_Calloc((size_t)total, sizeof(char *));
@@ -83,7 +85,7 @@ static PyObject *py_optim_step(PyObject *self, PyObject *args) {
     goto finish;
   }
   Py_ssize_t k = 0;
-  for (int l = 0; l < 7; l++)
+  for (int l = 0; l < 8; l++)
     if (add_list(lists[l], list_names[l], n, list_flags[l], &fast[l], objs, names, flags, &k))
       goto finish;
   PyObject *extra[4] = {ocode1, ocode2, oscale, oinf};
@@ -104,9 +106,10 @@ static PyObject *py_optim_step(PyObject *self, PyObject *args) {
     ts[i].state2 = v[4 * n + i].t;
     ts[i].absmax2 = v[5 * n + i].t;
     ts[i].step = v[6 * n + i].t;
+    ts[i].comp = v[7 * n + i].t;
     ts[i].sr_stream = (int32_t)i;
   }
-  mf_py_view *x = &v[7 * n];
+  mf_py_view *x = &v[8 * n];
   mf_status st;
   Py_BEGIN_ALLOW_THREADS
   st = mf_optim_step(&h, (mf_state_format)bits, (int64_t)block_size, mf_py_tensor_or_null(&x[0]),
@@ -120,7 +123,7 @@ static PyObject *py_optim_step(PyObject *self, PyObject *args) {
   result = Py_NewRef(Py_None);
 finish:
   if (have_views) mf_py_views_release((int)total, v);
-  for (int l = 0; l < 7; l++) Py_XDECREF(fast[l]);
+  for (int l = 0; l < 8; l++) Py_XDECREF(fast[l]);
   PyMem_Free(ts);
   PyMem_Free(v);
   PyMem_Free(flags);
@@ -152,6 +155,6 @@ static PyObject *py_optim_check(PyObject *self, PyObject *args) {
 PyMethodDef mf_optim_methods[] = {
     {"optim_step", py_optim_step, METH_VARARGS,
      "optim_step(kind, bits, block_size, hparams, code1, code2, params, grads, state1, "
-     "absmax1, state2, absmax2, steps, grad_scale, found_inf, stream)"},
+     "absmax1, state2, absmax2, steps, grad_scale, found_inf, stream[, comps])"},
     {"optim_check", py_optim_check, METH_VARARGS, "optim_check(kind, hparams)"},
     {NULL, NULL, 0, NULL}};

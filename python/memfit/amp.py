@@ -46,7 +46,7 @@ import numpy as np
 import torch
 
 from memfit._cast import cast  # re-exported: casts with stochastic rounding
-from memfit._matmul import matmul  # re-exported: float32-accumulating matmul
+from memfit._matmul import gemm_backend, matmul, set_gemm_backend  # re-exported (matrix products)
 
 from memfit import _C
 from memfit._C import MemfitTypeError, MemfitValueError
@@ -62,8 +62,10 @@ __all__ = [
     "autocast",
     "cast",
     "clip_grad_norm_",
+    "gemm_backend",
     "matmul",
     "precision",
+    "set_gemm_backend",
     "setup",
 ]
 

@@ -41,6 +41,9 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--precision", default=None, choices=["fp32", "fp16", "bf16", "bf16-pure"],
                    help="for the single-setting line (default: the comparison table only)")
     e.add_argument("--optimizer", default="adamw")
+    e.add_argument("--kahan", action="store_true",
+                   help="bf16-pure weights keep a Kahan compensation buffer (memfit.optim's kahan=True): "
+                        "+2 bytes per parameter")
     e.add_argument("--checkpoint", default="none", choices=["none", "every", "sqrt"])
     e.add_argument("--micro-batch", type=int, default=None)
     e.add_argument("--attention", default="sdpa", choices=["sdpa", "eager"])
@@ -59,7 +62,7 @@ def _estimate(args) -> int:
         spec = M.resolve_model(args.model)
         base = M.Setup(batch=args.batch, seq=args.seq, precision=args.precision or "fp32",
                        optimizer=args.optimizer, checkpoint=args.checkpoint, micro_batch=args.micro_batch,
-                       attention=args.attention, gpu=not args.cpu)
+                       attention=args.attention, gpu=not args.cpu, kahan=args.kahan)
         M.validate(base)
         bf16 = M.parse_gpu(args.gpu)[1] if args.gpu else True
         rows = M.comparison(spec, base, bf16_native=bf16)

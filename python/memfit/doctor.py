@@ -22,6 +22,8 @@ def report() -> dict:
         d["bf16_native"] = major >= 8
         d["total_memory_gb"] = round(d.pop("total_memory") / 2**30, 2)
         gpus.append(d)
+    from memfit._matmul import gemm_backend
+
     info["runtime"] = {
         "python": platform.python_version(),
         "platform": platform.platform(),
@@ -30,6 +32,8 @@ def report() -> dict:
         "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
         "gpus": gpus,
         "cuda_usable": bool(gpus) and info["build"]["cuda"],
+        # what runs CUDA matrix products (loads cuBLASLt to say so; runs nothing)
+        "gemm": gemm_backend("cuda:0") if info["build"]["cuda"] else gemm_backend("cpu"),
     }
     frameworks = {}
     for name in ("torch", "numpy", "ml_dtypes", "cupy", "jax", "bitsandbytes"):
@@ -64,6 +68,16 @@ def format_report(info: dict) -> str:
         lines.append("  GPU          : none visible (CUDA kernels built; CPU kernels in use)")
     else:
         lines.append("  GPU          : not used (CPU-only build)")
+    g = r["gemm"]
+    if b["cuda"]:
+        lt = g["cublaslt"]
+        found = f"cuBLASLt {lt['version']} loaded from {lt['path']}" if lt["loaded"] else "cuBLASLt not loaded"
+        if g["backend"] == "cublaslt":
+            lines.append(f"  CUDA GEMM    : {found}")
+        else:
+            why = g["reason"] if g["reason"] != lt["reason"] else ""
+            lines.append(f"  CUDA GEMM    : {g['backend'] or 'none'} kernel ({found}"
+                         + (f": {lt['reason']}" if lt["reason"] else "") + (f"; {why}" if why else "") + ")")
     fw = ", ".join(f"{k} {v}" for k, v in info["frameworks"].items()) or "none"
     lines.append(f"  frameworks   : {fw}")
     return "\n".join(lines)

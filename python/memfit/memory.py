@@ -36,7 +36,8 @@ one input per segment plus one segment's activations.
 
 Optimizer states per parameter: AdamW 8 B; 8-bit AdamW 2 B + 2 float32 absmax per 256
 (2.03 B); 4-bit AdamW 1 B + 2 absmax per 128 (1.06 B); SGD momentum 4 B; Lion 4 B,
-8-bit Lion 1.02 B.
+8-bit Lion 1.02 B. Pure bf16 with a Kahan compensation buffer (``kahan=True``, memfit's
+optimizers' option): + 2 B (the buffer is bf16, like the weights; fp32 weights need none).
 
 Temporary buffers: the gradient of the logits (s*b*V*4 bytes), or eager attention
 scores if larger, plus on a GPU the CUDA context and library workspaces (0.5 GB, a
@@ -189,6 +190,7 @@ class Setup:
     seq: int = 1024
     precision: str = "fp32"  # "fp32", "fp16" / "bf16" (autocast, fp32 master), "bf16-pure"
     optimizer: str = "adamw"
+    kahan: bool = False  # bf16-pure: a bf16 Kahan compensation buffer per parameter (+2 B)
     checkpoint: str = "none"  # "none", "every", "sqrt"
     micro_batch: int | None = None  # default: batch (no accumulation)
     attention: str = "sdpa"  # "sdpa" or "eager"
@@ -295,7 +297,7 @@ def estimate(spec: ModelSpec, setup: Setup) -> Estimate:
     pure = setup.precision == "bf16-pure"
     weights = p * (2 if pure else 4)
     grads = p * (2 if pure else 4)
-    opt = int(p * OPTIMIZER_BYTES[setup.optimizer])
+    opt = int(p * OPTIMIZER_BYTES[setup.optimizer]) + (2 * p if pure and setup.kahan else 0)
     acts = activation_bytes(spec, setup)
     activations = acts["layers"] + acts["outside_layers"] + acts["logits"] + acts["weight_copies"]
     temp = setup.micro * setup.seq * spec.vocab * 4  # gradient of the logits
@@ -372,8 +374,9 @@ def comparison(spec: ModelSpec, base: Setup, bf16_native: bool = True) -> list:
             ("+ AdamW8bit", replace(base, precision="fp32", optimizer="adamw8bit", checkpoint="none")),
             ("+ checkpoint every layer", replace(base, precision="fp32", optimizer="adamw", checkpoint="every"))]
     combo_prec = "bf16-pure" if bf16_native else "fp16"
-    rows.append((f"memfit ({combo_prec} + AdamW8bit + checkpoint)",
-                 replace(base, precision=combo_prec, optimizer="adamw8bit", checkpoint="every")))
+    combo = (f"memfit ({combo_prec}+Kahan + AdamW8bit + ckpt)" if base.kahan and combo_prec == "bf16-pure"
+             else f"memfit ({combo_prec} + AdamW8bit + checkpoint)")
+    rows.append((combo, replace(base, precision=combo_prec, optimizer="adamw8bit", checkpoint="every")))
     return [(label, estimate(spec, s)) for label, s in rows]
 
 

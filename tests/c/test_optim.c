@@ -1,6 +1,7 @@
 /* C tests of the optimizer core: the CPU's table-driven code search must return exactly
  * what mf_optim_quantize (the binary search the CUDA kernels use) returns, for every
- * code the optimizers use; and the element update must skip non-finite values. */
+ * code the optimizers use; the element update must skip non-finite values; and the
+ * Kahan-compensated store of half-precision parameters. */
 #include <math.h>
 #include <stdio.h>
 #include <string.h>
@@ -85,6 +86,94 @@ static void test_skip_nonfinite(void) {
   CHECK(fabs(mf_powi(0.999, 1000) - pow(0.999, 1000)) < 1e-13, "mf_powi");
 }
 
+/* Kahan split (optim.h): x = float(hi) + float(lo) is within the precision of two
+ * half-precision numbers of v, and splitting x again keeps its value (a skipped element
+ * stores x again). Over a stride through all finite float32 bit patterns. */
+static void test_kahan_split(void) {
+  const mf_dtype dts[2] = {MF_BFLOAT16, MF_FLOAT16};
+  for (int d = 0; d < 2; d++) {
+    const mf_dtype dt = dts[d];
+    for (uint64_t u = 0; u < (1ull << 32); u += 4093) {
+      uint32_t b = (uint32_t)u;
+      float v;
+      memcpy(&v, &b, 4);
+      if (!isfinite(v)) continue;
+      uint16_t hi, lo, hi2, lo2;
+      mf_optim_kahan_split(v, dt, &hi, &lo);
+      if (!isfinite(mf_load_f32(&hi, 0, dt))) { /* overflow, as with nearest rounding */
+        CHECK(lo == 0, "overflow: comp must be 0");
+        continue;
+      }
+      const float x = mf_optim_load_param(&hi, &lo, 0, dt);
+      mf_optim_kahan_split(x, dt, &hi2, &lo2);
+      const float x2 = mf_optim_load_param(&hi2, &lo2, 0, dt);
+      const double tol = dt == MF_BFLOAT16 ? ldexp(fabs((double)v), -16) + ldexp(1.0, -133)
+                                           : ldexp(fabs((double)v), -21) + ldexp(1.0, -25);
+      const int ok = hi == (dt == MF_BFLOAT16 ? mf_f32_to_bf16(v) : mf_f32_to_f16(v)) &&
+                     fabs((double)x - (double)v) <= tol && x2 == x;
+      if (!ok) {
+        CHECK(0, "kahan split (%s): v=%.9g hi+lo=%.9g split again=%.9g", mf_dtype_name(dt),
+              (double)v, (double)x, (double)x2);
+        break;
+      }
+    }
+  }
+  /* non-finite residuals give comp = 0: float16 overflow, NaN */
+  uint16_t hi, lo;
+  mf_optim_kahan_split(70000.0f, MF_FLOAT16, &hi, &lo);
+  CHECK(hi == 0x7c00u && lo == 0, "float16 overflow: p = inf, comp = 0");
+  mf_optim_kahan_split(NAN, MF_BFLOAT16, &hi, &lo);
+  CHECK(isnan(mf_bf16_to_f32(hi)) && lo == 0, "NaN: comp = 0");
+}
+
+/* The argument checks of a compensation buffer, and one small CPU step with it. */
+static void test_kahan_step(void) {
+  enum { N = 300 };
+  uint16_t p[N], g[N], c[N], c32[N];
+  float p32[N], s1[N], s2[N], step = 0.0f;
+  for (int i = 0; i < N; i++) {
+    p[i] = mf_f32_to_bf16(1.0f);
+    g[i] = mf_f32_to_bf16(-1.0f);
+    c[i] = 0;
+    c32[i] = 0;
+    p32[i] = 1.0f;
+    s1[i] = s2[i] = 0.0f;
+  }
+  mf_optim_hparams h = {.kind = MF_OPT_ADAMW, .lr = 1e-4, .beta1 = 0.9, .beta2 = 0.999, .eps = 1e-8};
+  mf_optim_tensor t;
+  memset(&t, 0, sizeof t);
+  t.param = (mf_tensor){p, N, MF_BFLOAT16, MF_CPU, 0};
+  t.grad = (mf_tensor){g, N, MF_BFLOAT16, MF_CPU, 0};
+  t.state1 = (mf_tensor){s1, N, MF_FLOAT32, MF_CPU, 0};
+  t.state2 = (mf_tensor){s2, N, MF_FLOAT32, MF_CPU, 0};
+  t.step = (mf_tensor){&step, 1, MF_FLOAT32, MF_CPU, 0};
+  t.comp = (mf_tensor){c, N, MF_BFLOAT16, MF_CPU, 0};
+  for (int k = 0; k < 10; k++)
+    CHECK(mf_optim_step(&h, MF_STATE_FP32, 0, NULL, NULL, &t, 1, NULL, NULL, NULL) == MF_OK, "%s",
+          mf_last_error());
+  /* ten Adam steps of about lr = 1e-4 each: below half a bfloat16 step at 1.0 (2^-8),
+   * so p stays 1.0 and the compensation holds the sum */
+  CHECK(mf_bf16_to_f32(p[7]) == 1.0f, "p moved: %g", (double)mf_bf16_to_f32(p[7]));
+  float x = mf_optim_load_param(p, c, 7, MF_BFLOAT16);
+  CHECK(fabsf(x - 1.001f) < 5e-5f, "p + comp = %.7f, want about 1.001", (double)x);
+
+  h.stochastic_round = 1;
+  h.sr_seed = 5;
+  CHECK(mf_optim_step(&h, MF_STATE_FP32, 0, NULL, NULL, &t, 1, NULL, NULL, NULL) == MF_ERR_VALUE &&
+            strstr(mf_last_error(), "stochastic rounding"),
+        "comp with stochastic rounding must be refused");
+  h.stochastic_round = 0;
+  t.comp.dtype = MF_FLOAT16;
+  CHECK(mf_optim_step(&h, MF_STATE_FP32, 0, NULL, NULL, &t, 1, NULL, NULL, NULL) == MF_ERR_TYPE,
+        "comp of another dtype must be refused");
+  t.param = (mf_tensor){p32, N, MF_FLOAT32, MF_CPU, 0};
+  t.grad = (mf_tensor){s1, N, MF_FLOAT32, MF_CPU, 0};
+  t.comp = (mf_tensor){c32, N, MF_FLOAT32, MF_CPU, 0};
+  CHECK(mf_optim_step(&h, MF_STATE_FP32, 0, NULL, NULL, &t, 1, NULL, NULL, NULL) == MF_ERR_VALUE &&
+            strstr(mf_last_error(), "comps[0]"),
+        "comp for float32 params must be refused");
+}
+
 int main(void) {
   float s8[256], u8[256], s4[16], u4[16];
   CHECK(mf_dynamic_map(s8, 256, 1, 8, 7) == MF_OK, "map");
@@ -96,6 +185,8 @@ int main(void) {
   test_code(s4, 16, "signed 4-bit dynamic map");
   test_code(u4, 16, "4-bit linear map without zero");
   test_skip_nonfinite();
+  test_kahan_split();
+  test_kahan_step();
   if (failures) {
     fprintf(stderr, "%d failure(s)\n", failures);
     return 1;

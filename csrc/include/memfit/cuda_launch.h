@@ -37,12 +37,21 @@ mf_status mf_cuda_dequantize_blockwise(const mf_tensor *codes, const mf_tensor *
 mf_status mf_cuda_cast(const mf_tensor *x, mf_tensor *out, int stochastic, uint64_t seed,
                        void *stream);
 
-/* cuda/gemm.cu */
+/* cuda/gemm.cu: cuBLASLt when it takes the product, else the portable kernel */
 mf_status mf_cuda_gemm(const mf_tensor *a, int trans_a, const mf_tensor *b, int trans_b,
                        mf_tensor *c, int64_t m, int64_t n, int64_t k, const mf_tensor *bias,
                        mf_activation act, mf_tensor *pre, void *stream);
 mf_status mf_cuda_act_backward(const mf_tensor *dy, const mf_tensor *pre, mf_tensor *dpre,
                                mf_activation act, void *stream);
+/* y = act(x) elementwise on x's device (the caller's device is current); y may be x */
+mf_status mf_cuda_act_forward(const mf_tensor *x, mf_tensor *y, mf_activation act, void *stream);
+/* cuda/gemm_cublaslt.cu: runs the product in cuBLASLt and sets *ran = 1, or leaves it
+ * (*ran = 0) and writes the reason into why; an error only when cuBLASLt failed while
+ * running. The caller has made a's device current; m, n > 0. */
+mf_status mf_cublaslt_gemm(const mf_tensor *a, int trans_a, const mf_tensor *b, int trans_b,
+                           mf_tensor *c, int64_t m, int64_t n, int64_t k, const mf_tensor *bias,
+                           mf_activation act, mf_tensor *pre, void *stream, int *ran, char *why,
+                           size_t why_len);
 /* cuda/optim.cu: multi-tensor optimizer step (arguments checked by mf_optim_step). */
 mf_status mf_cuda_optim_step(const mf_optim_hparams *h, mf_state_format fmt, int64_t block_size,
                              const mf_tensor *code1, const mf_tensor *code2,

@@ -32,6 +32,32 @@
  * parameter, is skipped: its parameter keeps its value and its states their old
  * (dequantized) values; the rest of the tensor is updated and the step counts. States
  * therefore never hold NaN or Inf.
+ *
+ * Half-precision parameters. float16/bfloat16 parameters are widened to float32, updated
+ * in float32 and written back in one of three ways (mf_optim_store_param):
+ *   nearest-even      (default without the options below);
+ *   stochastic        (hparams.stochastic_round: unbiased random rounding, see below);
+ *   Kahan-compensated (the tensor has a `comp` buffer: one value per element in the
+ *                      parameter's dtype, 2 bytes for bfloat16; Zamirai et al. 2020,
+ *                      "Revisiting BFloat16 Training").
+ * The Kahan scheme, exactly as computed on the CPU and the GPU:
+ *     x     = float(p) + float(comp)          (float32 add, exact unless comp lies far
+ *                                              below p's last bit: the parameter's value)
+ *     x_new = the optimizer's update of x     (mf_optim_update_one: every read of the
+ *                                              parameter, decoupled weight decay and the
+ *                                              L2 terms included, sees x, not p)
+ *     p     = nearest_even(x_new)
+ *     comp  = nearest_even(x_new - float(p))  (the subtraction is exact in float32;
+ *                                              comp = 0 where it is not finite, i.e.
+ *                                              where p overflowed to +-Inf or is NaN)
+ * so p + comp carries about twice the dtype's precision (16 significant bits for
+ * bfloat16) and an update far below half a bfloat16 step accumulates in comp until it
+ * moves p, deterministically. A skipped element (non-finite gradient or update) stores
+ * x again: p + comp keeps its value (and p and comp their bits, unless comp was exactly
+ * half a step, where the tie may renormalise the pair). The two options exclude each
+ * other: a compensation buffer with stochastic rounding is an error (the rounding error
+ * is what comp keeps; adding noise to it would only lose it). float32 parameters take
+ * neither (no buffer is allowed for them; they need none).
  */
 #ifndef MEMFIT_OPTIM_H
 #define MEMFIT_OPTIM_H
@@ -71,7 +97,8 @@ typedef struct {
   int maximize;
   /* Half-precision parameters: 1 writes the updated value with stochastic rounding
    * (unbiased, so updates smaller than half a bfloat16 step are kept on average;
-   * no float32 master copy needed), 0 with nearest-even. The random bits of element i
+   * no float32 master copy needed), 0 with nearest-even (or Kahan-compensated, for
+   * tensors with a comp buffer; see the header comment). The random bits of element i
    * of tensor k come from mf_hash64(sr_seed, k, i): reproducible, the same on CPU
    * and GPU. */
   int stochastic_round;
@@ -246,16 +273,43 @@ static inline MF_HD uint8_t mf_optim_quantize(const float *code, int size, float
  *   param, grad: float32/float16/bfloat16, same dtype, same numel n
  *   state1/2:    FP32: float32[n];  8BIT: uint8[n];  4BIT: uint8[ceil(n/2)]
  *   absmax1/2:   float32[ceil(n / block_size)] (quantized formats only)
- *   step:        float32[1] */
+ *   step:        float32[1]
+ *   comp:        optional, dtype of param, numel n (Kahan compensation) */
 typedef struct {
   mf_tensor param, grad, state1, state2, absmax1, absmax2, step;
   int32_t sr_stream; /* distinct per tensor of one step call (stochastic rounding) */
+  /* Kahan compensation (see the header comment): float16/bfloat16 like param, numel n;
+   * data NULL for none. Not allowed with float32 params or stochastic rounding. */
+  mf_tensor comp;
 } mf_optim_tensor;
 
-/* Stores an updated parameter value (see mf_optim_hparams.stochastic_round). */
-static inline MF_HD void mf_optim_store_param(void *p, int64_t i, mf_dtype dt, float v,
-                                              const mf_optim_hparams *h, int32_t stream) {
-  if (h->stochastic_round && dt != MF_FLOAT32) {
+/* Kahan split of an updated value v into a half-precision pair (dt: float16 or
+ * bfloat16): *hi = nearest_even(v), *lo = nearest_even(v - float(*hi)), and *lo = 0
+ * where v - float(*hi) is not finite. */
+static inline MF_HD void mf_optim_kahan_split(float v, mf_dtype dt, uint16_t *hi, uint16_t *lo) {
+  const int bf = dt == MF_BFLOAT16;
+  const uint16_t h = bf ? mf_f32_to_bf16(v) : mf_f32_to_f16(v);
+  const float r = v - (bf ? mf_bf16_to_f32(h) : mf_f16_to_f32(h));
+  *hi = h;
+  *lo = mf_isfinite_f32(r) ? (bf ? mf_f32_to_bf16(r) : mf_f32_to_f16(r)) : (uint16_t)0;
+}
+
+/* The float32 value element i of a parameter starts its update from: the parameter,
+ * plus its Kahan compensation when there is one (comp != NULL). */
+static inline MF_HD float mf_optim_load_param(const void *p, const void *comp, int64_t i,
+                                              mf_dtype dt) {
+  const float v = mf_load_f32(p, i, dt);
+  return comp ? v + mf_load_f32(comp, i, dt) : v;
+}
+
+/* Stores an updated parameter value: Kahan-compensated when comp != NULL, else with
+ * stochastic rounding (mf_optim_hparams.stochastic_round) or nearest-even. */
+static inline MF_HD void mf_optim_store_param(void *p, void *comp, int64_t i, mf_dtype dt,
+                                              float v, const mf_optim_hparams *h,
+                                              int32_t stream) {
+  if (comp) {
+    mf_optim_kahan_split(v, dt, &((uint16_t *)p)[i], &((uint16_t *)comp)[i]);
+  } else if (h->stochastic_round && dt != MF_FLOAT32) {
     uint64_t r = mf_hash64(h->sr_seed + 0x9e3779b97f4a7c15ull * (uint64_t)(stream + 1), (uint64_t)i);
     ((uint16_t *)p)[i] = dt == MF_BFLOAT16 ? mf_f32_to_bf16_sr(v, (uint32_t)r) : mf_f32_to_f16_sr(v, r);
   } else {

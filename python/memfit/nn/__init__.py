@@ -10,7 +10,8 @@ __all__ = ["Linear", "functional"]
 class Linear(torch.nn.Linear):
     """Drop-in for ``torch.nn.Linear`` (same arguments, parameters and state_dict keys)
     whose forward and backward run in memfit's matrix kernels, optionally with a
-    fused activation.
+    fused activation: None, "relu", "gelu" (exact) or "gelu_tanh" (see
+    :func:`memfit.nn.functional.linear`).
 
     >>> layer = Linear(64, 256, activation="gelu")
     >>> layer(torch.randn(8, 64)).shape

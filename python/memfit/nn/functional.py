@@ -11,16 +11,19 @@ def _linear_function():
     import torch
 
     class _Linear(torch.autograd.Function):
-        """y = act(x @ w.T + b); saves the pre-activation for the backward pass."""
+        """y = act(x @ w.T + b); saves what act's derivative needs for the backward pass:
+        the pre-activation for the GELUs, the output itself for relu (relu'(pre) equals
+        relu'(y), so no second m x n tensor is kept and cuBLASLt fuses relu whole)."""
 
         @staticmethod
         def forward(ctx, x, w, b, activation):
             x2 = x.contiguous()
+            relu = activation == "relu"
             y, pre = _matmul.gemm(x2, w.contiguous(), trans_b=True, bias=b, activation=activation,
-                                  save_pre=True)
+                                  save_pre=not relu)
             ctx.activation = activation
             ctx.has_bias = b is not None
-            ctx.save_for_backward(x2, w, pre)
+            ctx.save_for_backward(x2, w, y if relu else pre)
             return y
 
         @staticmethod
@@ -53,8 +56,12 @@ def linear(x, w, b=None, activation=None):
         x: input ``[..., in_features]`` (float32, float16 or bfloat16).
         w: weight ``[out_features, in_features]``, same dtype as x.
         b: optional bias ``[out_features]``.
-        activation: None, "relu" or "gelu" (exact erf GELU, torch's default), fused
-            into the product's epilogue; its input is kept for the backward pass.
+        activation: None, "relu", "gelu" (exact erf GELU, torch's default) or
+            "gelu_tanh" (torch's ``gelu(approximate="tanh")``), applied in the product's
+            epilogue; what its derivative needs is kept for the backward pass. On CUDA
+            with cuBLASLt, "gelu_tanh" and "relu" are fused into the library's epilogue
+            (one kernel); exact "gelu" takes one extra elementwise pass, since cuBLASLt
+            only has the tanh form.
 
     Under ``torch.autocast`` the inputs are cast to the autocast dtype first, as
     ``torch.nn.functional.linear`` does.

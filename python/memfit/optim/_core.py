@@ -110,8 +110,10 @@ def check(kind: int, hp: tuple) -> None:
 
 
 def step(kind, bits, block_size, hp, params, grads, state1, absmax1, state2, absmax2,
-         steps, grad_scale=None, found_inf=None, stream=0):
-    """One fused step over lists of arrays on one device (see mf_optim_step)."""
+         steps, grad_scale=None, found_inf=None, stream=0, comps=None):
+    """One fused step over lists of arrays on one device (see mf_optim_step).
+    ``comps``: None, or one Kahan compensation buffer (or None) per parameter: an array
+    of the parameter's float16/bfloat16 dtype and size (see csrc/include/memfit/optim.h)."""
     ns = num_states(kind, hp[5])
     code1 = code2 = None
     if bits != 32 and params:
@@ -119,5 +121,7 @@ def step(kind, bits, block_size, hp, params, grads, state1, absmax1, state2, abs
             code1 = code_like(bits, state_signed(kind, 1), params[0])
         if ns >= 2:
             code2 = code_like(bits, state_signed(kind, 2), params[0])
+    if comps is not None and all(c is None for c in comps):
+        comps = None
     _C.optim_step(kind, bits, block_size, hp, code1, code2, params, grads, state1, absmax1,
-                  state2, absmax2, steps, grad_scale, found_inf, stream)
+                  state2, absmax2, steps, grad_scale, found_inf, stream, comps)

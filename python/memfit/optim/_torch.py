@@ -23,6 +23,8 @@ class _MemfitOptimizer(torch.optim.Optimizer):
         for 4 bits) with ``absmax1``/``absmax2`` (float32, one per block), or float32
         tensors of p's shape for tensors smaller than ``min_8bit_size`` and 32-bit
         optimizers. Use :func:`memfit.optim.dequantized_state` to read them as floats.
+        ``kahan_comp``: with ``kahan=True`` and a float16/bfloat16 ``p``, the Kahan
+        compensation (p's dtype and shape; the parameter's value is ``p + kahan_comp``).
     """
 
     _kind: int = _core.ADAMW
@@ -39,9 +41,10 @@ class _MemfitOptimizer(torch.optim.Optimizer):
         defaults.setdefault("maximize", False)
         # bfloat16/float16 parameters are written with stochastic rounding (no fp32 master
         # copy needed); the seed and a per-group step counter live in the param group,
-        # so a resumed run draws the same random bits
-        defaults.setdefault("bf16_stochastic_round", True)
+        # so a resumed run draws the same random bits. None: stochastic unless kahan.
+        defaults.setdefault("bf16_stochastic_round", None)
         defaults.setdefault("sr_seed", 0)
+        defaults.setdefault("kahan", False)
         super().__init__(params, defaults)  # checks each group (add_param_group)
 
     # -- hyperparameters -------------------------------------------------------------
@@ -58,6 +61,14 @@ class _MemfitOptimizer(torch.optim.Optimizer):
             raise ValueError(f"block_size: must be one of 64, 128, 256, 512, 1024, 2048, 4096, got {bs!r}")
         if not isinstance(group["min_8bit_size"], int) or group["min_8bit_size"] < 0:
             raise ValueError(f"min_8bit_size: expected an int >= 0, got {group['min_8bit_size']!r}")
+        kahan, sr = group.get("kahan", False), group.get("bf16_stochastic_round")
+        if not isinstance(kahan, bool):
+            raise TypeError(f"kahan: expected True or False, got {kahan!r}")
+        if kahan and sr:
+            raise ValueError(
+                "kahan=True and bf16_stochastic_round=True cannot be combined: the Kahan "
+                "buffer keeps the rounding error that stochastic rounding would randomise; "
+                "pass only kahan=True (stochastic rounding is then off)")
         _core.check(self._kind, self._hparams(group))
 
     def add_param_group(self, param_group):
@@ -69,6 +80,15 @@ class _MemfitOptimizer(torch.optim.Optimizer):
             raise
 
     # -- state layout ------------------------------------------------------------------
+
+    @staticmethod
+    def _rounding(group) -> str:
+        """How this group writes float16/bfloat16 parameters: 'kahan', 'stochastic' or
+        'nearest' (see :mod:`memfit.optim.optimizers`)."""
+        if group.get("kahan", False):
+            return "kahan"
+        sr = group.get("bf16_stochastic_round")
+        return "stochastic" if sr is None or sr else "nearest"
 
     @staticmethod
     def _format(group, p) -> int:
@@ -88,13 +108,20 @@ class _MemfitOptimizer(torch.optim.Optimizer):
                 shape = tuple(p.shape) if fmt == 8 else (_core.state_numel(4, n),)
                 out[f"state{k}"] = (shape, torch.uint8)
                 out[f"absmax{k}"] = ((_core.num_blocks(n, group["block_size"]),), torch.float32)
+        if self._rounding(group) == "kahan" and p.dtype in (torch.bfloat16, torch.float16):
+            out["kahan_comp"] = (tuple(p.shape), p.dtype)
         return out
 
     def _init_state(self, group, p) -> dict:
         state = self.state[p]
-        for key, (shape, dtype) in self._expected_state(group, p).items():
+        expected = self._expected_state(group, p)
+        for key, (shape, dtype) in expected.items():
             if key not in state:
                 state[key] = torch.zeros(shape, dtype=dtype, device=p.device)
+        if "kahan_comp" in state and "kahan_comp" not in expected:
+            # kahan was switched off (or p is float32 now): p is already the nearest value
+            # of p + kahan_comp, so the buffer is simply dropped
+            del state["kahan_comp"]
         return state
 
     # -- the step --------------------------------------------------------------------------
@@ -128,14 +155,14 @@ class _MemfitOptimizer(torch.optim.Optimizer):
             sr_step = group.get("sr_step", 0)
             for b, ((device, fmt), items) in enumerate(buckets.items()):
                 bhp = hp
-                if group.get("bf16_stochastic_round", True) and any(p.dtype != torch.float32 for p, _ in items):
+                if self._rounding(group) == "stochastic" and any(p.dtype != torch.float32 for p, _ in items):
                     bhp = hp[:-1] + (_core.sr_seed(group.get("sr_seed", 0), sr_step, b),)
                 self._step_bucket(group, bhp, device, fmt, items, grad_scale, found_inf)
             group["sr_step"] = sr_step + 1
         return loss
 
     def _step_bucket(self, group, hp, device, fmt, items, grad_scale, found_inf):
-        params, grads, s1, a1, s2, a2, steps = [], [], [], [], [], [], []
+        params, grads, s1, a1, s2, a2, steps, comps = [], [], [], [], [], [], [], []
         for p, st in items:
             params.append(p.data)
             g = p.grad
@@ -145,11 +172,12 @@ class _MemfitOptimizer(torch.optim.Optimizer):
             s2.append(st.get("state2"))
             a2.append(st.get("absmax2"))
             steps.append(st["step"])
+            comps.append(st.get("kahan_comp"))
         gs = _on(grad_scale, device)
         fi = _on(found_inf, device)
         stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
         _core.step(self._kind, fmt, group["block_size"], hp, params, grads, s1, a1, s2, a2,
-                   steps, gs, fi, stream)
+                   steps, gs, fi, stream, comps)
 
     # -- state dict ------------------------------------------------------------------------
 
@@ -228,7 +256,9 @@ def dequantized_state(optimizer, param) -> dict:
     """fp32 copies of ``param``'s optimizer states, keyed by torch's names
     (``exp_avg``/``exp_avg_sq`` for Adam and AdamW, ``exp_avg`` for Lion,
     ``momentum_buffer`` for SGD, ``square_avg`` (and ``momentum_buffer``) for RMSprop),
-    each of ``param``'s shape and device. Empty before the first step."""
+    each of ``param``'s shape and device, plus ``kahan_comp`` (the Kahan compensation,
+    as float32; ``param.float() + kahan_comp`` is the parameter's value) for bfloat16 or
+    float16 parameters of ``kahan=True`` groups. Empty before the first step."""
     if not isinstance(optimizer, _MemfitOptimizer):
         raise TypeError(f"optimizer: expected a memfit.optim optimizer, got {type(optimizer).__name__}")
     state = optimizer.state.get(param)
@@ -256,4 +286,6 @@ def dequantized_state(optimizer, param) -> dict:
         bs = group["block_size"]
         vals = torch.nn.functional.pad(code[idx], (0, absmax.numel() * bs - n))
         out[nm] = (vals.view(-1, bs) * absmax[:, None]).view(-1)[:n].reshape(param.shape)
+    if "kahan_comp" in state:
+        out["kahan_comp"] = state["kahan_comp"].detach().float().reshape(param.shape)
     return out

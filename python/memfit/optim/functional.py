@@ -20,6 +20,12 @@ back). Hyperparameters have torch's names and defaults. ``grad_scale`` and
 gradient is divided by ``grad_scale`` and, if ``found_inf`` is non-zero, nothing
 changes (the check happens inside the kernel: no device-to-host copy). Without them,
 elements whose gradient is NaN/Inf are left unchanged (parameter and state).
+
+float16/bfloat16 parameters are written back with nearest-even rounding, or, with
+``kahan=True`` at init, Kahan-compensated: the state then holds ``"kahan_comp"``, an
+array of the parameter's dtype and size whose values carry what rounding cut off (the
+parameter's value is ``param + kahan_comp``; see csrc/include/memfit/optim.h). float32
+parameters need no compensation: ``kahan=True`` adds nothing for them.
 """
 
 from __future__ import annotations
@@ -46,15 +52,18 @@ def _numel(x) -> int:
 
 
 def init(kind: str, param, bits: int = 8, block_size: int | None = None, momentum: float = 0.0,
-         min_8bit_size: int = 0) -> dict:
+         min_8bit_size: int = 0, kahan: bool = False) -> dict:
     """Zero state for ``param``: {"step", "state1", "absmax1", "state2", "absmax2",
-    "bits", "block_size"} (unused entries are None). ``kind``: adamw, adam, lion, sgd or
-    rmsprop; ``bits``: 8, 4 or 32. Tensors with fewer than ``min_8bit_size`` elements
-    get float32 states."""
+    "kahan_comp", "bits", "block_size"} (unused entries are None). ``kind``: adamw, adam,
+    lion, sgd or rmsprop; ``bits``: 8, 4 or 32. Tensors with fewer than ``min_8bit_size``
+    elements get float32 states. ``kahan``: keep a Kahan compensation buffer for a
+    float16/bfloat16 ``param`` (none for float32)."""
     if kind not in _KINDS:
         raise ValueError(f"kind: expected one of {', '.join(_KINDS)}, got {kind!r}")
     if bits not in (4, 8, 32):
         raise ValueError(f"bits: expected 4, 8 or 32, got {bits!r}")
+    if not isinstance(kahan, bool):
+        raise TypeError(f"kahan: expected True or False, got {kahan!r}")
     k = _KINDS[kind]
     src = _arrays.as_input(param)
     n = _numel(src)
@@ -62,7 +71,10 @@ def init(kind: str, param, bits: int = 8, block_size: int | None = None, momentu
         bits = 32
     bs = int(block_size) if block_size is not None else _core.DEFAULT_BLOCK[bits]
     st = {"step": _zeros(src, (1,), "float32"), "bits": bits, "block_size": bs, "kind": kind,
-          "state1": None, "absmax1": None, "state2": None, "absmax2": None}
+          "state1": None, "absmax1": None, "state2": None, "absmax2": None, "kahan_comp": None}
+    dt = _arrays.dtype_name(src.dtype)
+    if kahan and dt in ("float16", "bfloat16"):
+        st["kahan_comp"] = _zeros(src, (n,), dt)
     for j in range(1, _core.num_states(k, momentum) + 1):
         if bits == 32:
             st[f"state{j}"] = _zeros(src, (n,), "float32")
@@ -94,7 +106,8 @@ def step(kind: str, param, grad, state: dict, *, grad_scale=None, found_inf=None
             raise ValueError(f"state: has no state{j}; make it with {kind}'s init and the same momentum")
     _core.step(k, state["bits"], state["block_size"], h, [p], [_arrays.as_input(grad)],
                [state["state1"]], [state["absmax1"]], [state["state2"]], [state["absmax2"]],
-               [state["step"]], grad_scale, found_inf, _arrays.stream_of(p))
+               [state["step"]], grad_scale, found_inf, _arrays.stream_of(p),
+               [state.get("kahan_comp")])
 
 
 def _adam_hp(lr, betas, eps, weight_decay, maximize):
@@ -102,8 +115,8 @@ def _adam_hp(lr, betas, eps, weight_decay, maximize):
     return dict(lr=lr, beta1=b1, beta2=b2, eps=eps, weight_decay=weight_decay, maximize=maximize)
 
 
-def adamw8bit_init(param, block_size=256, min_8bit_size=0):
-    return init("adamw", param, 8, block_size, min_8bit_size=min_8bit_size)
+def adamw8bit_init(param, block_size=256, min_8bit_size=0, kahan=False):
+    return init("adamw", param, 8, block_size, min_8bit_size=min_8bit_size, kahan=kahan)
 
 
 def adamw8bit_step(param, grad, state, *, lr=1e-3, betas=(0.9, 0.999), eps=1e-8,
@@ -113,8 +126,8 @@ def adamw8bit_step(param, grad, state, *, lr=1e-3, betas=(0.9, 0.999), eps=1e-8,
          **_adam_hp(lr, betas, eps, weight_decay, maximize))
 
 
-def adam8bit_init(param, block_size=256, min_8bit_size=0):
-    return init("adam", param, 8, block_size, min_8bit_size=min_8bit_size)
+def adam8bit_init(param, block_size=256, min_8bit_size=0, kahan=False):
+    return init("adam", param, 8, block_size, min_8bit_size=min_8bit_size, kahan=kahan)
 
 
 def adam8bit_step(param, grad, state, *, lr=1e-3, betas=(0.9, 0.999), eps=1e-8,
@@ -124,8 +137,8 @@ def adam8bit_step(param, grad, state, *, lr=1e-3, betas=(0.9, 0.999), eps=1e-8,
          **_adam_hp(lr, betas, eps, weight_decay, maximize))
 
 
-def adamw4bit_init(param, block_size=128, min_8bit_size=0):
-    return init("adamw", param, 4, block_size, min_8bit_size=min_8bit_size)
+def adamw4bit_init(param, block_size=128, min_8bit_size=0, kahan=False):
+    return init("adamw", param, 4, block_size, min_8bit_size=min_8bit_size, kahan=kahan)
 
 
 def adamw4bit_step(param, grad, state, *, lr=1e-3, betas=(0.9, 0.999), eps=1e-8,
@@ -135,8 +148,8 @@ def adamw4bit_step(param, grad, state, *, lr=1e-3, betas=(0.9, 0.999), eps=1e-8,
          **_adam_hp(lr, betas, eps, weight_decay, maximize))
 
 
-def adamw_init(param):
-    return init("adamw", param, 32)
+def adamw_init(param, kahan=False):
+    return init("adamw", param, 32, kahan=kahan)
 
 
 def adamw_step(param, grad, state, *, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2,
@@ -146,8 +159,8 @@ def adamw_step(param, grad, state, *, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, wei
          **_adam_hp(lr, betas, eps, weight_decay, maximize))
 
 
-def adam_init(param):
-    return init("adam", param, 32)
+def adam_init(param, kahan=False):
+    return init("adam", param, 32, kahan=kahan)
 
 
 def adam_step(param, grad, state, *, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0,
@@ -157,8 +170,8 @@ def adam_step(param, grad, state, *, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weig
          **_adam_hp(lr, betas, eps, weight_decay, maximize))
 
 
-def lion8bit_init(param, block_size=256, min_8bit_size=0):
-    return init("lion", param, 8, block_size, min_8bit_size=min_8bit_size)
+def lion8bit_init(param, block_size=256, min_8bit_size=0, kahan=False):
+    return init("lion", param, 8, block_size, min_8bit_size=min_8bit_size, kahan=kahan)
 
 
 def lion8bit_step(param, grad, state, *, lr=1e-4, betas=(0.9, 0.99), weight_decay=0.0,
@@ -169,8 +182,9 @@ def lion8bit_step(param, grad, state, *, lr=1e-4, betas=(0.9, 0.99), weight_deca
          beta1=b1, beta2=b2, weight_decay=weight_decay, maximize=maximize)
 
 
-def sgd8bit_init(param, momentum=0.9, block_size=256, min_8bit_size=0):
-    return init("sgd", param, 8, block_size, momentum=momentum, min_8bit_size=min_8bit_size)
+def sgd8bit_init(param, momentum=0.9, block_size=256, min_8bit_size=0, kahan=False):
+    return init("sgd", param, 8, block_size, momentum=momentum, min_8bit_size=min_8bit_size,
+                kahan=kahan)
 
 
 def sgd8bit_step(param, grad, state, *, lr=1e-3, momentum=0.9, dampening=0.0, weight_decay=0.0,
@@ -181,8 +195,9 @@ def sgd8bit_step(param, grad, state, *, lr=1e-3, momentum=0.9, dampening=0.0, we
          maximize=maximize)
 
 
-def rmsprop8bit_init(param, momentum=0.0, block_size=256, min_8bit_size=0):
-    return init("rmsprop", param, 8, block_size, momentum=momentum, min_8bit_size=min_8bit_size)
+def rmsprop8bit_init(param, momentum=0.0, block_size=256, min_8bit_size=0, kahan=False):
+    return init("rmsprop", param, 8, block_size, momentum=momentum, min_8bit_size=min_8bit_size,
+                kahan=kahan)
 
 
 def rmsprop8bit_step(param, grad, state, *, lr=1e-2, alpha=0.99, eps=1e-8, weight_decay=0.0,

@@ -8,10 +8,17 @@ Common keyword options (also settable per param group):
         bitsandbytes; default 4096). Applies to the 4-bit optimizer too.
     bits: per param group, 8, 4 or 32 (32: float32 states), overriding the class.
     bf16_stochastic_round: bfloat16/float16 parameters are written from the float32
-        update with stochastic rounding (default True), so updates smaller than half a
-        bfloat16 step are kept on average and no float32 master copy is needed; False
-        rounds to nearest-even. Reproducible: seeded by the group's ``sr_seed`` (default
-        0) and step counter, both saved in the state dict.
+        update with stochastic rounding (the default, None, means True unless
+        ``kahan=True``), so updates smaller than half a bfloat16 step are kept on
+        average and no float32 master copy is needed; False rounds to nearest-even.
+        Reproducible: seeded by the group's ``sr_seed`` (default 0) and step counter,
+        both saved in the state dict.
+    kahan: bfloat16/float16 parameters keep a Kahan compensation buffer (state
+        ``kahan_comp``, the parameter's dtype: 2 bytes per parameter) that holds what
+        nearest rounding cut off, so small updates accumulate deterministically; the
+        update reads ``param + kahan_comp``. Default False. Cannot be combined with
+        ``bf16_stochastic_round=True`` (ValueError). float32 parameters need no buffer:
+        for them ``kahan`` changes nothing and adds no state.
 """
 
 from __future__ import annotations
@@ -41,11 +48,11 @@ class _AdamBase(_MemfitOptimizer):
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2,
                  amsgrad=False, *, maximize=False, block_size=None, min_8bit_size=4096,
-                 bf16_stochastic_round=True):
+                 bf16_stochastic_round=None, kahan=False):
         _no_amsgrad(amsgrad)
         defaults = dict(lr=lr, betas=_betas(betas), eps=eps, weight_decay=weight_decay,
                         amsgrad=False, maximize=maximize, min_8bit_size=min_8bit_size,
-                        bf16_stochastic_round=bf16_stochastic_round)
+                        bf16_stochastic_round=bf16_stochastic_round, kahan=kahan)
         if block_size is not None:
             defaults["block_size"] = block_size
         super().__init__(params, defaults)
@@ -77,10 +84,10 @@ class _AdamL2Base(_AdamBase):
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0,
                  amsgrad=False, *, maximize=False, block_size=None, min_8bit_size=4096,
-                 bf16_stochastic_round=True):
+                 bf16_stochastic_round=None, kahan=False):
         super().__init__(params, lr, betas, eps, weight_decay, amsgrad, maximize=maximize,
                          block_size=block_size, min_8bit_size=min_8bit_size,
-                        bf16_stochastic_round=bf16_stochastic_round)
+                        bf16_stochastic_round=bf16_stochastic_round, kahan=kahan)
 
 
 class Adam8bit(_AdamL2Base):
@@ -121,10 +128,10 @@ class Lion8bit(_MemfitOptimizer):
 
     def __init__(self, params, lr=1e-4, betas=(0.9, 0.99), weight_decay=0.0, *,
                  maximize=False, block_size=None, min_8bit_size=4096,
-                 bf16_stochastic_round=True):
+                 bf16_stochastic_round=None, kahan=False):
         defaults = dict(lr=lr, betas=_betas(betas), weight_decay=weight_decay,
                         maximize=maximize, min_8bit_size=min_8bit_size,
-                        bf16_stochastic_round=bf16_stochastic_round)
+                        bf16_stochastic_round=bf16_stochastic_round, kahan=kahan)
         if block_size is not None:
             defaults["block_size"] = block_size
         super().__init__(params, defaults)
@@ -144,11 +151,11 @@ class SGD8bit(_MemfitOptimizer):
 
     def __init__(self, params, lr=1e-3, momentum=0.0, dampening=0.0, weight_decay=0.0,
                  nesterov=False, *, maximize=False, block_size=None, min_8bit_size=4096,
-                 bf16_stochastic_round=True):
+                 bf16_stochastic_round=None, kahan=False):
         defaults = dict(lr=lr, momentum=momentum, dampening=dampening,
                         weight_decay=weight_decay, nesterov=nesterov, maximize=maximize,
                         min_8bit_size=min_8bit_size,
-                        bf16_stochastic_round=bf16_stochastic_round)
+                        bf16_stochastic_round=bf16_stochastic_round, kahan=kahan)
         if block_size is not None:
             defaults["block_size"] = block_size
         super().__init__(params, defaults)
@@ -168,13 +175,13 @@ class RMSprop8bit(_MemfitOptimizer):
 
     def __init__(self, params, lr=1e-2, alpha=0.99, eps=1e-8, weight_decay=0.0, momentum=0.0,
                  centered=False, *, maximize=False, block_size=None, min_8bit_size=4096,
-                 bf16_stochastic_round=True):
+                 bf16_stochastic_round=None, kahan=False):
         if centered:
             raise ValueError("centered=True is not supported by RMSprop8bit")
         defaults = dict(lr=lr, alpha=alpha, eps=eps, weight_decay=weight_decay,
                         momentum=momentum, centered=False, maximize=maximize,
                         min_8bit_size=min_8bit_size,
-                        bf16_stochastic_round=bf16_stochastic_round)
+                        bf16_stochastic_round=bf16_stochastic_round, kahan=kahan)
         if block_size is not None:
             defaults["block_size"] = block_size
         super().__init__(params, defaults)
