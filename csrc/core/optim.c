@@ -310,12 +310,7 @@ MF_INLINE void block_step_impl(const mf_optim_hparams *h, const mf_optim_consts 
   } else {
     p = b->p;
     g = b->g;
-    if (t->comp.data) { /* Kahan: the update starts from param + comp */
-      for (int64_t i = 0; i < n; i++)
-        p[i] = mf_optim_load_param(t->param.data, t->comp.data, first + i, dt);
-    } else {
-      widen(t->param.data, dt, first, n, p);
-    }
+    load_params(t, first, n, p);
     widen(t->grad.data, dt, first, n, g);
   }
   const mf_tensor *st[2] = {&t->state1, &t->state2};
@@ -358,12 +353,7 @@ MF_INLINE void block_step_impl(const mf_optim_hparams *h, const mf_optim_consts 
     }
   }
   update_any(h->kind, c, ns, n, p, g, s[0], s[1]);
-  if (dt != MF_FLOAT32 && (h->stochastic_round || t->comp.data)) {
-    for (int64_t i = 0; i < n; i++)
-      mf_optim_store_param(t->param.data, t->comp.data, first + i, dt, p[i], h, t->sr_stream);
-  } else if (dt != MF_FLOAT32) {
-    narrow(p, dt, first, n, t->param.data);
-  }
+  if (dt != MF_FLOAT32) store_params(h, t, p, first, n);
   for (int k = 0; k < ns && fmt != MF_STATE_FP32; k++) {
     float *absmax = (float *)am[k]->data + blk0;
     for (int64_t j = 0; j < nsub; j++) {

@@ -151,7 +151,7 @@ MF_INLINE MF_TARGET_VBMI void fused8(const mf_optim_kind kind, const int ns,
         const int64_t at = j * bs + o;
         for (int k = 0; k < ns; k++) dequant64_vbmi(&vc[k], codes[k] + at, am[k], cur[k] + o);
         if (dt != MF_FLOAT32) {
-          widen(t->param.data, dt, first + at, GROUP, p + at);
+          load_params(t, first + at, GROUP, p + at);
           widen(t->grad.data, dt, first + at, GROUP, b->g + at);
         }
         update_loop(kind, c, ns, GROUP, p + at, g + at, cur[0] + o, ns > 1 ? cur[1] + o : b->zero);

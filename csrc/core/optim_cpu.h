@@ -88,12 +88,25 @@ MF_INLINE void narrow(const float *restrict v, mf_dtype dt, int64_t first, int64
   }
 }
 
-/* Writes updated half-precision parameters (stochastic or nearest-even rounding). */
+/* Half-precision parameters [first, first + n) as float32: the values an update starts
+ * from (plus the Kahan compensation when the tensor has one). */
+MF_INLINE void load_params(const mf_optim_tensor *t, int64_t first, int64_t n, float *restrict out) {
+  if (t->comp.data) {
+    for (int64_t i = 0; i < n; i++)
+      out[i] = mf_optim_load_param(t->param.data, t->comp.data, first + i, t->param.dtype);
+  } else {
+    widen(t->param.data, t->param.dtype, first, n, out);
+  }
+}
+
+/* Writes updated half-precision parameters: Kahan-compensated, stochastic or
+ * nearest-even rounding (mf_optim_store_param). */
 MF_INLINE void store_params(const mf_optim_hparams *h, const mf_optim_tensor *t,
                             const float *restrict v, int64_t first, int64_t n) {
-  if (h->stochastic_round) {
+  if (h->stochastic_round || t->comp.data) {
     for (int64_t i = 0; i < n; i++)
-      mf_optim_store_param(t->param.data, first + i, t->param.dtype, v[i], h, t->sr_stream);
+      mf_optim_store_param(t->param.data, t->comp.data, first + i, t->param.dtype, v[i], h,
+                           t->sr_stream);
   } else {
     narrow(v, t->param.dtype, first, n, t->param.data);
   }
