@@ -471,6 +471,7 @@ static mf_status step_cpu(const mf_optim_hparams *h, mf_state_format fmt, int64_
     b.zero = mem ? mem + 4 * chunk : NULL;
     b.ring = mem ? mem + 5 * chunk : NULL;
     b.q = qmem;
+    b.fused_ready = 0;
     for (int64_t i = 0; i < n; i++) {
       const mf_optim_tensor *t = &ts[i];
       const int64_t numel = t->param.numel, nb = mf_quant_num_blocks(numel, chunk);

@@ -90,6 +90,8 @@ typedef struct {
   __m512i plane[4][4];
   __m512i order;
 } vbmi_code;
+_Static_assert(sizeof(vbmi_code) <= sizeof(((thread_bufs *)0)->fused_tables[0]),
+               "thread_bufs.fused_tables holds a vbmi_code");
 
 static void vbmi_code_init(vbmi_code *v, const float *code) {
   uint8_t bytes[4][256], order[64];
@@ -136,8 +138,11 @@ MF_INLINE MF_TARGET_VBMI void fused8(const mf_optim_kind kind, const int ns,
   float *p = dt == MF_FLOAT32 ? (float *)t->param.data + first : b->p;
   const float *g = dt == MF_FLOAT32 ? (const float *)t->grad.data + first : b->g;
   float inv_prev[2] = {0.0f, 0.0f};
-  vbmi_code vc[2];
-  for (int k = 0; k < ns; k++) vbmi_code_init(&vc[k], qc->code[k]);
+  vbmi_code *vc = (vbmi_code *)(void *)b->fused_tables;
+  if (!b->fused_ready) {
+    for (int k = 0; k < ns; k++) vbmi_code_init(&vc[k], qc->code[k]);
+    b->fused_ready = 1;
+  }
   __m512i slow = _mm512_setzero_si512();
   for (int64_t j = 0; j <= blocks; j++) {
     float *cur[2] = {b->ring + (j & 1) * 2 * bs, b->ring + (j & 1) * 2 * bs + bs};

@@ -34,10 +34,14 @@ typedef struct {
   int code_size;               /* 256 or 16 */
 } quant_ctx;
 
-/* Per-thread scratch, `chunk` floats each (ring: 4 quantization blocks). */
+/* Per-thread scratch, `chunk` floats each (ring: 4 quantization blocks), and the
+ * fused kernel's byte-plane code tables (built on its first item of a step call;
+ * fused_ready = 0 before). */
 typedef struct {
   float *p, *g, *s[2], *zero, *ring;
   uint8_t *q;
+  int fused_ready;
+  _Alignas(64) unsigned char fused_tables[2][1088];
 } thread_bufs;
 
 MF_INLINE void update_loop(mf_optim_kind kind, const mf_optim_consts *c, int ns, int64_t n,
