@@ -1,5 +1,6 @@
 /* Building and caching the exact code-search tables of code_lut.h. */
 #include "code_lut.h"
+#include "code_lut_avx512.h"
 
 #include <stdatomic.h>
 #include <stdlib.h>
@@ -94,4 +95,31 @@ const mf_code_lut *mf_code_lut_get(const float *code, int size) {
   unlock();
   free((void *)fresh.lut.entry); /* NULL when it went into the cache */
   return found; /* NULL when the cache is full: callers use the binary search */
+}
+
+static void quantize_scalar(const mf_code_lut *t, const float *x, float inv, int64_t n, uint8_t *q) {
+  for (int64_t i = 0; i < n; i++) q[i] = mf_code_lut_quantize(t, x[i] * inv);
+}
+
+#ifdef MF_X86_SIMD
+MF_TARGET_AVX512 static void quantize_avx512(const mf_code_lut *t, const float *x, float inv,
+                                             int64_t n, uint8_t *q) {
+  const __m512 vinv = _mm512_set1_ps(inv);
+  __m512i slow = _mm512_setzero_si512();
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16)
+    _mm_storeu_si128((__m128i *)(q + i), mf_code_lut_quantize16(t, _mm512_loadu_ps(x + i), vinv, &slow, 1));
+  quantize_scalar(t, x + i, inv, n - i, q + i);
+  if ((uint32_t)_mm512_reduce_or_epi32(slow) & MF_CODE_LUT_SLOW) quantize_scalar(t, x, inv, n, q);
+}
+#endif
+
+void mf_code_lut_quantize_n(const mf_code_lut *t, const float *x, float inv, int64_t n, uint8_t *q) {
+#ifdef MF_X86_SIMD
+  if (mf_cpu_isa() == ISA_AVX512) {
+    quantize_avx512(t, x, inv, n, q);
+    return;
+  }
+#endif
+  quantize_scalar(t, x, inv, n, q);
 }

@@ -214,7 +214,7 @@ MF_INLINE void dequant4(const uint8_t *restrict q, const float *restrict code, f
 MF_INLINE void quantize_run(const float *restrict s, float inv, int64_t n, const float *code,
                             int size, const mf_code_lut *lut, uint8_t *restrict q) {
   if (lut) {
-    for (int64_t i = 0; i < n; i++) q[i] = mf_code_lut_quantize(lut, s[i] * inv);
+    mf_code_lut_quantize_n(lut, s, inv, n, q);
   } else {
     for (int64_t i = 0; i < n; i++) q[i] = mf_optim_quantize(code, size, s[i] * inv);
   }
@@ -223,24 +223,6 @@ MF_INLINE void quantize_run(const float *restrict s, float inv, int64_t n, const
 #ifdef MF_X86_SIMD
 #include <immintrin.h>
 
-int mf_optim_cpu_isa(void) {
-  const char *cap = getenv("MEMFIT_CPU_ISA");
-  int max_isa = ISA_AVX512;
-  if (cap && !strcmp(cap, "generic")) max_isa = ISA_GENERIC;
-  if (cap && !strcmp(cap, "avx2")) max_isa = ISA_AVX2;
-  __builtin_cpu_init();
-  if (max_isa >= ISA_AVX512 && __builtin_cpu_supports("avx512f") &&
-      __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl") &&
-      __builtin_cpu_supports("avx512dq"))
-    return ISA_AVX512;
-  if (max_isa >= ISA_AVX2 && __builtin_cpu_supports("avx2")) return ISA_AVX2;
-  return ISA_GENERIC;
-}
-#else
-int mf_optim_cpu_isa(void) { return ISA_GENERIC; }
-#endif
-
-#ifdef MF_X86_SIMD
 /* AVX-512 versions of dequant8 and dequant4: the same arithmetic (one float multiply),
  * 16 elements at a time. */
 MF_TARGET_AVX512 static void dequant8_avx512(const uint8_t *restrict q,
@@ -280,13 +262,7 @@ mf_status mf_optim_quantize_fast(const float *code, int size, const float *x, in
     return mf_error(MF_ERR_VALUE, "size: must be 16 or 256, got %d", size);
   const mf_code_lut *lut = mf_code_lut_get(code, size);
   if (!lut) return mf_error(MF_ERR_NOMEM, "quantize: no table");
-#ifdef MF_X86_SIMD
-  if (mf_optim_cpu_isa() == ISA_AVX512) {
-    mf_code_lut_quantize_avx512(lut, x, 1.0f, n, out);
-    return MF_OK;
-  }
-#endif
-  quantize_run(x, 1.0f, n, code, size, lut, out);
+  mf_code_lut_quantize_n(lut, x, 1.0f, n, out);
   return MF_OK;
 }
 
@@ -363,12 +339,7 @@ MF_INLINE void block_step_impl(const mf_optim_hparams *h, const mf_optim_consts 
       absmax[j] = a;
       const float inv = mf_absmax_inverse(a);
       uint8_t *dst = fmt == MF_STATE_8BIT ? (uint8_t *)st[k]->data + first + off : b->q;
-#ifdef MF_X86_SIMD
-      if (isa == ISA_AVX512 && qc->lut[k])
-        mf_code_lut_quantize_avx512(qc->lut[k], v, inv, len, dst);
-      else
-#endif
-        quantize_run(v, inv, len, qc->code[k], qc->code_size, qc->lut[k], dst);
+      quantize_run(v, inv, len, qc->code[k], qc->code_size, qc->lut[k], dst);
       if (fmt == MF_STATE_4BIT) pack4(b->q, len, (uint8_t *)st[k]->data + (first + off) / 2);
     }
   }
@@ -404,7 +375,7 @@ MF_TARGET_AVX512 static void block_step_avx512(const mf_optim_hparams *h,
 
 static block_fn pick_block_fn(void) {
 #ifdef MF_X86_SIMD
-  switch (mf_optim_cpu_isa()) {
+  switch (mf_cpu_isa()) {
     case ISA_AVX512: return block_step_avx512;
     case ISA_AVX2: return block_step_avx2;
   }
@@ -423,8 +394,7 @@ static block_fn pick_block_fn(void) {
 static int use_fused8(mf_state_format fmt, int ns, int64_t bs, const quant_ctx *qc) {
 #ifdef MF_X86_SIMD
   return fmt == MF_STATE_8BIT && ns >= 1 && bs % 64 == 0 && qc->lut[0] &&
-         (ns < 2 || qc->lut[1]) && mf_optim_cpu_isa() == ISA_AVX512 &&
-         __builtin_cpu_supports("avx512vbmi");
+         (ns < 2 || qc->lut[1]) && mf_cpu_has_vbmi();
 #else
   (void)fmt, (void)ns, (void)bs, (void)qc;
   return 0;

@@ -23,53 +23,11 @@
  * exact table of code_lut.h), so the bits are the same; tests compare the variants.
  * Compiled with -ffp-contract=off like optim.c.
  */
+#include "code_lut_avx512.h"
 #include "optim_cpu.h"
 
 #ifdef MF_X86_SIMD
-#include <immintrin.h>
 #include <string.h>
-
-#define MF_TARGET_VBMI __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vbmi")))
-
-/* 16 floats x * inv -> 16 code indices; the vector form of mf_code_lut_quantize.
- * *slow collects the entries, to find buckets that need the binary search. NaN input
- * (only the public search sees any: optimizer states are finite) maps to 0 when
- * check_nan is set. */
-MF_TARGET_AVX512 static inline __m128i quantize16(const mf_code_lut *t, __m512 x, __m512 inv,
-                                                  __m512i *slow, const int check_nan) {
-  const __m512i u = _mm512_castps_si512(_mm512_mul_ps(x, inv));
-  const __m512i neg = _mm512_srai_epi32(u, 31); /* all ones for negative x */
-  const __m512i a = _mm512_and_si512(u, _mm512_set1_epi32(0x7fffffff));
-  const __m512i clamped_abs = _mm512_min_epu32(_mm512_max_epu32(a, _mm512_set1_epi32((int)t->min_abs)),
-                                               _mm512_set1_epi32((int)MF_CODE_LUT_MAX_ABS));
-  /* sign of u, magnitude of clamped_abs (ternary-logic bit select: C ? A : B) */
-  const __m512i clamped = _mm512_ternarylogic_epi32(u, clamped_abs, _mm512_set1_epi32((int)0x80000000u), 0xe4);
-  const __m512i bucket = _mm512_sub_epi32(_mm512_srli_epi32(clamped, 16), _mm512_set1_epi32((int)t->bucket0));
-  const __m512i e = _mm512_i32gather_epi32(bucket, (const void *)t->entry, 4);
-  /* pos = (clamped ^ neg) & 0xffff */
-  const __m512i pos = _mm512_ternarylogic_epi32(clamped, neg, _mm512_set1_epi32(0xffff), 0x28);
-  if (t->has_slow) *slow = _mm512_or_si512(*slow, e);
-  __m512i q = _mm512_srli_epi32(_mm512_add_epi32(e, pos), 17);
-  if (check_nan)
-    q = _mm512_maskz_mov_epi32(_mm512_cmple_epu32_mask(a, _mm512_set1_epi32(0x7f800000)), q);
-  return _mm512_cvtepi32_epi8(q);
-}
-
-/* Redoes, with the binary search, the elements whose bucket has several jumps. */
-static void fix_slow(const mf_code_lut *t, const float *s, float inv, int64_t n, uint8_t *q) {
-  for (int64_t i = 0; i < n; i++) q[i] = mf_code_lut_quantize(t, s[i] * inv);
-}
-
-MF_TARGET_AVX512 void mf_code_lut_quantize_avx512(const mf_code_lut *t, const float *s, float inv,
-                                                  int64_t n, uint8_t *q) {
-  const __m512 vinv = _mm512_set1_ps(inv);
-  __m512i slow = _mm512_setzero_si512();
-  int64_t i = 0;
-  for (; i + 16 <= n; i += 16)
-    _mm_storeu_si128((__m128i *)(q + i), quantize16(t, _mm512_loadu_ps(s + i), vinv, &slow, 1));
-  for (; i < n; i++) q[i] = mf_code_lut_quantize(t, s[i] * inv);
-  if ((uint32_t)_mm512_reduce_or_epi32(slow) & MF_CODE_LUT_SLOW) fix_slow(t, s, inv, n, q);
-}
 
 /* max over the |bit patterns| of 64 floats, folded into m */
 MF_TARGET_AVX512 static inline __m512i absmax64(__m512i m, const float *s) {
@@ -168,11 +126,12 @@ MF_INLINE MF_TARGET_VBMI void fused8(const mf_optim_kind kind, const int ns,
         for (int k = 0; k < ns; k++)
           for (int v = 0; v < GROUP; v += 16)
             _mm_storeu_si128((__m128i *)(codes[k] + at + v),
-                             quantize16(qc->lut[k], _mm512_loadu_ps(prev[k] + o + v), inv[k], &slow, 0));
+                             mf_code_lut_quantize16(qc->lut[k], _mm512_loadu_ps(prev[k] + o + v), inv[k], &slow, 0));
       }
     }
     if (j > 0 && ((uint32_t)_mm512_reduce_or_epi32(slow) & MF_CODE_LUT_SLOW)) {
-      for (int k = 0; k < ns; k++) fix_slow(qc->lut[k], prev[k], inv_prev[k], bs, codes[k] + (j - 1) * bs);
+      for (int k = 0; k < ns; k++) /* buckets that need the binary search */
+        mf_code_lut_quantize_n(qc->lut[k], prev[k], inv_prev[k], bs, codes[k] + (j - 1) * bs);
       slow = _mm512_setzero_si512();
     }
     if (j < blocks) {

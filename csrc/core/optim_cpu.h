@@ -6,6 +6,7 @@
 #define MEMFIT_OPTIM_CPU_H
 
 #include "code_lut.h"
+#include "cpu_isa.h" /* kernel variants per ISA, picked at run time */
 #include "memfit/optim.h"
 
 #if defined(__GNUC__)
@@ -13,20 +14,6 @@
 #else
 #define MF_INLINE static inline
 #endif
-
-/* x86-64 with GCC or Clang: kernels are also compiled for AVX2 and AVX-512 and picked
- * at run time (mf_optim_cpu_isa). */
-#if (defined(__GNUC__) || defined(__clang__)) && defined(__x86_64__) && !defined(MEMFIT_NO_SIMD)
-#define MF_X86_SIMD 1
-#define MF_TARGET_AVX2 __attribute__((target("avx2")))
-#define MF_TARGET_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq")))
-#endif
-
-enum { ISA_GENERIC = 0, ISA_AVX2 = 1, ISA_AVX512 = 2 };
-
-/* The widest ISA this CPU runs; MEMFIT_CPU_ISA=generic|avx2|avx512 caps it (for
- * benchmarks and tests: every variant computes the same bits). */
-int mf_optim_cpu_isa(void);
 
 typedef struct {
   const float *code[2];        /* code tables of state1, state2 */
@@ -117,10 +104,6 @@ MF_INLINE void store_params(const mf_optim_hparams *h, const mf_optim_tensor *t,
 }
 
 #ifdef MF_X86_SIMD
-/* q[i] = nearest code index of s[i] * inv through the table (AVX-512 gathers). */
-void mf_code_lut_quantize_avx512(const mf_code_lut *t, const float *s, float inv, int64_t n,
-                                 uint8_t *q);
-
 /* The fused kernel for 8-bit states (see optim_avx512.c): the same bits as the
  * generic block kernel. Needs n % bs == 0 and bs % 64 == 0. */
 void mf_optim_fused8_avx512(const mf_optim_hparams *h, const mf_optim_consts *c, int ns,
