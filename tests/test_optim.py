@@ -558,3 +558,50 @@ def test_cpu_isa_variants_agree_bitwise():
         r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
         digests.add(r.stdout)
     assert len(digests) == 1, digests
+
+
+_FUSED_CASES = """
+import hashlib, sys, torch, memfit.optim as mo
+torch.manual_seed(0)
+# (optimizer, kwargs): every kind and state layout the fused 8-bit kernel takes
+cases = [(mo.AdamW8bit, {}), (mo.Adam8bit, {"weight_decay": 0.1}), (mo.Lion8bit, {}),
+         (mo.SGD8bit, {"momentum": 0.9, "nesterov": True}), (mo.RMSprop8bit, {}),
+         (mo.RMSprop8bit, {"momentum": 0.5}), (mo.AdamW8bit, {"block_size": 64}),
+         (mo.AdamW8bit, {"block_size": 4096}), (mo.AdamW8bit, {"maximize": True})]
+out = []
+for dtype in (torch.float32, torch.bfloat16, torch.float16):
+    for rounding in ({"bf16_stochastic_round": True}, {"bf16_stochastic_round": False},
+                     {"kahan": True}):
+        for cls, kw in cases:
+            # whole chunks of blocks, a tensor ending in a partial block, a small one
+            ps = [torch.nn.Parameter((torch.randn(n) * 0.1).to(dtype)) for n in (6144, 8192 + 300, 4096)]
+            opt = cls(ps, lr=1e-2, min_8bit_size=0, **rounding, **kw)
+            for _ in range(3):
+                for p in ps:
+                    p.grad = (torch.randn(p.shape) * 0.01).to(dtype)
+                    p.grad[::97] = 0.0
+                opt.step()
+            for p in ps:
+                out.append(p.detach().view(-1).view(torch.uint8).numpy().tobytes())
+                for v in opt.state[p].values():
+                    if torch.is_tensor(v):
+                        out.append(v.contiguous().view(-1).view(torch.uint8).numpy().tobytes())
+sys.stdout.write(hashlib.sha256(b"".join(out)).hexdigest())
+"""
+
+
+def test_fused_8bit_kernel_matches_block_kernel_bitwise():
+    """The fused AVX-512 kernel for 8-bit states (optim_avx512.c; taken on CPUs with
+    AVX512-VBMI) computes the same bits as the plain block kernel, for every optimizer
+    kind, parameter dtype, rounding mode (stochastic, nearest, Kahan) and block size."""
+    import os
+    import subprocess
+    import sys
+
+    digests = {}
+    for isa in ("generic", "avx512"):
+        env = {**os.environ, "MEMFIT_CPU_ISA": isa}
+        r = subprocess.run([sys.executable, "-c", _FUSED_CASES], env=env, capture_output=True,
+                           text=True, check=True)
+        digests[isa] = r.stdout
+    assert digests["generic"] == digests["avx512"], digests

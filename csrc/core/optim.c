@@ -17,24 +17,18 @@
  * 4-bit codes. All of it is compiled with -ffp-contract=off, so no variant fuses a
  * multiply-add: every variant, and the CUDA kernel, computes the same bits (tested).
  *
- * Fast exact code search. The nearest-code function q(x) = mf_quantize_nearest(code, x)
- * is monotone in x (for non-NaN x), so it is a step function with at most 255 jumps.
- * We order floats by a 32-bit key that increases with the value and cut the key space
- * into 65536 buckets (the top 16 bits: sign, exponent and 7 mantissa bits, i.e.
- * 1/128 of an octave). For each bucket a 32-bit table entry holds q at the bucket's
- * first key and, if q jumps once inside the bucket, the low 16 bits of the key where
- * it jumps (found by bisection when the table is built). Then
- *     q(x) = base[bucket] + (low16(key) >= jump[bucket])
- * which is exact. Buckets where q jumps more than once (or that mix Inf and NaN) are
- * flagged and those elements fall back to the binary search. Tables are built once per
- * distinct code (a few ms) and cached for the life of the process.
+ * Code search: the exact lookup table of code_lut.h (bit-identical to the binary
+ * search the CUDA kernels use), built once per code and cached.
+ *
+ * On CPUs with AVX512-VBMI, work items made of whole 8-bit quantization blocks go to
+ * the fused, software-pipelined kernel of optim_avx512.c instead (same bits, tested):
+ * it overlaps the divider-bound update with the gather-bound requantization.
  */
-#include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
-#include "memfit/optim.h"
+#include "optim_cpu.h"
 #ifdef MEMFIT_WITH_CUDA
 #include "memfit/cuda_launch.h"
 #endif
@@ -204,124 +198,7 @@ static mf_status check_call(const mf_optim_hparams *h, mf_state_format fmt, int6
   return MF_OK;
 }
 
-/* ---- fast exact code search (see the header comment) -------------------------- */
-
-#define LUT_BUCKETS 65536
-#define LUT_NO_JUMP 0x10000u
-#define LUT_SLOW 0x80000000u
-
-/* Monotone key of a float: increases with the value (NaNs sort outside +-Inf). */
-static inline uint32_t float_key(float x) {
-  uint32_t u = mf_f32_bits(x);
-  uint32_t mask = (uint32_t)((int32_t)u >> 31);
-  return u ^ (mask | 0x80000000u);
-}
-
-static inline float key_float(uint32_t k) {
-  return mf_f32_from_bits((k & 0x80000000u) ? (k & 0x7fffffffu) : ~k);
-}
-
-typedef struct {
-  float code[MF_CODE_SIZE];
-  int size;
-  uint32_t *lut;
-} lut_entry;
-
-#define LUT_CACHE 16
-static lut_entry lut_cache[LUT_CACHE];
-static int lut_count = 0;
-static atomic_flag lut_lock = ATOMIC_FLAG_INIT;
-
-static void build_lut(const float *code, int size, uint32_t *lut) {
-  for (uint32_t b = 0; b < LUT_BUCKETS; b++) {
-    uint32_t k0 = b << 16;
-    int q0 = mf_optim_quantize(code, size, key_float(k0));
-    int q1 = mf_optim_quantize(code, size, key_float(k0 | 0xffffu));
-    if (q1 == q0) {
-      lut[b] = ((uint32_t)q0 << 17) | LUT_NO_JUMP;
-    } else if (q1 == q0 + 1) {
-      uint32_t lo = 0, hi = 0xffffu; /* q(lo) == q0, q(hi) == q1 */
-      while (hi - lo > 1) {
-        uint32_t mid = (lo + hi) / 2;
-        if (mf_optim_quantize(code, size, key_float(k0 | mid)) == q0) lo = mid;
-        else hi = mid;
-      }
-      lut[b] = ((uint32_t)q0 << 17) | hi;
-    } else {
-      lut[b] = LUT_SLOW;
-    }
-  }
-}
-
-/* The table for this code, built on first use; NULL if out of memory or the cache is
- * full (callers then use the binary search, which gives the same answers). */
-static const uint32_t *get_lut(const float *code, int size) {
-  const uint32_t *found = NULL;
-  while (atomic_flag_test_and_set_explicit(&lut_lock, memory_order_acquire)) {
-  }
-  for (int i = 0; i < lut_count && !found; i++)
-    if (lut_cache[i].size == size && !memcmp(lut_cache[i].code, code, (size_t)size * sizeof(float)))
-      found = lut_cache[i].lut;
-  if (!found && lut_count < LUT_CACHE) {
-    uint32_t *lut = (uint32_t *)malloc(LUT_BUCKETS * sizeof(uint32_t));
-    if (lut) {
-      build_lut(code, size, lut);
-      lut_entry *e = &lut_cache[lut_count++];
-      memcpy(e->code, code, (size_t)size * sizeof(float));
-      e->size = size;
-      e->lut = lut;
-      found = lut;
-    }
-  }
-  atomic_flag_clear_explicit(&lut_lock, memory_order_release);
-  return found;
-}
-
 /* ---- the CPU block kernel ------------------------------------------------------- */
-
-typedef struct {
-  const float *code[2];  /* code tables of state1, state2 */
-  const uint32_t *lut[2];
-  int code_size;         /* 256 or 16 */
-} quant_ctx;
-
-typedef struct {
-  float *p, *g, *s[2], *zero;
-  uint8_t *q;
-} thread_bufs;
-
-#if defined(__GNUC__)
-#define MF_INLINE static inline __attribute__((always_inline))
-#else
-#define MF_INLINE static inline
-#endif
-
-/* x86-64 with GCC or Clang: the block function is also compiled for AVX2 and AVX-512
- * (picked at run time), and the AVX-512 one uses gathers for the two table lookups. */
-#if (defined(__GNUC__) || defined(__clang__)) && defined(__x86_64__) && !defined(MEMFIT_NO_SIMD)
-#define MF_X86_SIMD 1
-#include <immintrin.h>
-#define MF_TARGET_AVX2 __attribute__((target("avx2")))
-#define MF_TARGET_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq")))
-#endif
-
-MF_INLINE void update_loop(mf_optim_kind kind, const mf_optim_consts *c, int ns, int64_t n,
-                           float *restrict p, const float *restrict g, float *restrict s1,
-                           float *restrict s2) {
-  for (int64_t i = 0; i < n; i++) mf_optim_update_one(kind, c, ns, &p[i], g[i], &s1[i], &s2[i]);
-}
-
-MF_INLINE void update_any(mf_optim_kind kind, const mf_optim_consts *c, int ns, int64_t n,
-                       float *restrict p, const float *restrict g, float *restrict s1,
-                       float *restrict s2) {
-  switch (kind) {
-    case MF_OPT_ADAMW: update_loop(MF_OPT_ADAMW, c, ns, n, p, g, s1, s2); break;
-    case MF_OPT_ADAM: update_loop(MF_OPT_ADAM, c, ns, n, p, g, s1, s2); break;
-    case MF_OPT_LION: update_loop(MF_OPT_LION, c, ns, n, p, g, s1, s2); break;
-    case MF_OPT_SGD: update_loop(MF_OPT_SGD, c, ns, n, p, g, s1, s2); break;
-    case MF_OPT_RMSPROP: update_loop(MF_OPT_RMSPROP, c, ns, n, p, g, s1, s2); break;
-  }
-}
 
 MF_INLINE void dequant8(const uint8_t *restrict q, const float *restrict code, float absmax,
                      int64_t n, float *restrict out) {
@@ -333,60 +210,21 @@ MF_INLINE void dequant4(const uint8_t *restrict q, const float *restrict code, f
   for (int64_t i = 0; i < n; i++) out[i] = code[(q[i >> 1] >> ((i & 1) * 4)) & 15] * absmax;
 }
 
-/* max |s[i]| (states are finite: see mf_optim_update_one) */
-MF_INLINE float block_absmax(const float *restrict s, int64_t n) {
-  uint32_t m = 0;
-  for (int64_t i = 0; i < n; i++) {
-    uint32_t u = mf_f32_bits(s[i]) & 0x7fffffffu;
-    m = u > m ? u : m;
-  }
-  return mf_f32_from_bits(m);
-}
-
 /* q[i] = nearest code index of s[i] * inv, through the table when there is one. */
 MF_INLINE void quantize_run(const float *restrict s, float inv, int64_t n, const float *code,
-                         int size, const uint32_t *restrict lut, uint8_t *restrict q) {
-  if (!lut) {
+                            int size, const mf_code_lut *lut, uint8_t *restrict q) {
+  if (lut) {
+    mf_code_lut_quantize_n(lut, s, inv, n, q);
+  } else {
     for (int64_t i = 0; i < n; i++) q[i] = mf_optim_quantize(code, size, s[i] * inv);
-    return;
-  }
-  uint32_t slow = 0;
-  for (int64_t i = 0; i < n; i++) {
-    uint32_t k = float_key(s[i] * inv);
-    uint32_t e = lut[k >> 16];
-    q[i] = (uint8_t)(((e >> 17) & 0xffu) + ((k & 0xffffu) >= (e & 0x1ffffu)));
-    slow |= e;
-  }
-  if (slow & LUT_SLOW) {
-    for (int64_t i = 0; i < n; i++)
-      if (lut[float_key(s[i] * inv) >> 16] & LUT_SLOW)
-        q[i] = mf_optim_quantize(code, size, s[i] * inv);
   }
 }
 
 #ifdef MF_X86_SIMD
-enum { ISA_GENERIC = 0, ISA_AVX2 = 1, ISA_AVX512 = 2 };
+#include <immintrin.h>
 
-/* The widest ISA this CPU runs; MEMFIT_CPU_ISA=generic|avx2|avx512 caps it (for
- * benchmarks and tests: every variant computes the same bits). */
-static int cpu_isa(void) {
-  const char *cap = getenv("MEMFIT_CPU_ISA");
-  int max_isa = ISA_AVX512;
-  if (cap && !strcmp(cap, "generic")) max_isa = ISA_GENERIC;
-  if (cap && !strcmp(cap, "avx2")) max_isa = ISA_AVX2;
-  __builtin_cpu_init();
-  if (max_isa >= ISA_AVX512 && __builtin_cpu_supports("avx512f") &&
-      __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl") &&
-      __builtin_cpu_supports("avx512dq"))
-    return ISA_AVX512;
-  if (max_isa >= ISA_AVX2 && __builtin_cpu_supports("avx2")) return ISA_AVX2;
-  return ISA_GENERIC;
-}
-
-static int use_avx512(void) { return cpu_isa() == ISA_AVX512; }
-
-/* AVX-512 versions of dequant8 and the table search: the same arithmetic (one float
- * multiply, integer key and compare), 16 elements at a time with gathers. */
+/* AVX-512 versions of dequant8 and dequant4: the same arithmetic (one float multiply),
+ * 16 elements at a time. */
 MF_TARGET_AVX512 static void dequant8_avx512(const uint8_t *restrict q,
                                              const float *restrict code, float absmax,
                                              int64_t n, float *restrict out) {
@@ -416,52 +254,15 @@ MF_TARGET_AVX512 static void dequant4_avx512(const uint8_t *restrict q,
   for (; i < n; i++) out[i] = code[(q[i >> 1] >> ((i & 1) * 4)) & 15] * absmax;
 }
 
-MF_TARGET_AVX512 static void quantize_run_avx512(const float *restrict s, float inv, int64_t n,
-                                                 const float *code, int size,
-                                                 const uint32_t *restrict lut,
-                                                 uint8_t *restrict q) {
-  const __m512 vinv = _mm512_set1_ps(inv);
-  const __m512i sign = _mm512_set1_epi32((int)0x80000000u), low16 = _mm512_set1_epi32(0xffff),
-                low17 = _mm512_set1_epi32(0x1ffff), byte = _mm512_set1_epi32(0xff),
-                one = _mm512_set1_epi32(1);
-  __m512i slow = _mm512_setzero_si512();
-  int64_t i = 0;
-  for (; i + 16 <= n; i += 16) {
-    __m512i u = _mm512_castps_si512(_mm512_mul_ps(_mm512_loadu_ps(s + i), vinv));
-    __m512i key = _mm512_xor_si512(u, _mm512_or_si512(_mm512_srai_epi32(u, 31), sign));
-    __m512i e = _mm512_i32gather_epi32(_mm512_srli_epi32(key, 16), (const void *)lut, 4);
-    __m512i base = _mm512_and_si512(_mm512_srli_epi32(e, 17), byte);
-    __mmask16 up = _mm512_cmpge_epu32_mask(_mm512_and_si512(key, low16), _mm512_and_si512(e, low17));
-    _mm_storeu_si128((__m128i *)(q + i), _mm512_cvtepi32_epi8(_mm512_mask_add_epi32(base, up, base, one)));
-    slow = _mm512_or_si512(slow, e);
-  }
-  uint32_t any = (uint32_t)_mm512_reduce_or_epi32(slow);
-  for (; i < n; i++) {
-    uint32_t k = float_key(s[i] * inv);
-    uint32_t e = lut[k >> 16];
-    q[i] = (uint8_t)(((e >> 17) & 0xffu) + ((k & 0xffffu) >= (e & 0x1ffffu)));
-    any |= e;
-  }
-  if (any & LUT_SLOW) {
-    for (int64_t j = 0; j < n; j++)
-      if (lut[float_key(s[j] * inv) >> 16] & LUT_SLOW) q[j] = mf_optim_quantize(code, size, s[j] * inv);
-  }
-}
 #endif
 
 mf_status mf_optim_quantize_fast(const float *code, int size, const float *x, int64_t n,
                                  uint8_t *out) {
   if (size != MF_CODE_SIZE && size != MF_CODE4_SIZE)
     return mf_error(MF_ERR_VALUE, "size: must be 16 or 256, got %d", size);
-  const uint32_t *lut = get_lut(code, size);
+  const mf_code_lut *lut = mf_code_lut_get(code, size);
   if (!lut) return mf_error(MF_ERR_NOMEM, "quantize: no table");
-#ifdef MF_X86_SIMD
-  if (use_avx512()) {
-    quantize_run_avx512(x, 1.0f, n, code, size, lut, out);
-    return MF_OK;
-  }
-#endif
-  quantize_run(x, 1.0f, n, code, size, lut, out);
+  mf_code_lut_quantize_n(lut, x, 1.0f, n, out);
   return MF_OK;
 }
 
@@ -470,28 +271,6 @@ MF_INLINE void pack4(const uint8_t *restrict q, int64_t n, uint8_t *restrict out
   for (int64_t j = 0; j < pairs; j++) out[j] = (uint8_t)(q[2 * j] | (q[2 * j + 1] << 4));
   if (n & 1) out[pairs] = q[n - 1];
 }
-
-MF_INLINE void widen(const void *src, mf_dtype dt, int64_t first, int64_t n, float *restrict out) {
-  if (dt == MF_BFLOAT16) {
-    const uint16_t *s = (const uint16_t *)src + first;
-    for (int64_t i = 0; i < n; i++) out[i] = mf_bf16_to_f32(s[i]);
-  } else {
-    for (int64_t i = 0; i < n; i++) out[i] = mf_load_f32(src, first + i, dt);
-  }
-}
-
-MF_INLINE void narrow(const float *restrict v, mf_dtype dt, int64_t first, int64_t n, void *dst) {
-  if (dt == MF_BFLOAT16) {
-    uint16_t *d = (uint16_t *)dst + first;
-    for (int64_t i = 0; i < n; i++) d[i] = mf_f32_to_bf16(v[i]);
-  } else {
-    for (int64_t i = 0; i < n; i++) mf_store_f32(dst, first + i, dt, v[i]);
-  }
-}
-
-#ifndef MF_X86_SIMD
-enum { ISA_GENERIC = 0, ISA_AVX2 = 1, ISA_AVX512 = 2 };
-#endif
 
 /* One block [first, first + n) of one tensor; `isa` is a constant in each variant. */
 MF_INLINE void block_step_impl(const mf_optim_hparams *h, const mf_optim_consts *c, int ns,
@@ -507,12 +286,7 @@ MF_INLINE void block_step_impl(const mf_optim_hparams *h, const mf_optim_consts 
   } else {
     p = b->p;
     g = b->g;
-    if (t->comp.data) { /* Kahan: the update starts from param + comp */
-      for (int64_t i = 0; i < n; i++)
-        p[i] = mf_optim_load_param(t->param.data, t->comp.data, first + i, dt);
-    } else {
-      widen(t->param.data, dt, first, n, p);
-    }
+    load_params(t, first, n, p);
     widen(t->grad.data, dt, first, n, g);
   }
   const mf_tensor *st[2] = {&t->state1, &t->state2};
@@ -555,12 +329,7 @@ MF_INLINE void block_step_impl(const mf_optim_hparams *h, const mf_optim_consts 
     }
   }
   update_any(h->kind, c, ns, n, p, g, s[0], s[1]);
-  if (dt != MF_FLOAT32 && (h->stochastic_round || t->comp.data)) {
-    for (int64_t i = 0; i < n; i++)
-      mf_optim_store_param(t->param.data, t->comp.data, first + i, dt, p[i], h, t->sr_stream);
-  } else if (dt != MF_FLOAT32) {
-    narrow(p, dt, first, n, t->param.data);
-  }
+  if (dt != MF_FLOAT32) store_params(h, t, p, first, n);
   for (int k = 0; k < ns && fmt != MF_STATE_FP32; k++) {
     float *absmax = (float *)am[k]->data + blk0;
     for (int64_t j = 0; j < nsub; j++) {
@@ -570,12 +339,7 @@ MF_INLINE void block_step_impl(const mf_optim_hparams *h, const mf_optim_consts 
       absmax[j] = a;
       const float inv = mf_absmax_inverse(a);
       uint8_t *dst = fmt == MF_STATE_8BIT ? (uint8_t *)st[k]->data + first + off : b->q;
-#ifdef MF_X86_SIMD
-      if (isa == ISA_AVX512 && qc->lut[k])
-        quantize_run_avx512(v, inv, len, qc->code[k], qc->code_size, qc->lut[k], dst);
-      else
-#endif
-        quantize_run(v, inv, len, qc->code[k], qc->code_size, qc->lut[k], dst);
+      quantize_run(v, inv, len, qc->code[k], qc->code_size, qc->lut[k], dst);
       if (fmt == MF_STATE_4BIT) pack4(b->q, len, (uint8_t *)st[k]->data + (first + off) / 2);
     }
   }
@@ -611,7 +375,7 @@ MF_TARGET_AVX512 static void block_step_avx512(const mf_optim_hparams *h,
 
 static block_fn pick_block_fn(void) {
 #ifdef MF_X86_SIMD
-  switch (cpu_isa()) {
+  switch (mf_cpu_isa()) {
     case ISA_AVX512: return block_step_avx512;
     case ISA_AVX2: return block_step_avx2;
   }
@@ -622,6 +386,20 @@ static block_fn pick_block_fn(void) {
 /* Elements per work item: a long update loop and long runs through each array (the
  * hardware prefetchers follow runs within a 4 KB page); whole quantization blocks. */
 #define CPU_CHUNK 2048
+#define FUSED_CHUNK 16384
+
+/* Whether work items with whole quantization blocks go to the fused AVX-512 kernel
+ * for 8-bit states (optim_avx512.c; the partial last block of a tensor, if any, takes
+ * the block kernel). */
+static int use_fused8(mf_state_format fmt, int ns, int64_t bs, const quant_ctx *qc) {
+#ifdef MF_X86_SIMD
+  return fmt == MF_STATE_8BIT && ns >= 1 && bs % 64 == 0 && qc->lut[0] &&
+         (ns < 2 || qc->lut[1]) && mf_cpu_has_vbmi();
+#else
+  (void)fmt, (void)ns, (void)bs, (void)qc;
+  return 0;
+#endif
+}
 
 static mf_status step_cpu(const mf_optim_hparams *h, mf_state_format fmt, int64_t bs,
                           const mf_tensor *code1, const mf_tensor *code2,
@@ -635,19 +413,22 @@ static mf_status step_cpu(const mf_optim_hparams *h, mf_state_format fmt, int64_
     const mf_tensor *codes[2] = {code1, code2};
     for (int k = 0; k < ns; k++) {
       qc.code[k] = (const float *)codes[k]->data;
-      qc.lut[k] = get_lut(qc.code[k], qc.code_size);
+      qc.lut[k] = mf_code_lut_get(qc.code[k], qc.code_size);
     }
   }
-  const int64_t chunk = fmt == MF_STATE_FP32 || bs < CPU_CHUNK ? CPU_CHUNK : bs;
+  const block_fn block_step = pick_block_fn();
+  const int fused = use_fused8(fmt, ns, bs, &qc);
+  /* the fused kernel drains its pipeline once per item: give it longer ones */
+  const int64_t item = fused ? FUSED_CHUNK : CPU_CHUNK;
+  const int64_t chunk = fmt == MF_STATE_FP32 || bs < item ? item : bs;
   int64_t total_blocks = 0;
   for (int64_t i = 0; i < n; i++) total_blocks += mf_quant_num_blocks(ts[i].param.numel, chunk);
 
-  const block_fn block_step = pick_block_fn();
   int failed = 0;
 #pragma omp parallel num_threads(mf_get_num_threads()) if (total_blocks > 8)
   {
     thread_bufs b;
-    float *mem = (float *)calloc((size_t)(5 * chunk), sizeof(float));
+    float *mem = (float *)calloc((size_t)(5 * chunk + 4 * bs), sizeof(float));
     uint8_t *qmem = (uint8_t *)malloc((size_t)chunk);
     if (!mem || !qmem) {
 #pragma omp atomic write
@@ -658,7 +439,9 @@ static mf_status step_cpu(const mf_optim_hparams *h, mf_state_format fmt, int64_
     b.s[0] = mem ? mem + 2 * chunk : NULL;
     b.s[1] = mem ? mem + 3 * chunk : NULL;
     b.zero = mem ? mem + 4 * chunk : NULL;
+    b.ring = mem ? mem + 5 * chunk : NULL;
     b.q = qmem;
+    b.fused_ready = 0;
     for (int64_t i = 0; i < n; i++) {
       const mf_optim_tensor *t = &ts[i];
       const int64_t numel = t->param.numel, nb = mf_quant_num_blocks(numel, chunk);
@@ -668,6 +451,12 @@ static mf_status step_cpu(const mf_optim_hparams *h, mf_state_format fmt, int64_
         if (!mem || !qmem) continue;
         const int64_t first = j * chunk;
         const int64_t len = numel - first < chunk ? numel - first : chunk;
+#ifdef MF_X86_SIMD
+        if (fused && len % bs == 0) {
+          mf_optim_fused8_avx512(h, &c, ns, bs, &qc, t, first, len, &b);
+          continue;
+        }
+#endif
         block_step(h, &c, ns, fmt, bs, &qc, t, first, len, &b);
       }
     }

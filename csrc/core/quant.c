@@ -4,13 +4,13 @@
  * The CPU path runs one OpenMP iteration per block. Half-precision input is widened
  * into a per-thread float buffer first so the absmax pass and the code search run on
  * plain floats. Element math: quant.h (shared with cuda/quant.cu). Nearest rounding
- * of large arrays goes through the exact lookup table of quant_lut.c (same codes as
+ * of large arrays goes through the exact lookup table of code_lut.h (same codes as
  * the binary search, several times faster).
  */
 #include <stdlib.h>
 
 #include "memfit/quant.h"
-#include "quant_lut.h"
+#include "code_lut.h"
 #ifdef MEMFIT_WITH_CUDA
 #include "memfit/cuda_launch.h"
 #endif
@@ -78,7 +78,7 @@ static float block_absmax_cpu(const float *x, int64_t n) {
 }
 
 static void quantize_block_cpu(const float *x, int64_t n, int64_t first, const float *code,
-                               const uint16_t *lut, uint8_t *out, float *absmax,
+                               const mf_code_lut *lut, uint8_t *out, float *absmax,
                                mf_rounding rounding, uint64_t seed) {
   float m = block_absmax_cpu(x, n);
   *absmax = m;
@@ -87,7 +87,7 @@ static void quantize_block_cpu(const float *x, int64_t n, int64_t first, const f
     for (int64_t i = 0; i < n; i++)
       out[i] = mf_quantize_stochastic(code, x[i] * inv, mf_uniform(seed, (uint64_t)(first + i)));
   } else if (lut) {
-    for (int64_t i = 0; i < n; i++) out[i] = mf_quantize_nearest_lut(lut, code, x[i] * inv);
+    mf_code_lut_quantize_n(lut, x, inv, n, out);
   } else {
     for (int64_t i = 0; i < n; i++) out[i] = mf_quantize_nearest(code, x[i] * inv);
   }
@@ -110,8 +110,9 @@ static void widen_to_f32(const void *src, int64_t first, int64_t n, mf_dtype dt,
 static mf_status quantize_cpu(const mf_tensor *x, const float *code, uint8_t *codes,
                               float *absmax, int64_t bs, mf_rounding rounding, uint64_t seed) {
   const int64_t numel = x->numel, nblocks = mf_quant_num_blocks(numel, bs);
-  const uint16_t *lut =
-      rounding == MF_ROUND_NEAREST && numel >= MF_LUT_MIN_NUMEL ? mf_quant_lut_get(code) : NULL;
+  const mf_code_lut *lut = rounding == MF_ROUND_NEAREST && numel >= MF_LUT_MIN_NUMEL
+                               ? mf_code_lut_get(code, MF_CODE_SIZE)
+                               : NULL;
   int failed = 0;
 #pragma omp parallel num_threads(mf_get_num_threads()) if (nblocks > 4)
   {

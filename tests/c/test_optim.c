@@ -184,6 +184,11 @@ int main(void) {
   test_code(u8, 256, "unsigned 8-bit dynamic map");
   test_code(s4, 16, "signed 4-bit dynamic map");
   test_code(u4, 16, "4-bit linear map without zero");
+  /* codes closer together than a table bucket (1/128 of a binade): those buckets take
+   * the binary search; the answers must not change */
+  float dense[256];
+  for (int i = 0; i < 256; i++) dense[i] = i < 128 ? -1.0f + (float)i / 128.0f : 0.5f + (float)(i - 128) * 1e-4f;
+  test_code(dense, 256, "a code with entries 1e-4 apart");
   test_skip_nonfinite();
   test_kahan_split();
   test_kahan_step();

@@ -11,7 +11,7 @@
 
 #include "memfit/numeric.h"
 #include "memfit/quant.h"
-#include "quant_lut.h" /* private to the core: the CPU lookup table */
+#include "code_lut.h" /* private to the core: the CPU lookup table */
 
 static int failures = 0;
 
@@ -96,23 +96,18 @@ static void test_search_matches_exhaustive(void) {
 static void test_lut_is_exact(int is_signed) {
   float code[256];
   mf_dynamic_map(code, 256, is_signed, 8, 7);
-  const uint16_t *lut = mf_quant_lut_get(code);
+  const mf_code_lut *lut = mf_code_lut_get(code, 256);
   CHECK(lut != NULL, "lookup table");
   if (!lut) return;
-  CHECK(mf_quant_lut_get(code) == lut, "the table is cached");
-  int64_t fallbacks = 0, buckets = 0;
-  for (int32_t i = 0; i < MF_LUT_SIZE; i++) {
-    buckets++;
-    fallbacks += lut[i] == MF_LUT_FALLBACK;
-  }
-  CHECK(fallbacks < buckets / 10, "too many fallback buckets: %lld of %lld", (long long)fallbacks,
-        (long long)buckets);
+  CHECK(mf_code_lut_get(code, 256) == lut, "the table is cached");
+  CHECK(!lut->has_slow, "the dynamic map needs no binary-search buckets");
+  CHECK(lut->min_abs >= (100u << 23), "the table covers only the binades the code needs");
   for (int k = 0; k + 1 < 256; k++) {
     float mid = 0.5f * (code[k] + code[k + 1]);
     uint32_t u = mf_f32_bits(mid);
     for (int d = -64; d <= 64; d++) {
       float x = mf_f32_from_bits(u + (uint32_t)d);
-      CHECK(mf_quantize_nearest_lut(lut, code, x) == mf_quantize_nearest(code, x),
+      CHECK(mf_code_lut_quantize(lut, x) == mf_quantize_nearest(code, x),
             "lut differs at %.9g", (double)x);
     }
   }
@@ -120,13 +115,13 @@ static void test_lut_is_exact(int is_signed) {
     uint32_t u = (uint32_t)(uniform01() * 4294967296.0);
     float x = mf_f32_from_bits(u);
     if (!(fabsf(x) <= 1.5f)) x = (float)(2.0 * uniform01() - 1.0);
-    CHECK(mf_quantize_nearest_lut(lut, code, x) == mf_quantize_nearest(code, x),
+    CHECK(mf_code_lut_quantize(lut, x) == mf_quantize_nearest(code, x),
           "lut differs at %.9g", (double)x);
   }
   float specials[] = {0.0f, -0.0f, 1.0f, -1.0f, 1.0000001f, -1.0000001f, 2.0f, INFINITY, -INFINITY,
                       NAN, 1e-40f, -1e-40f, 2.3283064e-10f};
   for (size_t k = 0; k < sizeof specials / sizeof specials[0]; k++)
-    CHECK(mf_quantize_nearest_lut(lut, code, specials[k]) == mf_quantize_nearest(code, specials[k]),
+    CHECK(mf_code_lut_quantize(lut, specials[k]) == mf_quantize_nearest(code, specials[k]),
           "lut differs at special %g", (double)specials[k]);
 }
 

@@ -1,0 +1,125 @@
+/* Building and caching the exact code-search tables of code_lut.h. */
+#include "code_lut.h"
+#include "code_lut_avx512.h"
+
+#include <stdatomic.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define CACHE_SLOTS 16
+
+typedef struct {
+  float code[MF_CODE_SIZE];
+  mf_code_lut lut;
+} cache_slot;
+
+static cache_slot cache[CACHE_SLOTS];
+static int cache_used = 0;
+static atomic_flag cache_lock = ATOMIC_FLAG_INIT;
+
+static void lock(void) {
+  while (atomic_flag_test_and_set_explicit(&cache_lock, memory_order_acquire)) {
+  }
+}
+static void unlock(void) { atomic_flag_clear_explicit(&cache_lock, memory_order_release); }
+
+static uint8_t search(const float *code, int size, uint32_t bits) {
+  return mf_quantize_nearest_n(code, size, mf_f32_from_bits(bits));
+}
+
+/* Fills the entry of one bucket: magnitudes [lo, lo + 0xffff] with sign `neg`. */
+static uint32_t bucket_entry(const float *code, int size, uint32_t neg, uint32_t lo) {
+  /* position p in the bucket is the float with magnitude bits lo + (neg ? 0xffff - p : p) */
+  const uint32_t sign = neg << 31;
+#define AT(p) search(code, size, sign | (lo + (neg ? 0xffffu - (p) : (p))))
+  const uint32_t q0 = AT(0u), q1 = AT(0xffffu);
+  if (q1 == q0) return (q0 << 17) + 0x10000u; /* jump = 0x10000: never */
+  if (q1 != q0 + 1) return MF_CODE_LUT_SLOW;
+  uint32_t below = 0, at = 0xffffu; /* q(below) == q0, q(at) == q1 */
+  while (at - below > 1) {
+    const uint32_t mid = (below + at) / 2;
+    if (AT(mid) == q0) below = mid;
+    else at = mid;
+  }
+#undef AT
+  return (q0 << 17) + 0x20000u - at;
+}
+
+static int build(const float *code, int size, mf_code_lut *t) {
+  /* exp_lo: the highest exponent with q constant on [-2^(exp_lo-127), 2^(exp_lo-127)] */
+  uint32_t exp_lo = 127;
+  while (exp_lo > 0 && search(code, size, exp_lo << 23) != search(code, size, 0x80000000u | (exp_lo << 23)))
+    exp_lo--;
+  t->min_abs = exp_lo << 23;
+  t->bucket0 = t->min_abs >> 16;
+  const uint32_t last = MF_CODE_LUT_MAX_ABS >> 16; /* last positive bucket */
+  uint32_t *entry = (uint32_t *)malloc((0x8000u + last + 1u - t->bucket0) * sizeof(uint32_t));
+  if (!entry) return 0;
+  t->has_slow = 0;
+  for (uint32_t neg = 0; neg < 2; neg++)
+    for (uint32_t b = t->bucket0; b <= last; b++) {
+      const uint32_t e = bucket_entry(code, size, neg, b << 16);
+      entry[neg * 0x8000u + b - t->bucket0] = e;
+      t->has_slow |= (e & MF_CODE_LUT_SLOW) != 0;
+    }
+  t->entry = entry;
+  t->size = size;
+  return 1;
+}
+
+static const mf_code_lut *find(const float *code, int size) {
+  for (int i = 0; i < cache_used; i++)
+    if (cache[i].lut.size == size && !memcmp(cache[i].code, code, (size_t)size * sizeof(float)))
+      return &cache[i].lut;
+  return NULL;
+}
+
+const mf_code_lut *mf_code_lut_get(const float *code, int size) {
+  lock();
+  const mf_code_lut *found = find(code, size);
+  unlock();
+  if (found) return found;
+  cache_slot fresh;
+  memcpy(fresh.code, code, (size_t)size * sizeof(float));
+  if (!build(fresh.code, size, &fresh.lut)) return NULL; /* outside the lock: ~1 ms */
+  lock();
+  found = find(code, size); /* another thread may have won */
+  if (!found && cache_used < CACHE_SLOTS) {
+    cache_slot *s = &cache[cache_used];
+    *s = fresh;
+    s->lut.code = s->code;
+    found = &s->lut;
+    fresh.lut.entry = NULL;
+    cache_used++;
+  }
+  unlock();
+  free((void *)fresh.lut.entry); /* NULL when it went into the cache */
+  return found; /* NULL when the cache is full: callers use the binary search */
+}
+
+static void quantize_scalar(const mf_code_lut *t, const float *x, float inv, int64_t n, uint8_t *q) {
+  for (int64_t i = 0; i < n; i++) q[i] = mf_code_lut_quantize(t, x[i] * inv);
+}
+
+#ifdef MF_X86_SIMD
+MF_TARGET_AVX512 static void quantize_avx512(const mf_code_lut *t, const float *x, float inv,
+                                             int64_t n, uint8_t *q) {
+  const __m512 vinv = _mm512_set1_ps(inv);
+  __m512i slow = _mm512_setzero_si512();
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16)
+    _mm_storeu_si128((__m128i *)(q + i), mf_code_lut_quantize16(t, _mm512_loadu_ps(x + i), vinv, &slow, 1));
+  quantize_scalar(t, x + i, inv, n - i, q + i);
+  if ((uint32_t)_mm512_reduce_or_epi32(slow) & MF_CODE_LUT_SLOW) quantize_scalar(t, x, inv, n, q);
+}
+#endif
+
+void mf_code_lut_quantize_n(const mf_code_lut *t, const float *x, float inv, int64_t n, uint8_t *q) {
+#ifdef MF_X86_SIMD
+  if (mf_cpu_isa() == ISA_AVX512) {
+    quantize_avx512(t, x, inv, n, q);
+    return;
+  }
+#endif
+  quantize_scalar(t, x, inv, n, q);
+}

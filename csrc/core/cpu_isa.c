@@ -1,0 +1,41 @@
+/* Run-time choice of the CPU kernels' vector extensions (cpu_isa.h). */
+#include "cpu_isa.h"
+
+#include <stdatomic.h>
+#include <stdlib.h>
+#include <string.h>
+
+#ifdef MF_X86_SIMD
+static int detect(void) {
+  const char *cap = getenv("MEMFIT_CPU_ISA");
+  int max_isa = ISA_AVX512;
+  if (cap && !strcmp(cap, "generic")) max_isa = ISA_GENERIC;
+  if (cap && !strcmp(cap, "avx2")) max_isa = ISA_AVX2;
+  __builtin_cpu_init();
+  if (max_isa >= ISA_AVX512 && __builtin_cpu_supports("avx512f") &&
+      __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl") &&
+      __builtin_cpu_supports("avx512dq"))
+    return ISA_AVX512;
+  if (max_isa >= ISA_AVX2 && __builtin_cpu_supports("avx2")) return ISA_AVX2;
+  return ISA_GENERIC;
+}
+
+/* -1: not yet known. Racing first calls compute and store the same value. */
+static _Atomic int isa_cached = -1;
+
+int mf_cpu_isa(void) {
+  int isa = atomic_load_explicit(&isa_cached, memory_order_relaxed);
+  if (isa < 0) {
+    isa = detect();
+    atomic_store_explicit(&isa_cached, isa, memory_order_relaxed);
+  }
+  return isa;
+}
+
+int mf_cpu_has_vbmi(void) {
+  return mf_cpu_isa() == ISA_AVX512 && __builtin_cpu_supports("avx512vbmi");
+}
+#else
+int mf_cpu_isa(void) { return ISA_GENERIC; }
+int mf_cpu_has_vbmi(void) { return 0; }
+#endif

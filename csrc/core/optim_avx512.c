@@ -1,0 +1,163 @@
+/*
+ * The CPU optimizer step for 8-bit states on AVX-512 (+VBMI): one fused,
+ * software-pipelined pass per work item.
+ *
+ * Why a separate kernel. The generic block kernel (optim.c) runs four loops per block
+ * (dequantize, update, absmax, requantize). Each loop is bound by a different unit:
+ * the update by the divider (one sqrt and one division per element), the dequantize
+ * and requantize loops by table gathers (load ports). Run one after the other they
+ * add up. Here the dequantization uses byte permutes instead of gathers (port 5, not
+ * the load ports; see vbmi_code), and one loop does, for every group of 64 elements, the dequantize and
+ * update of block j and the requantize of block j - 1 (whose absmax is known by
+ * then), so the out-of-order core overlaps the divider with the gathers:
+ *
+ *   for j = 0 .. blocks:                       (one extra round drains the pipeline)
+ *     for each group of 64 elements o in a block:
+ *       if j < blocks:  ring[j] <- dequant(codes of block j at o); update p, ring[j]
+ *                       (mf_optim_update_one, the same math as every other path);
+ *                       running absmax of ring[j]
+ *       if j > 0:       codes of block j-1 at o <- nearest(ring[j-1] * inv[j-1])
+ *
+ * The arithmetic is the generic kernel's, operation for operation (the update loop is
+ * the same inline function, absmax is the same integer max, the code search is the
+ * exact table of code_lut.h), so the bits are the same; tests compare the variants.
+ * Compiled with -ffp-contract=off like optim.c.
+ */
+#include "code_lut_avx512.h"
+#include "optim_cpu.h"
+
+#ifdef MF_X86_SIMD
+#include <string.h>
+
+/* max over the |bit patterns| of 64 floats, folded into m */
+MF_TARGET_AVX512 static inline __m512i absmax64(__m512i m, const float *s) {
+  const __m512i mask = _mm512_set1_epi32(0x7fffffff);
+  for (int k = 0; k < 4; k++)
+    m = _mm512_max_epu32(m, _mm512_and_si512(_mm512_castps_si512(_mm512_loadu_ps(s + 16 * k)), mask));
+  return m;
+}
+
+#define GROUP 64 /* one VBMI dequantization and one absmax64 per state */
+
+/* Dequantization without gathers (AVX512-VBMI): the 256-entry code is split into four
+ * byte planes (byte j of every code value), 4 registers each; vpermi2b looks up 64
+ * indices in 128 bytes, a blend on the index's top bit picks the half, and byte
+ * unpacks reassemble the floats. The codes are permuted first so that the unpacks
+ * (which work within 128-bit lanes) leave the floats in order. */
+typedef struct {
+  __m512i plane[4][4];
+  __m512i order;
+} vbmi_code;
+_Static_assert(sizeof(vbmi_code) <= sizeof(((thread_bufs *)0)->fused_tables[0]),
+               "thread_bufs.fused_tables holds a vbmi_code");
+
+static void vbmi_code_init(vbmi_code *v, const float *code) {
+  uint8_t bytes[4][256], order[64];
+  for (int i = 0; i < 256; i++)
+    for (int j = 0; j < 4; j++) bytes[j][i] = (uint8_t)(mf_f32_bits(code[i]) >> (8 * j));
+  memcpy(v->plane, bytes, sizeof bytes);
+  /* after the unpacks, output register r, lane l, dword w holds input byte
+   * 16 l + 8 (r >> 1) + 4 (r & 1) + w; we want element 16 r + 4 l + w there */
+  for (int r = 0; r < 4; r++)
+    for (int l = 0; l < 4; l++)
+      for (int w = 0; w < 4; w++) order[16 * l + 8 * (r >> 1) + 4 * (r & 1) + w] = (uint8_t)(16 * r + 4 * l + w);
+  memcpy(&v->order, order, sizeof order);
+}
+
+MF_TARGET_VBMI static inline __m512i vbmi_plane(const __m512i *t, __m512i idx, __mmask64 hi) {
+  return _mm512_mask_blend_epi8(hi, _mm512_permutex2var_epi8(t[0], idx, t[1]),
+                                _mm512_permutex2var_epi8(t[2], idx, t[3]));
+}
+
+MF_TARGET_VBMI static inline void dequant64_vbmi(const vbmi_code *v, const uint8_t *q,
+                                                 __m512 absmax, float *out) {
+  const __m512i idx = _mm512_permutexvar_epi8(v->order, _mm512_loadu_si512(q));
+  const __mmask64 hi = _mm512_movepi8_mask(idx);
+  const __m512i b0 = vbmi_plane(v->plane[0], idx, hi), b1 = vbmi_plane(v->plane[1], idx, hi);
+  const __m512i b2 = vbmi_plane(v->plane[2], idx, hi), b3 = vbmi_plane(v->plane[3], idx, hi);
+  const __m512i l01 = _mm512_unpacklo_epi8(b0, b1), h01 = _mm512_unpackhi_epi8(b0, b1);
+  const __m512i l23 = _mm512_unpacklo_epi8(b2, b3), h23 = _mm512_unpackhi_epi8(b2, b3);
+  _mm512_storeu_ps(out, _mm512_mul_ps(_mm512_castsi512_ps(_mm512_unpacklo_epi16(l01, l23)), absmax));
+  _mm512_storeu_ps(out + 16, _mm512_mul_ps(_mm512_castsi512_ps(_mm512_unpackhi_epi16(l01, l23)), absmax));
+  _mm512_storeu_ps(out + 32, _mm512_mul_ps(_mm512_castsi512_ps(_mm512_unpacklo_epi16(h01, h23)), absmax));
+  _mm512_storeu_ps(out + 48, _mm512_mul_ps(_mm512_castsi512_ps(_mm512_unpackhi_epi16(h01, h23)), absmax));
+}
+
+/* `kind` and `ns` are constants in each instantiation below (no branches on them in
+ * the loop). */
+MF_INLINE MF_TARGET_VBMI void fused8(const mf_optim_kind kind, const int ns,
+                                     const mf_optim_hparams *h, const mf_optim_consts *c,
+                                     int64_t bs, const quant_ctx *qc, const mf_optim_tensor *t,
+                                     int64_t first, int64_t n, thread_bufs *b) {
+  const mf_dtype dt = t->param.dtype;
+  const int64_t blocks = n / bs;
+  uint8_t *codes[2] = {(uint8_t *)t->state1.data + first, (uint8_t *)t->state2.data + first};
+  float *absmax[2] = {(float *)t->absmax1.data + first / bs, (float *)t->absmax2.data + first / bs};
+  float *p = dt == MF_FLOAT32 ? (float *)t->param.data + first : b->p;
+  const float *g = dt == MF_FLOAT32 ? (const float *)t->grad.data + first : b->g;
+  float inv_prev[2] = {0.0f, 0.0f};
+  vbmi_code *vc = (vbmi_code *)(void *)b->fused_tables;
+  if (!b->fused_ready) {
+    for (int k = 0; k < ns; k++) vbmi_code_init(&vc[k], qc->code[k]);
+    b->fused_ready = 1;
+  }
+  __m512i slow = _mm512_setzero_si512();
+  for (int64_t j = 0; j <= blocks; j++) {
+    float *cur[2] = {b->ring + (j & 1) * 2 * bs, b->ring + (j & 1) * 2 * bs + bs};
+    float *prev[2] = {b->ring + ((j + 1) & 1) * 2 * bs, b->ring + ((j + 1) & 1) * 2 * bs + bs};
+    const __m512 am[2] = {_mm512_set1_ps(j < blocks ? absmax[0][j] : 0.0f),
+                          _mm512_set1_ps(j < blocks && ns > 1 ? absmax[1][j] : 0.0f)};
+    const __m512 inv[2] = {_mm512_set1_ps(inv_prev[0]), _mm512_set1_ps(inv_prev[1])};
+    __m512i mx[2] = {_mm512_setzero_si512(), _mm512_setzero_si512()};
+    for (int64_t o = 0; o < bs; o += GROUP) {
+      if (j < blocks) {
+        const int64_t at = j * bs + o;
+        for (int k = 0; k < ns; k++) dequant64_vbmi(&vc[k], codes[k] + at, am[k], cur[k] + o);
+        if (dt != MF_FLOAT32) {
+          load_params(t, first + at, GROUP, p + at);
+          widen(t->grad.data, dt, first + at, GROUP, b->g + at);
+        }
+        update_loop(kind, c, ns, GROUP, p + at, g + at, cur[0] + o, ns > 1 ? cur[1] + o : b->zero);
+        if (dt != MF_FLOAT32) store_params(h, t, p + at, first + at, GROUP);
+        for (int k = 0; k < ns; k++) mx[k] = absmax64(mx[k], cur[k] + o);
+      }
+      if (j > 0) {
+        const int64_t at = (j - 1) * bs + o;
+        for (int k = 0; k < ns; k++)
+          for (int v = 0; v < GROUP; v += 16)
+            _mm_storeu_si128((__m128i *)(codes[k] + at + v),
+                             mf_code_lut_quantize16(qc->lut[k], _mm512_loadu_ps(prev[k] + o + v), inv[k], &slow, 0));
+      }
+    }
+    if (j > 0 && ((uint32_t)_mm512_reduce_or_epi32(slow) & MF_CODE_LUT_SLOW)) {
+      for (int k = 0; k < ns; k++) /* buckets that need the binary search */
+        mf_code_lut_quantize_n(qc->lut[k], prev[k], inv_prev[k], bs, codes[k] + (j - 1) * bs);
+      slow = _mm512_setzero_si512();
+    }
+    if (j < blocks) {
+      for (int k = 0; k < ns; k++) {
+        const float a = mf_f32_from_bits((uint32_t)_mm512_reduce_max_epu32(mx[k]));
+        absmax[k][j] = a;
+        inv_prev[k] = mf_absmax_inverse(a);
+      }
+    }
+  }
+}
+MF_TARGET_VBMI void mf_optim_fused8_avx512(const mf_optim_hparams *h, const mf_optim_consts *c,
+                                           int ns, int64_t bs, const quant_ctx *qc,
+                                           const mf_optim_tensor *t, int64_t first, int64_t n,
+                                           thread_bufs *b) {
+#define FUSED8(kind, ns) fused8(kind, ns, h, c, bs, qc, t, first, n, b)
+  switch (h->kind) {
+    case MF_OPT_ADAMW: FUSED8(MF_OPT_ADAMW, 2); break;
+    case MF_OPT_ADAM: FUSED8(MF_OPT_ADAM, 2); break;
+    case MF_OPT_LION: FUSED8(MF_OPT_LION, 1); break;
+    case MF_OPT_SGD: FUSED8(MF_OPT_SGD, 1); break; /* with momentum: one state */
+    case MF_OPT_RMSPROP:
+      if (ns == 2) FUSED8(MF_OPT_RMSPROP, 2);
+      else FUSED8(MF_OPT_RMSPROP, 1);
+      break;
+  }
+#undef FUSED8
+}
+#endif /* MF_X86_SIMD */

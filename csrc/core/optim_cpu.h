@@ -1,0 +1,114 @@
+/*
+ * Private to the core: pieces of the CPU optimizer step shared by the generic block
+ * kernel (optim.c) and the fused AVX-512 kernel for 8-bit states (optim_avx512.c).
+ */
+#ifndef MEMFIT_OPTIM_CPU_H
+#define MEMFIT_OPTIM_CPU_H
+
+#include "code_lut.h"
+#include "cpu_isa.h" /* kernel variants per ISA, picked at run time */
+#include "memfit/optim.h"
+
+#if defined(__GNUC__)
+#define MF_INLINE static inline __attribute__((always_inline))
+#else
+#define MF_INLINE static inline
+#endif
+
+typedef struct {
+  const float *code[2];        /* code tables of state1, state2 */
+  const mf_code_lut *lut[2];   /* their search tables (NULL: binary search) */
+  int code_size;               /* 256 or 16 */
+} quant_ctx;
+
+/* Per-thread scratch, `chunk` floats each (ring: 4 quantization blocks), and the
+ * fused kernel's byte-plane code tables (built on its first item of a step call;
+ * fused_ready = 0 before). */
+typedef struct {
+  float *p, *g, *s[2], *zero, *ring;
+  uint8_t *q;
+  int fused_ready;
+  _Alignas(64) unsigned char fused_tables[2][1088];
+} thread_bufs;
+
+MF_INLINE void update_loop(mf_optim_kind kind, const mf_optim_consts *c, int ns, int64_t n,
+                              float *restrict p, const float *restrict g, float *restrict s1,
+                              float *restrict s2) {
+  for (int64_t i = 0; i < n; i++) mf_optim_update_one(kind, c, ns, &p[i], g[i], &s1[i], &s2[i]);
+}
+
+/* The update loop with the kind a constant in each branch (so each one vectorises). */
+MF_INLINE void update_any(mf_optim_kind kind, const mf_optim_consts *c, int ns, int64_t n,
+                             float *restrict p, const float *restrict g, float *restrict s1,
+                             float *restrict s2) {
+  switch (kind) {
+    case MF_OPT_ADAMW: update_loop(MF_OPT_ADAMW, c, ns, n, p, g, s1, s2); break;
+    case MF_OPT_ADAM: update_loop(MF_OPT_ADAM, c, ns, n, p, g, s1, s2); break;
+    case MF_OPT_LION: update_loop(MF_OPT_LION, c, ns, n, p, g, s1, s2); break;
+    case MF_OPT_SGD: update_loop(MF_OPT_SGD, c, ns, n, p, g, s1, s2); break;
+    case MF_OPT_RMSPROP: update_loop(MF_OPT_RMSPROP, c, ns, n, p, g, s1, s2); break;
+  }
+}
+
+/* max |s[i]| as the max of the bit patterns with the sign cleared (same order as the
+ * values for finite floats; states are finite: see mf_optim_update_one). */
+MF_INLINE float block_absmax(const float *restrict s, int64_t n) {
+  uint32_t m = 0;
+  for (int64_t i = 0; i < n; i++) {
+    uint32_t u = mf_f32_bits(s[i]) & 0x7fffffffu;
+    m = u > m ? u : m;
+  }
+  return mf_f32_from_bits(m);
+}
+
+MF_INLINE void widen(const void *src, mf_dtype dt, int64_t first, int64_t n, float *restrict out) {
+  if (dt == MF_BFLOAT16) {
+    const uint16_t *s = (const uint16_t *)src + first;
+    for (int64_t i = 0; i < n; i++) out[i] = mf_bf16_to_f32(s[i]);
+  } else {
+    for (int64_t i = 0; i < n; i++) out[i] = mf_load_f32(src, first + i, dt);
+  }
+}
+
+MF_INLINE void narrow(const float *restrict v, mf_dtype dt, int64_t first, int64_t n, void *dst) {
+  if (dt == MF_BFLOAT16) {
+    uint16_t *d = (uint16_t *)dst + first;
+    for (int64_t i = 0; i < n; i++) d[i] = mf_f32_to_bf16(v[i]);
+  } else {
+    for (int64_t i = 0; i < n; i++) mf_store_f32(dst, first + i, dt, v[i]);
+  }
+}
+
+/* Half-precision parameters [first, first + n) as float32: the values an update starts
+ * from (plus the Kahan compensation when the tensor has one). */
+MF_INLINE void load_params(const mf_optim_tensor *t, int64_t first, int64_t n, float *restrict out) {
+  if (t->comp.data) {
+    for (int64_t i = 0; i < n; i++)
+      out[i] = mf_optim_load_param(t->param.data, t->comp.data, first + i, t->param.dtype);
+  } else {
+    widen(t->param.data, t->param.dtype, first, n, out);
+  }
+}
+
+/* Writes updated half-precision parameters: Kahan-compensated, stochastic or
+ * nearest-even rounding (mf_optim_store_param). */
+MF_INLINE void store_params(const mf_optim_hparams *h, const mf_optim_tensor *t,
+                            const float *restrict v, int64_t first, int64_t n) {
+  if (h->stochastic_round || t->comp.data) {
+    for (int64_t i = 0; i < n; i++)
+      mf_optim_store_param(t->param.data, t->comp.data, first + i, t->param.dtype, v[i], h,
+                           t->sr_stream);
+  } else {
+    narrow(v, t->param.dtype, first, n, t->param.data);
+  }
+}
+
+#ifdef MF_X86_SIMD
+/* The fused kernel for 8-bit states (see optim_avx512.c): the same bits as the
+ * generic block kernel. Needs n % bs == 0 and bs % 64 == 0. */
+void mf_optim_fused8_avx512(const mf_optim_hparams *h, const mf_optim_consts *c, int ns,
+                            int64_t bs, const quant_ctx *qc, const mf_optim_tensor *t,
+                            int64_t first, int64_t n, thread_bufs *b);
+#endif
+
+#endif /* MEMFIT_OPTIM_CPU_H */
