@@ -6,10 +6,10 @@
  * (dequantize, update, absmax, requantize). Each loop is bound by a different unit:
  * the update by the divider (one sqrt and one division per element), the dequantize
  * and requantize loops by table gathers (load ports). Run one after the other they
- * add up. Here the dequantization uses byte permutes instead of gathers (port 5, not
- * the load ports; see vbmi_code), and one loop does, for every group of 64 elements, the dequantize and
- * update of block j and the requantize of block j - 1 (whose absmax is known by
- * then), so the out-of-order core overlaps the divider with the gathers:
+ * add up. Here the dequantization uses byte permutes instead of gathers (see
+ * vbmi_code), and one loop does, for every group of 64 elements, the dequantize and
+ * update of block j and the requantize of block j - 1 (whose absmax is known by then),
+ * so the out-of-order core can overlap the divider with the gathers:
  *
  *   for j = 0 .. blocks:                       (one extra round drains the pipeline)
  *     for each group of 64 elements o in a block:
@@ -91,8 +91,10 @@ MF_INLINE MF_TARGET_VBMI void fused8(const mf_optim_kind kind, const int ns,
                                      int64_t first, int64_t n, thread_bufs *b) {
   const mf_dtype dt = t->param.dtype;
   const int64_t blocks = n / bs;
-  uint8_t *codes[2] = {(uint8_t *)t->state1.data + first, (uint8_t *)t->state2.data + first};
-  float *absmax[2] = {(float *)t->absmax1.data + first / bs, (float *)t->absmax2.data + first / bs};
+  uint8_t *codes[2] = {(uint8_t *)t->state1.data + first,
+                       ns > 1 ? (uint8_t *)t->state2.data + first : NULL};
+  float *absmax[2] = {(float *)t->absmax1.data + first / bs,
+                      ns > 1 ? (float *)t->absmax2.data + first / bs : NULL};
   float *p = dt == MF_FLOAT32 ? (float *)t->param.data + first : b->p;
   const float *g = dt == MF_FLOAT32 ? (const float *)t->grad.data + first : b->g;
   float inv_prev[2] = {0.0f, 0.0f};
@@ -143,6 +145,7 @@ MF_INLINE MF_TARGET_VBMI void fused8(const mf_optim_kind kind, const int ns,
     }
   }
 }
+
 MF_TARGET_VBMI void mf_optim_fused8_avx512(const mf_optim_hparams *h, const mf_optim_consts *c,
                                            int ns, int64_t bs, const quant_ctx *qc,
                                            const mf_optim_tensor *t, int64_t first, int64_t n,
