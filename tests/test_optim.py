@@ -567,14 +567,15 @@ torch.manual_seed(0)
 cases = [(mo.AdamW8bit, {}), (mo.Adam8bit, {"weight_decay": 0.1}), (mo.Lion8bit, {}),
          (mo.SGD8bit, {"momentum": 0.9, "nesterov": True}), (mo.RMSprop8bit, {}),
          (mo.RMSprop8bit, {"momentum": 0.5}), (mo.AdamW8bit, {"block_size": 64}),
-         (mo.AdamW8bit, {"block_size": 4096}), (mo.AdamW8bit, {"maximize": True})]
+         (mo.AdamW8bit, {"block_size": 4096}), (mo.AdamW8bit, {"maximize": True}),
+         (mo.AdamW4bit, {}), (mo.AdamW4bit, {"block_size": 64, "weight_decay": 0.1})]
 out = []
 for dtype in (torch.float32, torch.bfloat16, torch.float16):
     for rounding in ({"bf16_stochastic_round": True}, {"bf16_stochastic_round": False},
                      {"kahan": True}):
         for cls, kw in cases:
-            # whole chunks of blocks, a tensor ending in a partial block, a small one
-            ps = [torch.nn.Parameter((torch.randn(n) * 0.1).to(dtype)) for n in (6144, 8192 + 300, 4096)]
+            # whole blocks; a fused work item (16384) then an odd partial block; a small one
+            ps = [torch.nn.Parameter((torch.randn(n) * 0.1).to(dtype)) for n in (6144, 16384 + 301, 4096)]
             opt = cls(ps, lr=1e-2, min_8bit_size=0, **rounding, **kw)
             for _ in range(3):
                 for p in ps:
@@ -590,10 +591,11 @@ sys.stdout.write(hashlib.sha256(b"".join(out)).hexdigest())
 """
 
 
-def test_fused_8bit_kernel_matches_block_kernel_bitwise():
-    """The fused AVX-512 kernel for 8-bit states (optim_avx512.c; taken on CPUs with
-    AVX512-VBMI) computes the same bits as the plain block kernel, for every optimizer
-    kind, parameter dtype, rounding mode (stochastic, nearest, Kahan) and block size."""
+def test_fused_kernels_match_block_kernel_bitwise():
+    """The fused AVX-512 kernels (optim_avx512.c; taken on CPUs with AVX512-VBMI)
+    compute the same bits as the plain block kernel, for every optimizer kind with 8-bit
+    states and AdamW4bit, every parameter dtype, rounding mode (stochastic, nearest,
+    Kahan) and block size."""
     import os
     import subprocess
     import sys

@@ -20,8 +20,9 @@
  * Code search: the exact lookup table of code_lut.h (bit-identical to the binary
  * search the CUDA kernels use), built once per code and cached.
  *
- * On CPUs with AVX512-VBMI, work items made of whole 8-bit quantization blocks go to
- * the fused, software-pipelined kernel of optim_avx512.c instead (same bits, tested):
+ * On CPUs with AVX512-VBMI, work items made of whole quantization blocks (8-bit states,
+ * and 4-bit states of Adam/AdamW) go to the fused, software-pipelined kernel of
+ * optim_avx512.c instead (same bits, tested):
  * it overlaps the divider-bound update with the gather-bound requantization.
  */
 #include <stdio.h>
@@ -266,11 +267,6 @@ mf_status mf_optim_quantize_fast(const float *code, int size, const float *x, in
   return MF_OK;
 }
 
-MF_INLINE void pack4(const uint8_t *restrict q, int64_t n, uint8_t *restrict out) {
-  int64_t pairs = n / 2;
-  for (int64_t j = 0; j < pairs; j++) out[j] = (uint8_t)(q[2 * j] | (q[2 * j + 1] << 4));
-  if (n & 1) out[pairs] = q[n - 1];
-}
 
 /* One block [first, first + n) of one tensor; `isa` is a constant in each variant. */
 MF_INLINE void block_step_impl(const mf_optim_hparams *h, const mf_optim_consts *c, int ns,
@@ -388,15 +384,18 @@ static block_fn pick_block_fn(void) {
 #define CPU_CHUNK 2048
 #define FUSED_CHUNK 16384
 
-/* Whether work items with whole quantization blocks go to the fused AVX-512 kernel
- * for 8-bit states (optim_avx512.c; the partial last block of a tensor, if any, takes
- * the block kernel). */
-static int use_fused8(mf_state_format fmt, int ns, int64_t bs, const quant_ctx *qc) {
+/* Whether work items with whole quantization blocks go to a fused AVX-512 kernel
+ * (optim_avx512.c; the partial last block of a tensor, if any, takes the block
+ * kernel): 8-bit states of every kind, 4-bit states of Adam/AdamW. */
+static int use_fused(const mf_optim_hparams *h, mf_state_format fmt, int ns, int64_t bs,
+                     const quant_ctx *qc) {
 #ifdef MF_X86_SIMD
-  return fmt == MF_STATE_8BIT && ns >= 1 && bs % 64 == 0 && qc->lut[0] &&
-         (ns < 2 || qc->lut[1]) && mf_cpu_has_vbmi();
+  const int kind_ok = fmt == MF_STATE_8BIT ||
+                      (fmt == MF_STATE_4BIT && (h->kind == MF_OPT_ADAMW || h->kind == MF_OPT_ADAM));
+  return kind_ok && ns >= 1 && bs % 64 == 0 && qc->lut[0] && (ns < 2 || qc->lut[1]) &&
+         mf_cpu_has_vbmi();
 #else
-  (void)fmt, (void)ns, (void)bs, (void)qc;
+  (void)h, (void)fmt, (void)ns, (void)bs, (void)qc;
   return 0;
 #endif
 }
@@ -417,7 +416,7 @@ static mf_status step_cpu(const mf_optim_hparams *h, mf_state_format fmt, int64_
     }
   }
   const block_fn block_step = pick_block_fn();
-  const int fused = use_fused8(fmt, ns, bs, &qc);
+  const int fused = use_fused(h, fmt, ns, bs, &qc);
   /* the fused kernel drains its pipeline once per item: give it longer ones */
   const int64_t item = fused ? FUSED_CHUNK : CPU_CHUNK;
   const int64_t chunk = fmt == MF_STATE_FP32 || bs < item ? item : bs;
@@ -453,7 +452,8 @@ static mf_status step_cpu(const mf_optim_hparams *h, mf_state_format fmt, int64_
         const int64_t len = numel - first < chunk ? numel - first : chunk;
 #ifdef MF_X86_SIMD
         if (fused && len % bs == 0) {
-          mf_optim_fused8_avx512(h, &c, ns, bs, &qc, t, first, len, &b);
+          if (fmt == MF_STATE_8BIT) mf_optim_fused8_avx512(h, &c, ns, bs, &qc, t, first, len, &b);
+          else mf_optim_fused4_avx512(h, &c, ns, bs, &qc, t, first, len, &b);
           continue;
         }
 #endif

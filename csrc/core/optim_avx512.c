@@ -1,6 +1,7 @@
 /*
- * The CPU optimizer step for 8-bit states on AVX-512 (+VBMI): one fused,
- * software-pipelined pass per work item.
+ * The CPU optimizer step for quantized states on AVX-512 (+VBMI): one fused,
+ * software-pipelined pass per work item. 8-bit states (every optimizer kind) and
+ * 4-bit states (Adam/AdamW, as AdamW4bit ships).
  *
  * Why a separate kernel. The generic block kernel (optim.c) runs four loops per block
  * (dequantize, update, absmax, requantize). Each loop is bound by a different unit:
@@ -83,23 +84,46 @@ MF_TARGET_VBMI static inline void dequant64_vbmi(const vbmi_code *v, const uint8
   _mm512_storeu_ps(out + 48, _mm512_mul_ps(_mm512_castsi512_ps(_mm512_unpackhi_epi16(h01, h23)), absmax));
 }
 
-/* `kind` and `ns` are constants in each instantiation below (no branches on them in
- * the loop). */
-MF_INLINE MF_TARGET_VBMI void fused8(const mf_optim_kind kind, const int ns,
+/* 4-bit states: 64 elements are 32 bytes, element 2i in the low nibble of byte i. The
+ * 16-entry code fits one register, so the lookup is a permute (no gather, no VBMI). */
+MF_TARGET_AVX512 static inline void dequant64_4bit(const float *code, const uint8_t *q,
+                                                   __m512 absmax, float *out) {
+  const __m512 table = _mm512_loadu_ps(code);
+  const __m128i low4 = _mm_set1_epi8(15);
+  for (int v = 0; v < 4; v++) {
+    const __m128i bytes = _mm_loadl_epi64((const __m128i *)(q + 8 * v));
+    const __m128i nib = _mm_unpacklo_epi8(_mm_and_si128(bytes, low4),
+                                          _mm_and_si128(_mm_srli_epi16(bytes, 4), low4));
+    const __m512 x = _mm512_permutexvar_ps(_mm512_cvtepu8_epi32(nib), table);
+    _mm512_storeu_ps(out + 16 * v, _mm512_mul_ps(x, absmax));
+  }
+}
+
+/* 16 code indices (bytes, each < 16) -> 8 bytes, element 2i in the low nibble of byte i */
+MF_TARGET_AVX512 static inline void store_nibbles(__m128i q, uint8_t *out) {
+  const __m128i pairs = _mm_maddubs_epi16(q, _mm_set1_epi16(0x1001)); /* q[2i] + 16 q[2i+1] */
+  _mm_storel_epi64((__m128i *)out, _mm_packus_epi16(pairs, pairs));
+}
+
+/* `kind`, `ns` and `bits` (8 or 4) are constants in each instantiation below (no
+ * branches on them in the loop). */
+MF_INLINE MF_TARGET_VBMI void fused(const mf_optim_kind kind, const int ns, const int bits,
                                      const mf_optim_hparams *h, const mf_optim_consts *c,
                                      int64_t bs, const quant_ctx *qc, const mf_optim_tensor *t,
                                      int64_t first, int64_t n, thread_bufs *b) {
   const mf_dtype dt = t->param.dtype;
   const int64_t blocks = n / bs;
-  uint8_t *codes[2] = {(uint8_t *)t->state1.data + first,
-                       ns > 1 ? (uint8_t *)t->state2.data + first : NULL};
+  /* state bytes of this item (4-bit: first is a multiple of the block size, so even) */
+  const int64_t byte0 = bits == 8 ? first : first / 2;
+  uint8_t *codes[2] = {(uint8_t *)t->state1.data + byte0,
+                       ns > 1 ? (uint8_t *)t->state2.data + byte0 : NULL};
   float *absmax[2] = {(float *)t->absmax1.data + first / bs,
                       ns > 1 ? (float *)t->absmax2.data + first / bs : NULL};
   float *p = dt == MF_FLOAT32 ? (float *)t->param.data + first : b->p;
   const float *g = dt == MF_FLOAT32 ? (const float *)t->grad.data + first : b->g;
   float inv_prev[2] = {0.0f, 0.0f};
   vbmi_code *vc = (vbmi_code *)(void *)b->fused_tables;
-  if (!b->fused_ready) {
+  if (bits == 8 && !b->fused_ready) {
     for (int k = 0; k < ns; k++) vbmi_code_init(&vc[k], qc->code[k]);
     b->fused_ready = 1;
   }
@@ -114,7 +138,10 @@ MF_INLINE MF_TARGET_VBMI void fused8(const mf_optim_kind kind, const int ns,
     for (int64_t o = 0; o < bs; o += GROUP) {
       if (j < blocks) {
         const int64_t at = j * bs + o;
-        for (int k = 0; k < ns; k++) dequant64_vbmi(&vc[k], codes[k] + at, am[k], cur[k] + o);
+        for (int k = 0; k < ns; k++) {
+          if (bits == 8) dequant64_vbmi(&vc[k], codes[k] + at, am[k], cur[k] + o);
+          else dequant64_4bit(qc->code[k], codes[k] + at / 2, am[k], cur[k] + o);
+        }
         if (dt != MF_FLOAT32) {
           load_params(t, first + at, GROUP, p + at);
           widen(t->grad.data, dt, first + at, GROUP, b->g + at);
@@ -126,14 +153,23 @@ MF_INLINE MF_TARGET_VBMI void fused8(const mf_optim_kind kind, const int ns,
       if (j > 0) {
         const int64_t at = (j - 1) * bs + o;
         for (int k = 0; k < ns; k++)
-          for (int v = 0; v < GROUP; v += 16)
-            _mm_storeu_si128((__m128i *)(codes[k] + at + v),
-                             mf_code_lut_quantize16(qc->lut[k], _mm512_loadu_ps(prev[k] + o + v), inv[k], &slow, 0));
+          for (int v = 0; v < GROUP; v += 16) {
+            const __m128i q =
+                mf_code_lut_quantize16(qc->lut[k], _mm512_loadu_ps(prev[k] + o + v), inv[k], &slow, 0);
+            if (bits == 8) _mm_storeu_si128((__m128i *)(codes[k] + at + v), q);
+            else store_nibbles(q, codes[k] + (at + v) / 2);
+          }
       }
     }
     if (j > 0 && ((uint32_t)_mm512_reduce_or_epi32(slow) & MF_CODE_LUT_SLOW)) {
-      for (int k = 0; k < ns; k++) /* buckets that need the binary search */
-        mf_code_lut_quantize_n(qc->lut[k], prev[k], inv_prev[k], bs, codes[k] + (j - 1) * bs);
+      for (int k = 0; k < ns; k++) { /* buckets that need the binary search */
+        if (bits == 8) {
+          mf_code_lut_quantize_n(qc->lut[k], prev[k], inv_prev[k], bs, codes[k] + (j - 1) * bs);
+        } else {
+          mf_code_lut_quantize_n(qc->lut[k], prev[k], inv_prev[k], bs, b->q);
+          pack4(b->q, bs, codes[k] + (j - 1) * bs / 2);
+        }
+      }
       slow = _mm512_setzero_si512();
     }
     if (j < blocks) {
@@ -146,21 +182,34 @@ MF_INLINE MF_TARGET_VBMI void fused8(const mf_optim_kind kind, const int ns,
   }
 }
 
+/* One instantiation per optimizer kind and state count, for 8-bit (VBMI) states. */
 MF_TARGET_VBMI void mf_optim_fused8_avx512(const mf_optim_hparams *h, const mf_optim_consts *c,
                                            int ns, int64_t bs, const quant_ctx *qc,
                                            const mf_optim_tensor *t, int64_t first, int64_t n,
                                            thread_bufs *b) {
-#define FUSED8(kind, ns) fused8(kind, ns, h, c, bs, qc, t, first, n, b)
+#define FUSED(kind, ns) fused(kind, ns, 8, h, c, bs, qc, t, first, n, b)
   switch (h->kind) {
-    case MF_OPT_ADAMW: FUSED8(MF_OPT_ADAMW, 2); break;
-    case MF_OPT_ADAM: FUSED8(MF_OPT_ADAM, 2); break;
-    case MF_OPT_LION: FUSED8(MF_OPT_LION, 1); break;
-    case MF_OPT_SGD: FUSED8(MF_OPT_SGD, 1); break; /* with momentum: one state */
+    case MF_OPT_ADAMW: FUSED(MF_OPT_ADAMW, 2); break;
+    case MF_OPT_ADAM: FUSED(MF_OPT_ADAM, 2); break;
+    case MF_OPT_LION: FUSED(MF_OPT_LION, 1); break;
+    case MF_OPT_SGD: FUSED(MF_OPT_SGD, 1); break; /* with momentum: one state */
     case MF_OPT_RMSPROP:
-      if (ns == 2) FUSED8(MF_OPT_RMSPROP, 2);
-      else FUSED8(MF_OPT_RMSPROP, 1);
+      if (ns == 2) FUSED(MF_OPT_RMSPROP, 2);
+      else FUSED(MF_OPT_RMSPROP, 1);
       break;
   }
-#undef FUSED8
+#undef FUSED
 }
+
+/* 4-bit states: the optimizers that ship them (AdamW4bit; the functional API also
+ * takes other kinds, which use the block kernel). */
+MF_TARGET_VBMI void mf_optim_fused4_avx512(const mf_optim_hparams *h, const mf_optim_consts *c,
+                                           int ns, int64_t bs, const quant_ctx *qc,
+                                           const mf_optim_tensor *t, int64_t first, int64_t n,
+                                           thread_bufs *b) {
+  (void)ns;
+  if (h->kind == MF_OPT_ADAMW) fused(MF_OPT_ADAMW, 2, 4, h, c, bs, qc, t, first, n, b);
+  else fused(MF_OPT_ADAM, 2, 4, h, c, bs, qc, t, first, n, b);
+}
+
 #endif /* MF_X86_SIMD */

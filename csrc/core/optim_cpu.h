@@ -1,6 +1,6 @@
 /*
  * Private to the core: pieces of the CPU optimizer step shared by the generic block
- * kernel (optim.c) and the fused AVX-512 kernel for 8-bit states (optim_avx512.c).
+ * kernel (optim.c) and the fused AVX-512 kernels for quantized states (optim_avx512.c).
  */
 #ifndef MEMFIT_OPTIM_CPU_H
 #define MEMFIT_OPTIM_CPU_H
@@ -103,10 +103,20 @@ MF_INLINE void store_params(const mf_optim_hparams *h, const mf_optim_tensor *t,
   }
 }
 
+/* 4-bit states: q[2i] in the low nibble of out[i], q[2i+1] in the high one. */
+MF_INLINE void pack4(const uint8_t *restrict q, int64_t n, uint8_t *restrict out) {
+  int64_t pairs = n / 2;
+  for (int64_t j = 0; j < pairs; j++) out[j] = (uint8_t)(q[2 * j] | (q[2 * j + 1] << 4));
+  if (n & 1) out[pairs] = q[n - 1];
+}
+
 #ifdef MF_X86_SIMD
-/* The fused kernel for 8-bit states (see optim_avx512.c): the same bits as the
- * generic block kernel. Needs n % bs == 0 and bs % 64 == 0. */
+/* The fused kernels (see optim_avx512.c): the same bits as the generic block kernel.
+ * They need n % bs == 0, bs % 64 == 0 and AVX512-VBMI; the 4-bit one takes Adam/AdamW. */
 void mf_optim_fused8_avx512(const mf_optim_hparams *h, const mf_optim_consts *c, int ns,
+                            int64_t bs, const quant_ctx *qc, const mf_optim_tensor *t,
+                            int64_t first, int64_t n, thread_bufs *b);
+void mf_optim_fused4_avx512(const mf_optim_hparams *h, const mf_optim_consts *c, int ns,
                             int64_t bs, const quant_ctx *qc, const mf_optim_tensor *t,
                             int64_t first, int64_t n, thread_bufs *b);
 #endif
