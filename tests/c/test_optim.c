@@ -8,16 +8,7 @@
 
 #include "memfit/optim.h"
 
-static int failures = 0;
-#define CHECK(cond, ...)                 \
-  do {                                   \
-    if (!(cond)) {                       \
-      failures++;                        \
-      fprintf(stderr, "FAIL %s:%d: ", __FILE__, __LINE__); \
-      fprintf(stderr, __VA_ARGS__);      \
-      fprintf(stderr, "\n");             \
-    }                                    \
-  } while (0)
+#include "check.h"
 
 #define BATCH 4096
 
@@ -73,7 +64,8 @@ static void test_code(const float *code, int size, const char *what) {
 }
 
 static void test_skip_nonfinite(void) {
-  mf_optim_hparams h = {MF_OPT_ADAMW, 1e-3, 0.9, 0.999, 1e-8, 1e-2, 0, 0, 0, 0, 0};
+  mf_optim_hparams h = {.kind = MF_OPT_ADAMW, .lr = 1e-3, .beta1 = 0.9, .beta2 = 0.999, .eps = 1e-8,
+                        .weight_decay = 1e-2};
   mf_optim_consts c = mf_optim_prepare(&h, 3.0f, 1.0f);
   float p = 0.5f, s1 = 0.1f, s2 = 0.01f;
   int ok = mf_optim_update_one(MF_OPT_ADAMW, &c, 2, &p, NAN, &s1, &s2);
@@ -192,10 +184,5 @@ int main(void) {
   test_skip_nonfinite();
   test_kahan_split();
   test_kahan_step();
-  if (failures) {
-    fprintf(stderr, "%d failure(s)\n", failures);
-    return 1;
-  }
-  printf("test_optim: ok\n");
-  return 0;
+  return check_exit("test_optim");
 }

@@ -9,16 +9,7 @@
 #include <string.h>
 #include <time.h>
 
-static int failures = 0;
-#define CHECK(cond, ...)                                  \
-  do {                                                    \
-    if (!(cond)) {                                        \
-      failures++;                                         \
-      fprintf(stderr, "FAIL %s:%d: ", __FILE__, __LINE__); \
-      fprintf(stderr, __VA_ARGS__);                       \
-      fprintf(stderr, "\n");                              \
-    }                                                     \
-  } while (0)
+#include "check.h"
 
 /* xorshift64*: fixed seeds so a failure reproduces. */
 static uint64_t rng_state = 0x9E3779B97F4A7C15ull;
@@ -351,10 +342,5 @@ int main(void) {
   test_identical_blocks_exact();
   test_never_worse_than_sqrt();
   test_1000_stages();
-  if (failures) {
-    fprintf(stderr, "test_plan: %d failure(s)\n", failures);
-    return 1;
-  }
-  printf("test_plan: ok\n");
-  return 0;
+  return check_exit("test_plan");
 }

@@ -13,17 +13,7 @@
 #include "memfit/quant.h"
 #include "code_lut.h" /* private to the core: the CPU lookup table */
 
-static int failures = 0;
-
-#define CHECK(cond, ...)                          \
-  do {                                            \
-    if (!(cond)) {                                \
-      fprintf(stderr, "FAIL %s:%d: ", __FILE__, __LINE__); \
-      fprintf(stderr, __VA_ARGS__);               \
-      fprintf(stderr, "\n");                      \
-      failures++;                                 \
-    }                                             \
-  } while (0)
+#include "check.h"
 
 static uint64_t rng_state = 0x1234567887654321ull;
 static double uniform01(void) { /* xorshift64*, enough for test data */
@@ -247,10 +237,5 @@ int main(void) {
   test_non_finite();
   test_errors();
   test_stochastic_unbiased();
-  if (failures) {
-    fprintf(stderr, "%d check(s) failed\n", failures);
-    return 1;
-  }
-  printf("test_quant: all checks passed\n");
-  return 0;
+  return check_exit("test_quant");
 }

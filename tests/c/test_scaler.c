@@ -10,14 +10,7 @@
 
 #include "memfit/scaler.h"
 
-static int failures = 0;
-#define CHECK(cond)                                                        \
-  do {                                                                     \
-    if (!(cond)) {                                                         \
-      fprintf(stderr, "%s:%d: CHECK failed: %s\n", __FILE__, __LINE__, #cond); \
-      failures++;                                                          \
-    }                                                                      \
-  } while (0)
+#include "check.h"
 
 static float scale_of(const uint32_t *w) { return mf_f32_from_bits(w[MF_SW_SCALE]); }
 
@@ -224,10 +217,5 @@ int main(void) {
   test_stage_machine();
   test_unscale_and_norm_cpu();
   test_multi_tensor_packing();
-  if (failures) {
-    fprintf(stderr, "test_scaler: %d failure(s)\n", failures);
-    return 1;
-  }
-  printf("test_scaler: ok\n");
-  return 0;
+  return check_exit("test_scaler");
 }
