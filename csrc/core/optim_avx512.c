@@ -40,6 +40,27 @@ MF_TARGET_AVX512 static inline __m512i absmax64(__m512i m, const float *s) {
 
 #define GROUP 64 /* one VBMI dequantization and one absmax64 per state */
 
+/* Software prefetch, PREFETCH elements (1-2 KB of each array) ahead of the group being
+ * dequantized. The loop is compute-heavy, so the demand misses of its five streams
+ * (param, grad, two code arrays, and the params written back) come late for the
+ * hardware prefetchers; on the 2-core reference machine this took the 16M-param
+ * 2-thread step from 11.7 to 10.9-11.1 ms (best of 8 runs; 256-4096 all helped, 256-512
+ * most). Only within the work item: prefetches never cross into another thread's. */
+#define PREFETCH 512
+
+/* (Always inlined, and the builtin rather than _mm_prefetch: GCC 12 otherwise finds a
+ * non-inlined helper "pure" and deletes its calls, prefetches and all.) */
+MF_INLINE void prefetch_group(const mf_optim_tensor *t, size_t es, int bits, int ns, int64_t i) {
+  const char *p = (const char *)t->param.data + i * es, *g = (const char *)t->grad.data + i * es;
+  for (size_t off = 0; off < GROUP * es; off += 64) {
+    __builtin_prefetch(p + off, 0, 3);
+    __builtin_prefetch(g + off, 0, 3);
+  }
+  const int64_t byte = bits == 8 ? i : i / 2;
+  __builtin_prefetch((const char *)t->state1.data + byte, 0, 3);
+  if (ns > 1) __builtin_prefetch((const char *)t->state2.data + byte, 0, 3);
+}
+
 /* Dequantization without gathers (AVX512-VBMI): the 256-entry code is split into four
  * byte planes (byte j of every code value), 4 registers each; vpermi2b looks up 64
  * indices in 128 bytes, a blend on the index's top bit picks the half, and byte
@@ -112,6 +133,7 @@ MF_INLINE MF_TARGET_VBMI void fused(const mf_optim_kind kind, const int ns, cons
                                      int64_t bs, const quant_ctx *qc, const mf_optim_tensor *t,
                                      int64_t first, int64_t n, thread_bufs *b) {
   const mf_dtype dt = t->param.dtype;
+  const size_t es = mf_dtype_size(dt);
   const int64_t blocks = n / bs;
   /* state bytes of this item (4-bit: first is a multiple of the block size, so even) */
   const int64_t byte0 = bits == 8 ? first : first / 2;
@@ -138,6 +160,7 @@ MF_INLINE MF_TARGET_VBMI void fused(const mf_optim_kind kind, const int ns, cons
     for (int64_t o = 0; o < bs; o += GROUP) {
       if (j < blocks) {
         const int64_t at = j * bs + o;
+        if (at + PREFETCH < n) prefetch_group(t, es, bits, ns, first + at + PREFETCH);
         for (int k = 0; k < ns; k++) {
           if (bits == 8) dequant64_vbmi(&vc[k], codes[k] + at, am[k], cur[k] + o);
           else dequant64_4bit(qc->code[k], codes[k] + at / 2, am[k], cur[k] + o);
