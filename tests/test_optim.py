@@ -553,7 +553,7 @@ def test_cpu_isa_variants_agree_bitwise():
             "    out += [p.tobytes(), st['state1'].tobytes(), st['absmax1'].tobytes()]\n"
             "sys.stdout.write(__import__('hashlib').sha256(b''.join(out)).hexdigest())\n")
     digests = set()
-    for isa in ("generic", "avx2", "avx512"):
+    for isa in ("generic", "avx2", "avx512", "avx512vbmi"):
         env = {**__import__("os").environ, "MEMFIT_CPU_ISA": isa}
         r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
         digests.add(r.stdout)
@@ -592,18 +592,19 @@ sys.stdout.write(hashlib.sha256(b"".join(out)).hexdigest())
 
 
 def test_fused_kernels_match_block_kernel_bitwise():
-    """The fused AVX-512 kernels (optim_avx512.c; taken on CPUs with AVX512-VBMI)
-    compute the same bits as the plain block kernel, for every optimizer kind with 8-bit
-    states and AdamW4bit, every parameter dtype, rounding mode (stochastic, nearest,
-    Kahan) and block size."""
+    """The fused AVX-512 kernels (optim_avx512.c: the VBMI build, and the gather build
+    for AVX-512 CPUs without VBMI, forced here with MEMFIT_CPU_ISA=avx512) compute the
+    same bits as the plain block kernel, for every optimizer kind with 8-bit states and
+    AdamW4bit, every parameter dtype, rounding mode (stochastic, nearest, Kahan) and block
+    size. On a CPU without AVX-512 all three runs take the block kernel."""
     import os
     import subprocess
     import sys
 
     digests = {}
-    for isa in ("generic", "avx512"):
+    for isa in ("generic", "avx512", "avx512vbmi"):
         env = {**os.environ, "MEMFIT_CPU_ISA": isa}
         r = subprocess.run([sys.executable, "-c", _FUSED_CASES], env=env, capture_output=True,
                            text=True, check=True)
         digests[isa] = r.stdout
-    assert digests["generic"] == digests["avx512"], digests
+    assert digests["generic"] == digests["avx512"] == digests["avx512vbmi"], digests

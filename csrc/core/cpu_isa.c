@@ -6,8 +6,12 @@
 #include <string.h>
 
 #ifdef MF_X86_SIMD
+/* MEMFIT_CPU_ISA: "avx512" caps at AVX-512 F/BW/DQ/VL (no VBMI); "avx512vbmi" or unset
+ * allows everything. */
+static const char *cap_env(void) { return getenv("MEMFIT_CPU_ISA"); }
+
 static int detect(void) {
-  const char *cap = getenv("MEMFIT_CPU_ISA");
+  const char *cap = cap_env();
   int max_isa = ISA_AVX512;
   if (cap && !strcmp(cap, "generic")) max_isa = ISA_GENERIC;
   if (cap && !strcmp(cap, "avx2")) max_isa = ISA_AVX2;
@@ -33,7 +37,15 @@ int mf_cpu_isa(void) {
 }
 
 int mf_cpu_has_vbmi(void) {
-  return mf_cpu_isa() == ISA_AVX512 && __builtin_cpu_supports("avx512vbmi");
+  static _Atomic int vbmi_cached = -1;
+  int v = atomic_load_explicit(&vbmi_cached, memory_order_relaxed);
+  if (v < 0) {
+    const char *cap = cap_env();
+    v = mf_cpu_isa() == ISA_AVX512 && !(cap && !strcmp(cap, "avx512")) &&
+        __builtin_cpu_supports("avx512vbmi");
+    atomic_store_explicit(&vbmi_cached, v, memory_order_relaxed);
+  }
+  return v;
 }
 #else
 int mf_cpu_isa(void) { return ISA_GENERIC; }

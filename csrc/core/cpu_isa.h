@@ -3,8 +3,9 @@
  *
  * Kernels are compiled for plain x86-64 and, through target attributes, for AVX2 and
  * AVX-512; the widest one the CPU runs is picked at run time. Every variant computes
- * the same bits (the tests compare them), so MEMFIT_CPU_ISA=generic|avx2|avx512 can cap
- * the choice for tests and benchmarks.
+ * the same bits (the tests compare them), so MEMFIT_CPU_ISA=generic|avx2|avx512|avx512vbmi
+ * can cap the choice for tests and benchmarks ("avx512": without the VBMI byte permutes,
+ * as on Skylake-SP and Cascade Lake).
  */
 #ifndef MEMFIT_CPU_ISA_H
 #define MEMFIT_CPU_ISA_H
@@ -21,7 +22,8 @@ enum { ISA_GENERIC = 0, ISA_AVX2 = 1, ISA_AVX512 = 2 };
 /* The widest of ISA_* this CPU runs, capped by MEMFIT_CPU_ISA (read once). */
 int mf_cpu_isa(void);
 
-/* ISA_AVX512 and the AVX512-VBMI byte permutes (Ice Lake, Zen 4 and later). */
+/* ISA_AVX512 and the AVX512-VBMI byte permutes (Ice Lake, Zen 4 and later), unless
+ * MEMFIT_CPU_ISA=avx512 (read once). */
 int mf_cpu_has_vbmi(void);
 
 #endif /* MEMFIT_CPU_ISA_H */

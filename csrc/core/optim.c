@@ -384,21 +384,23 @@ static block_fn pick_block_fn(void) {
 #define CPU_CHUNK 2048
 #define FUSED_CHUNK 16384
 
-/* Whether work items with whole quantization blocks go to a fused AVX-512 kernel
- * (optim_avx512.c; the partial last block of a tensor, if any, takes the block
- * kernel): 8-bit states of every kind, 4-bit states of Adam/AdamW. */
-static int use_fused(const mf_optim_hparams *h, mf_state_format fmt, int ns, int64_t bs,
-                     const quant_ctx *qc) {
+/* The fused AVX-512 kernel that work items with whole quantization blocks go to
+ * (optim_avx512.c; the partial last block of a tensor, if any, takes the block kernel),
+ * or NULL: 8-bit states of every kind, 4-bit states of Adam/AdamW; the VBMI build where
+ * the CPU has it, else the gather build. */
 #ifdef MF_X86_SIMD
+static fused_fn pick_fused(const mf_optim_hparams *h, mf_state_format fmt, int ns, int64_t bs,
+                           const quant_ctx *qc) {
   const int kind_ok = fmt == MF_STATE_8BIT ||
                       (fmt == MF_STATE_4BIT && (h->kind == MF_OPT_ADAMW || h->kind == MF_OPT_ADAM));
-  return kind_ok && ns >= 1 && bs % 64 == 0 && qc->lut[0] && (ns < 2 || qc->lut[1]) &&
-         mf_cpu_has_vbmi();
-#else
-  (void)h, (void)fmt, (void)ns, (void)bs, (void)qc;
-  return 0;
-#endif
+  if (!kind_ok || ns < 1 || bs % 64 != 0 || !qc->lut[0] || (ns > 1 && !qc->lut[1]) ||
+      mf_cpu_isa() != ISA_AVX512)
+    return NULL;
+  if (mf_cpu_has_vbmi())
+    return fmt == MF_STATE_8BIT ? mf_optim_fused8_avx512_vbmi : mf_optim_fused4_avx512_vbmi;
+  return fmt == MF_STATE_8BIT ? mf_optim_fused8_avx512_gather : mf_optim_fused4_avx512_gather;
 }
+#endif
 
 static mf_status step_cpu(const mf_optim_hparams *h, mf_state_format fmt, int64_t bs,
                           const mf_tensor *code1, const mf_tensor *code2,
@@ -416,7 +418,11 @@ static mf_status step_cpu(const mf_optim_hparams *h, mf_state_format fmt, int64_
     }
   }
   const block_fn block_step = pick_block_fn();
-  const int fused = use_fused(h, fmt, ns, bs, &qc);
+#ifdef MF_X86_SIMD
+  const fused_fn fused = pick_fused(h, fmt, ns, bs, &qc);
+#else
+  const void *fused = NULL;
+#endif
   /* the fused kernel drains its pipeline once per item: give it longer ones */
   const int64_t item = fused ? FUSED_CHUNK : CPU_CHUNK;
   const int64_t chunk = fmt == MF_STATE_FP32 || bs < item ? item : bs;
@@ -456,8 +462,7 @@ static mf_status step_cpu(const mf_optim_hparams *h, mf_state_format fmt, int64_
         const int64_t len = numel - first < chunk ? numel - first : chunk;
 #ifdef MF_X86_SIMD
         if (fused && len % bs == 0) {
-          if (fmt == MF_STATE_8BIT) mf_optim_fused8_avx512(h, &c, ns, bs, &qc, t, first, len, &b);
-          else mf_optim_fused4_avx512(h, &c, ns, bs, &qc, t, first, len, &b);
+          fused(h, &c, ns, bs, &qc, t, first, len, &b);
           continue;
         }
 #endif

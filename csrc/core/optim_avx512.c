@@ -23,12 +23,26 @@
  * the same inline function, absmax is the same integer max, the code search is the
  * exact table of code_lut.h), so the bits are the same; tests compare the variants.
  * Compiled with -ffp-contract=off like optim.c.
+ *
+ * Two builds of this file: this one for CPUs with AVX512-VBMI (Ice Lake, Sapphire
+ * Rapids, Zen 4 and later), and optim_avx512_gather.c, which defines MF_FUSED_GATHER
+ * and includes it, for AVX-512 CPUs without VBMI (Skylake-SP, Cascade Lake: much of the
+ * cloud, Colab included). The only difference is the 8-bit dequantization: byte
+ * permutes here, table gathers there (same values). Entry points carry the suffix.
  */
 #include "code_lut_avx512.h"
 #include "optim_cpu.h"
 
 #ifdef MF_X86_SIMD
 #include <string.h>
+
+#ifdef MF_FUSED_GATHER
+#define FUSED_TARGET MF_TARGET_AVX512
+#define FUSED_ENTRY(name) name##_gather
+#else
+#define FUSED_TARGET MF_TARGET_VBMI
+#define FUSED_ENTRY(name) name##_vbmi
+#endif
 
 /* max over the |bit patterns| of 64 floats, folded into m */
 MF_TARGET_AVX512 static inline __m512i absmax64(__m512i m, const float *s) {
@@ -61,6 +75,7 @@ MF_INLINE void prefetch_group(const mf_optim_tensor *t, size_t es, int bits, int
   if (ns > 1) __builtin_prefetch((const char *)t->state2.data + byte, 0, 3);
 }
 
+#ifndef MF_FUSED_GATHER
 /* Dequantization without gathers (AVX512-VBMI): the 256-entry code is split into four
  * byte planes (byte j of every code value), 4 registers each; vpermi2b looks up 64
  * indices in 128 bytes, a blend on the index's top bit picks the half, and byte
@@ -105,6 +120,18 @@ MF_TARGET_VBMI static inline void dequant64_vbmi(const vbmi_code *v, const uint8
   _mm512_storeu_ps(out + 48, _mm512_mul_ps(_mm512_castsi512_ps(_mm512_unpackhi_epi16(h01, h23)), absmax));
 }
 
+#else
+
+/* Without VBMI: one gather of 16 code values per 16 indices. */
+MF_TARGET_AVX512 static inline void dequant64_gather(const float *code, const uint8_t *q,
+                                                     __m512 absmax, float *out) {
+  for (int v = 0; v < 4; v++) {
+    const __m512i idx = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(q + 16 * v)));
+    _mm512_storeu_ps(out + 16 * v, _mm512_mul_ps(_mm512_i32gather_ps(idx, code, 4), absmax));
+  }
+}
+#endif /* MF_FUSED_GATHER */
+
 /* 4-bit states: 64 elements are 32 bytes, element 2i in the low nibble of byte i. The
  * 16-entry code fits one register, so the lookup is a permute (no gather, no VBMI). */
 MF_TARGET_AVX512 static inline void dequant64_4bit(const float *code, const uint8_t *q,
@@ -128,7 +155,7 @@ MF_TARGET_AVX512 static inline void store_nibbles(__m128i q, uint8_t *out) {
 
 /* `kind`, `ns` and `bits` (8 or 4) are constants in each instantiation below (no
  * branches on them in the loop). */
-MF_INLINE MF_TARGET_VBMI void fused(const mf_optim_kind kind, const int ns, const int bits,
+MF_INLINE FUSED_TARGET void fused(const mf_optim_kind kind, const int ns, const int bits,
                                      const mf_optim_hparams *h, const mf_optim_consts *c,
                                      int64_t bs, const quant_ctx *qc, const mf_optim_tensor *t,
                                      int64_t first, int64_t n, thread_bufs *b) {
@@ -144,11 +171,13 @@ MF_INLINE MF_TARGET_VBMI void fused(const mf_optim_kind kind, const int ns, cons
   float *p = dt == MF_FLOAT32 ? (float *)t->param.data + first : b->p;
   const float *g = dt == MF_FLOAT32 ? (const float *)t->grad.data + first : b->g;
   float inv_prev[2] = {0.0f, 0.0f};
+#ifndef MF_FUSED_GATHER
   vbmi_code *vc = (vbmi_code *)(void *)b->fused_tables;
   if (bits == 8 && !b->fused_ready) {
     for (int k = 0; k < ns; k++) vbmi_code_init(&vc[k], qc->code[k]);
     b->fused_ready = 1;
   }
+#endif
   __m512i slow = _mm512_setzero_si512();
   for (int64_t j = 0; j <= blocks; j++) {
     float *cur[2] = {b->ring + (j & 1) * 2 * bs, b->ring + (j & 1) * 2 * bs + bs};
@@ -162,7 +191,11 @@ MF_INLINE MF_TARGET_VBMI void fused(const mf_optim_kind kind, const int ns, cons
         const int64_t at = j * bs + o;
         if (at + PREFETCH < n) prefetch_group(t, es, bits, ns, first + at + PREFETCH);
         for (int k = 0; k < ns; k++) {
+#ifndef MF_FUSED_GATHER
           if (bits == 8) dequant64_vbmi(&vc[k], codes[k] + at, am[k], cur[k] + o);
+#else
+          if (bits == 8) dequant64_gather(qc->code[k], codes[k] + at, am[k], cur[k] + o);
+#endif
           else dequant64_4bit(qc->code[k], codes[k] + at / 2, am[k], cur[k] + o);
         }
         if (dt != MF_FLOAT32) {
@@ -205,11 +238,11 @@ MF_INLINE MF_TARGET_VBMI void fused(const mf_optim_kind kind, const int ns, cons
   }
 }
 
-/* One instantiation per optimizer kind and state count, for 8-bit (VBMI) states. */
-MF_TARGET_VBMI void mf_optim_fused8_avx512(const mf_optim_hparams *h, const mf_optim_consts *c,
-                                           int ns, int64_t bs, const quant_ctx *qc,
-                                           const mf_optim_tensor *t, int64_t first, int64_t n,
-                                           thread_bufs *b) {
+/* One instantiation per optimizer kind and state count, for 8-bit states. */
+FUSED_TARGET void FUSED_ENTRY(mf_optim_fused8_avx512)(const mf_optim_hparams *h,
+                                                    const mf_optim_consts *c, int ns, int64_t bs,
+                                                    const quant_ctx *qc, const mf_optim_tensor *t,
+                                                    int64_t first, int64_t n, thread_bufs *b) {
 #define FUSED(kind, ns) fused(kind, ns, 8, h, c, bs, qc, t, first, n, b)
   switch (h->kind) {
     case MF_OPT_ADAMW: FUSED(MF_OPT_ADAMW, 2); break;
@@ -226,10 +259,10 @@ MF_TARGET_VBMI void mf_optim_fused8_avx512(const mf_optim_hparams *h, const mf_o
 
 /* 4-bit states: the optimizers that ship them (AdamW4bit; the functional API also
  * takes other kinds, which use the block kernel). */
-MF_TARGET_VBMI void mf_optim_fused4_avx512(const mf_optim_hparams *h, const mf_optim_consts *c,
-                                           int ns, int64_t bs, const quant_ctx *qc,
-                                           const mf_optim_tensor *t, int64_t first, int64_t n,
-                                           thread_bufs *b) {
+FUSED_TARGET void FUSED_ENTRY(mf_optim_fused4_avx512)(const mf_optim_hparams *h,
+                                                    const mf_optim_consts *c, int ns, int64_t bs,
+                                                    const quant_ctx *qc, const mf_optim_tensor *t,
+                                                    int64_t first, int64_t n, thread_bufs *b) {
   (void)ns;
   if (h->kind == MF_OPT_ADAMW) fused(MF_OPT_ADAMW, 2, 4, h, c, bs, qc, t, first, n, b);
   else fused(MF_OPT_ADAM, 2, 4, h, c, bs, qc, t, first, n, b);

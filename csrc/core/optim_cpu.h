@@ -117,13 +117,23 @@ MF_INLINE void pack4(const uint8_t *restrict q, int64_t n, uint8_t *restrict out
 
 #ifdef MF_X86_SIMD
 /* The fused kernels (see optim_avx512.c): the same bits as the generic block kernel.
- * They need n % bs == 0, bs % 64 == 0 and AVX512-VBMI; the 4-bit one takes Adam/AdamW. */
-void mf_optim_fused8_avx512(const mf_optim_hparams *h, const mf_optim_consts *c, int ns,
-                            int64_t bs, const quant_ctx *qc, const mf_optim_tensor *t,
-                            int64_t first, int64_t n, thread_bufs *b);
-void mf_optim_fused4_avx512(const mf_optim_hparams *h, const mf_optim_consts *c, int ns,
-                            int64_t bs, const quant_ctx *qc, const mf_optim_tensor *t,
-                            int64_t first, int64_t n, thread_bufs *b);
+ * They need n % bs == 0 and bs % 64 == 0; the 4-bit ones take Adam/AdamW. _vbmi: for
+ * CPUs with AVX512-VBMI; _gather: any AVX-512 CPU (F, BW, DQ, VL). */
+typedef void (*fused_fn)(const mf_optim_hparams *h, const mf_optim_consts *c, int ns,
+                         int64_t bs, const quant_ctx *qc, const mf_optim_tensor *t,
+                         int64_t first, int64_t n, thread_bufs *b);
+void mf_optim_fused8_avx512_vbmi(const mf_optim_hparams *h, const mf_optim_consts *c, int ns,
+                                 int64_t bs, const quant_ctx *qc, const mf_optim_tensor *t,
+                                 int64_t first, int64_t n, thread_bufs *b);
+void mf_optim_fused4_avx512_vbmi(const mf_optim_hparams *h, const mf_optim_consts *c, int ns,
+                                 int64_t bs, const quant_ctx *qc, const mf_optim_tensor *t,
+                                 int64_t first, int64_t n, thread_bufs *b);
+void mf_optim_fused8_avx512_gather(const mf_optim_hparams *h, const mf_optim_consts *c, int ns,
+                                   int64_t bs, const quant_ctx *qc, const mf_optim_tensor *t,
+                                   int64_t first, int64_t n, thread_bufs *b);
+void mf_optim_fused4_avx512_gather(const mf_optim_hparams *h, const mf_optim_consts *c, int ns,
+                                   int64_t bs, const quant_ctx *qc, const mf_optim_tensor *t,
+                                   int64_t first, int64_t n, thread_bufs *b);
 #endif
 
 #endif /* MEMFIT_OPTIM_CPU_H */
