@@ -341,3 +341,47 @@ def test_cuda_runs_on_current_stream():
         y = q.dequantize_blockwise(st)
     s.synchronize()
     assert (y - x).abs().mean().item() < 0.011
+
+
+_ISA_CASES = """
+import hashlib, sys, numpy as np, memfit.quant as q
+rng = np.random.default_rng(7)
+# normal values; exact code values and their float neighbours (the decision points);
+# tiny, subnormal, huge, +-0, +-Inf and NaN (a non-finite block, see above)
+parts = [rng.standard_normal(40000).astype(np.float32)]
+for code in (q.dynamic_map(True), q.dynamic_map(False), q.linear_map(True)):
+    c = np.asarray(code, np.float32)
+    mids = ((c[1:].astype(np.float64) + c[:-1]) / 2).astype(np.float32)
+    for v in (c, mids):
+        parts += [v, np.nextafter(v, np.float32(np.inf)), np.nextafter(v, np.float32(-np.inf))]
+parts.append(np.array([1e-30, -1e-30, 1e-42, -1e-42, 0.0, -0.0, 3e38, -3e38], np.float32))
+x = np.concatenate(parts)
+x = np.concatenate([x, np.zeros((-len(x)) % 64, np.float32)])
+out = []
+for code in (None, q.dynamic_map(False), q.linear_map(True)):
+    for bs in (64, 256, 4096):
+        s = q.quantize_blockwise(x, block_size=bs, code=code)
+        out += [np.asarray(s.codes).tobytes(), np.asarray(s.absmax).tobytes()]
+bad = x[:256].copy(); bad[5] = np.inf; bad[77] = np.nan; bad[200] = -np.inf
+s = q.quantize_blockwise(bad, block_size=64)
+out += [np.asarray(s.codes).tobytes(), np.asarray(s.absmax).tobytes()]
+sys.stdout.write(hashlib.sha256(b"".join(out)).hexdigest())
+"""
+
+
+def test_cpu_isa_variants_quantize_bitwise():
+    """The plain, AVX2 and AVX-512 forms of the nearest-code search (code_lut.c) give the
+    same codes, on normal values, on every code value and midpoint and their float
+    neighbours, on tiny/subnormal/huge values and on a non-finite block, for the signed
+    and unsigned dynamic maps and the linear map."""
+    import os
+    import subprocess
+    import sys
+
+    digests = {}
+    for isa in ("generic", "avx2", "avx512"):
+        env = {**os.environ, "MEMFIT_CPU_ISA": isa}
+        r = subprocess.run([sys.executable, "-c", _ISA_CASES], env=env, capture_output=True,
+                           text=True, check=True)
+        digests[isa] = r.stdout
+    assert len(set(digests.values())) == 1, digests

@@ -67,8 +67,8 @@ static inline uint8_t mf_code_lut_quantize(const mf_code_lut *t, float x) {
   return (uint8_t)((e + ((clamped ^ neg) & 0xffffu)) >> 17);
 }
 
-/* q[i] = mf_code_lut_quantize(t, x[i] * inv) for i < n, 16 at a time with AVX-512
- * gathers where the CPU has them. */
+/* q[i] = mf_code_lut_quantize(t, x[i] * inv) for i < n, 16 (8) at a time with AVX-512
+ * (AVX2) gathers where the CPU has them. */
 void mf_code_lut_quantize_n(const mf_code_lut *t, const float *x, float inv, int64_t n, uint8_t *q);
 
 #endif /* MEMFIT_CODE_LUT_H */
