@@ -1,5 +1,6 @@
 /* Building and caching the exact code-search tables of code_lut.h. */
 #include "code_lut.h"
+#include "code_lut_avx2.h"
 #include "code_lut_avx512.h"
 
 #include <stdatomic.h>
@@ -113,38 +114,13 @@ MF_TARGET_AVX512 static void quantize_avx512(const mf_code_lut *t, const float *
   if ((uint32_t)_mm512_reduce_or_epi32(slow) & MF_CODE_LUT_SLOW) quantize_scalar(t, x, inv, n, q);
 }
 
-/* The AVX2 form of mf_code_lut_quantize16: 8 floats x * inv -> 8 code indices (in the
- * low 8 bytes), the same steps with 8-lane gathers. */
-MF_TARGET_AVX2 static inline __m128i quantize8_avx2(const mf_code_lut *t, __m256 x, __m256 inv,
-                                                    __m256i *slow) {
-  const __m256i u = _mm256_castps_si256(_mm256_mul_ps(x, inv));
-  const __m256i neg = _mm256_srai_epi32(u, 31);
-  const __m256i sign = _mm256_set1_epi32((int)0x80000000u);
-  const __m256i a = _mm256_andnot_si256(sign, u);
-  const __m256i clamped_abs = _mm256_min_epu32(_mm256_max_epu32(a, _mm256_set1_epi32((int)t->min_abs)),
-                                               _mm256_set1_epi32((int)MF_CODE_LUT_MAX_ABS));
-  const __m256i clamped = _mm256_or_si256(_mm256_and_si256(u, sign), clamped_abs);
-  const __m256i bucket = _mm256_sub_epi32(_mm256_srli_epi32(clamped, 16), _mm256_set1_epi32((int)t->bucket0));
-  const __m256i e = _mm256_i32gather_epi32((const int *)t->entry, bucket, 4);
-  const __m256i pos = _mm256_and_si256(_mm256_xor_si256(clamped, neg), _mm256_set1_epi32(0xffff));
-  *slow = _mm256_or_si256(*slow, e);
-  __m256i q = _mm256_srli_epi32(_mm256_add_epi32(e, pos), 17);
-  /* NaN (|bits| above Inf's) -> 0, as the binary search */
-  q = _mm256_and_si256(q, _mm256_cmpgt_epi32(_mm256_set1_epi32(0x7f800001), a));
-  /* byte 0 of each dword: to bytes 0-3 of each 128-bit lane, then the two lanes together */
-  const __m256i pick = _mm256_setr_epi8(0, 4, 8, 12, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1,
-                                        0, 4, 8, 12, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1);
-  const __m256i b = _mm256_shuffle_epi8(q, pick);
-  return _mm_unpacklo_epi32(_mm256_castsi256_si128(b), _mm256_extracti128_si256(b, 1));
-}
-
 MF_TARGET_AVX2 static void quantize_avx2(const mf_code_lut *t, const float *x, float inv,
                                          int64_t n, uint8_t *q) {
   const __m256 vinv = _mm256_set1_ps(inv);
   __m256i slow = _mm256_setzero_si256();
   int64_t i = 0;
   for (; i + 8 <= n; i += 8)
-    _mm_storel_epi64((__m128i *)(q + i), quantize8_avx2(t, _mm256_loadu_ps(x + i), vinv, &slow));
+    _mm_storel_epi64((__m128i *)(q + i), mf_code_lut_quantize8(t, _mm256_loadu_ps(x + i), vinv, &slow, 1));
   quantize_scalar(t, x + i, inv, n - i, q + i);
   if (_mm256_movemask_ps(_mm256_castsi256_ps(slow))) quantize_scalar(t, x, inv, n, q);
 }

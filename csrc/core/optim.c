@@ -384,21 +384,23 @@ static block_fn pick_block_fn(void) {
 #define CPU_CHUNK 2048
 #define FUSED_CHUNK 16384
 
-/* The fused AVX-512 kernel that work items with whole quantization blocks go to
- * (optim_avx512.c; the partial last block of a tensor, if any, takes the block kernel),
- * or NULL: 8-bit states of every kind, 4-bit states of Adam/AdamW; the VBMI build where
- * the CPU has it, else the gather build. */
+/* The fused kernel that work items with whole quantization blocks go to (optim_fused.h;
+ * the partial last block of a tensor, if any, takes the block kernel), or NULL: 8-bit
+ * states of every kind, 4-bit states of Adam/AdamW, on AVX-512 (with or without VBMI)
+ * and AVX2 CPUs. */
 #ifdef MF_X86_SIMD
 static fused_fn pick_fused(const mf_optim_hparams *h, mf_state_format fmt, int ns, int64_t bs,
                            const quant_ctx *qc) {
   const int kind_ok = fmt == MF_STATE_8BIT ||
                       (fmt == MF_STATE_4BIT && (h->kind == MF_OPT_ADAMW || h->kind == MF_OPT_ADAM));
-  if (!kind_ok || ns < 1 || bs % 64 != 0 || !qc->lut[0] || (ns > 1 && !qc->lut[1]) ||
-      mf_cpu_isa() != ISA_AVX512)
+  if (!kind_ok || ns < 1 || bs % 64 != 0 || !qc->lut[0] || (ns > 1 && !qc->lut[1]))
     return NULL;
-  if (mf_cpu_has_vbmi())
-    return fmt == MF_STATE_8BIT ? mf_optim_fused8_avx512_vbmi : mf_optim_fused4_avx512_vbmi;
-  return fmt == MF_STATE_8BIT ? mf_optim_fused8_avx512_gather : mf_optim_fused4_avx512_gather;
+  const int eight = fmt == MF_STATE_8BIT;
+  if (mf_cpu_has_vbmi()) return eight ? mf_optim_fused8_avx512_vbmi : mf_optim_fused4_avx512_vbmi;
+  if (mf_cpu_isa() == ISA_AVX512)
+    return eight ? mf_optim_fused8_avx512_gather : mf_optim_fused4_avx512_gather;
+  if (mf_cpu_isa() == ISA_AVX2) return eight ? mf_optim_fused8_avx2 : mf_optim_fused4_avx2;
+  return NULL;
 }
 #endif
 

@@ -116,24 +116,16 @@ MF_INLINE void pack4(const uint8_t *restrict q, int64_t n, uint8_t *restrict out
 }
 
 #ifdef MF_X86_SIMD
-/* The fused kernels (see optim_avx512.c): the same bits as the generic block kernel.
- * They need n % bs == 0 and bs % 64 == 0; the 4-bit ones take Adam/AdamW. _vbmi: for
- * CPUs with AVX512-VBMI; _gather: any AVX-512 CPU (F, BW, DQ, VL). */
-typedef void (*fused_fn)(const mf_optim_hparams *h, const mf_optim_consts *c, int ns,
-                         int64_t bs, const quant_ctx *qc, const mf_optim_tensor *t,
-                         int64_t first, int64_t n, thread_bufs *b);
-void mf_optim_fused8_avx512_vbmi(const mf_optim_hparams *h, const mf_optim_consts *c, int ns,
-                                 int64_t bs, const quant_ctx *qc, const mf_optim_tensor *t,
-                                 int64_t first, int64_t n, thread_bufs *b);
-void mf_optim_fused4_avx512_vbmi(const mf_optim_hparams *h, const mf_optim_consts *c, int ns,
-                                 int64_t bs, const quant_ctx *qc, const mf_optim_tensor *t,
-                                 int64_t first, int64_t n, thread_bufs *b);
-void mf_optim_fused8_avx512_gather(const mf_optim_hparams *h, const mf_optim_consts *c, int ns,
-                                   int64_t bs, const quant_ctx *qc, const mf_optim_tensor *t,
-                                   int64_t first, int64_t n, thread_bufs *b);
-void mf_optim_fused4_avx512_gather(const mf_optim_hparams *h, const mf_optim_consts *c, int ns,
-                                   int64_t bs, const quant_ctx *qc, const mf_optim_tensor *t,
-                                   int64_t first, int64_t n, thread_bufs *b);
+/* The fused kernels (optim_fused.h): the same bits as the generic block kernel. They
+ * need n % bs == 0 and bs % 64 == 0; the 4-bit ones take Adam/AdamW. avx512_vbmi: for
+ * CPUs with AVX512-VBMI; avx512_gather: any AVX-512 CPU (F, BW, DQ, VL); avx2. */
+typedef void fused_kernel(const mf_optim_hparams *h, const mf_optim_consts *c, int ns,
+                          int64_t bs, const quant_ctx *qc, const mf_optim_tensor *t,
+                          int64_t first, int64_t n, thread_bufs *b);
+typedef fused_kernel *fused_fn;
+fused_kernel mf_optim_fused8_avx512_vbmi, mf_optim_fused4_avx512_vbmi;
+fused_kernel mf_optim_fused8_avx512_gather, mf_optim_fused4_avx512_gather;
+fused_kernel mf_optim_fused8_avx2, mf_optim_fused4_avx2;
 #endif
 
 #endif /* MEMFIT_OPTIM_CPU_H */
