@@ -1,6 +1,7 @@
 """The package itself: build info, doctor, the console script, import hygiene."""
 
 import json
+import os
 import subprocess
 import sys
 
@@ -37,6 +38,28 @@ def test_doctor_json_is_truthful():
     assert len(info["runtime"]["gpus"]) == memfit.cuda_device_count()
     for gpu in info["runtime"]["gpus"]:
         assert gpu["bf16_native"] == (float(gpu["capability"]) >= 8.0)
+
+
+def test_doctor_reports_cpu_kernels_and_their_cap():
+    """The CPU kernel variant in use, capped by MEMFIT_CPU_ISA (a cap above what the CPU
+    has falls back to the widest it has)."""
+    order = ["generic", "avx2", "avx512", "avx512-vbmi"]
+    seen = {}
+    for cap in ("generic", "avx2", "avx512", None):
+        env = {k: v for k, v in os.environ.items() if k != "MEMFIT_CPU_ISA"}
+        if cap:
+            env["MEMFIT_CPU_ISA"] = cap
+        out = subprocess.run([sys.executable, "-m", "memfit", "doctor", "--json"], env=env,
+                             capture_output=True, text=True, check=True)
+        seen[cap] = json.loads(out.stdout)["runtime"]["cpu_kernels"]
+        assert seen[cap] in order
+    assert seen["generic"] == "generic"
+    assert order.index(seen["avx2"]) <= order.index("avx2")
+    assert order.index(seen["avx512"]) <= order.index("avx512")
+    assert order.index(seen["avx2"]) <= order.index(seen["avx512"]) <= order.index(seen[None])
+    out = subprocess.run([sys.executable, "-m", "memfit", "doctor"], capture_output=True,
+                         text=True, check=True)
+    assert f"CPU kernels  : {seen[None]}" in out.stdout
 
 
 def test_doctor_text_and_console_script():

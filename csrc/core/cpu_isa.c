@@ -1,6 +1,8 @@
 /* Run-time choice of the CPU kernels' vector extensions (cpu_isa.h). */
 #include "cpu_isa.h"
 
+#include "memfit/common.h"
+
 #include <stdatomic.h>
 #include <stdlib.h>
 #include <string.h>
@@ -51,3 +53,12 @@ int mf_cpu_has_vbmi(void) {
 int mf_cpu_isa(void) { return ISA_GENERIC; }
 int mf_cpu_has_vbmi(void) { return 0; }
 #endif
+
+const char *mf_cpu_kernels(void) {
+  if (mf_cpu_has_vbmi()) return "avx512-vbmi";
+  switch (mf_cpu_isa()) {
+    case ISA_AVX512: return "avx512";
+    case ISA_AVX2: return "avx2";
+    default: return "generic";
+  }
+}

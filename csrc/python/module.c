@@ -50,6 +50,12 @@ static PyObject *py_get_num_threads(PyObject *self, PyObject *noargs) {
   return PyLong_FromLong(mf_get_num_threads());
 }
 
+static PyObject *py_cpu_kernels(PyObject *self, PyObject *noargs) {
+  (void)self;
+  (void)noargs;
+  return PyUnicode_FromString(mf_cpu_kernels());
+}
+
 static PyObject *py_cuda_device_count(PyObject *self, PyObject *noargs) {
   (void)self;
   (void)noargs;
@@ -88,6 +94,7 @@ static PyMethodDef core_methods[] = {
     {"build_info", py_build_info, METH_NOARGS, "What this build of memfit was compiled with."},
     {"set_num_threads", py_set_num_threads, METH_O, "Threads for CPU kernels (0: default)."},
     {"get_num_threads", py_get_num_threads, METH_NOARGS, "Threads CPU kernels use."},
+    {"cpu_kernels", py_cpu_kernels, METH_NOARGS, "Vector form of the CPU kernels in use."},
     {"cuda_device_count", py_cuda_device_count, METH_NOARGS, "Visible CUDA devices (0 without)."},
     {"cuda_device_info", py_cuda_device_info, METH_O, "Name, capability and memory of a GPU."},
     {NULL, NULL, 0, NULL}};

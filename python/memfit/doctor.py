@@ -29,6 +29,8 @@ def report() -> dict:
         "platform": platform.platform(),
         "cpu_count": os.cpu_count(),
         "threads": _C.get_num_threads(),
+        # avx512-vbmi, avx512, avx2 or generic (MEMFIT_CPU_ISA caps it)
+        "cpu_kernels": _C.cpu_kernels(),
         "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
         "gpus": gpus,
         "cuda_usable": bool(gpus) and info["build"]["cuda"],
@@ -57,6 +59,7 @@ def format_report(info: dict) -> str:
         f"  python       : {r['python']} on {r['platform']}",
         f"  CPU threads  : {r['threads']} of {r['cpu_count']} cores"
         + (f" (OMP_NUM_THREADS={r['omp_num_threads']})" if r["omp_num_threads"] else ""),
+        f"  CPU kernels  : {r['cpu_kernels']}",
     ]
     if r["gpus"]:
         for i, g in enumerate(r["gpus"]):

@@ -84,6 +84,10 @@ mf_status mf_check_same_device(const mf_tensor *a, const char *a_name,
 void mf_set_num_threads(int n);
 int mf_get_num_threads(void);
 
+/* Which vector form the CPU kernels run on this machine: "avx512-vbmi", "avx512",
+ * "avx2" or "generic" (the widest the CPU has, capped by MEMFIT_CPU_ISA). */
+const char *mf_cpu_kernels(void);
+
 /* What this library was built with. */
 int mf_built_with_cuda(void);
 int mf_built_with_openmp(void);
