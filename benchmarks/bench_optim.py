@@ -19,6 +19,11 @@ one tensor and as a model of many small plus a few large tensors, timed with CUD
 events, against torch fused AdamW, bitsandbytes AdamW8bit, and a device-to-device copy
 of the same number of bytes (the bandwidth ceiling).
 
+CPU variants: `--cpu-isa avx512vbmi,avx512,avx2` runs the CPU part once per
+MEMFIT_CPU_ISA cap, each in its own process (the cap is read once per process), and
+tabulates memfit's 8-bit and 4-bit steps against torch fused AdamW measured in the same
+process: how the step does on CPUs that lack VBMI or AVX-512.
+
 Prints markdown tables (for RESULTS.md) and writes benchmarks/out/bench_optim.json.
 """
 
@@ -172,6 +177,32 @@ def gpu_bench(reps):  # pragma: no cover - needs a GPU
     return out
 
 
+def cpu_isa_bench(caps, numel, reps, regimes):
+    """The CPU part under each MEMFIT_CPU_ISA cap, each in a fresh process."""
+    import json
+    import subprocess
+
+    rows = []
+    for i, cap in enumerate(caps):
+        print(f"[{i + 1}/{len(caps)}] MEMFIT_CPU_ISA={cap} ...", file=sys.stderr, flush=True)
+        env = dict(os.environ, MEMFIT_CPU_ISA=cap)
+        out = subprocess.run([sys.executable, os.path.abspath(__file__), "--numel", str(numel),
+                              "--reps", str(reps), "--regimes", ",".join(regimes), "--no-bnb",
+                              "--no-gpu", "--emit-rows"], env=env, capture_output=True, text=True,
+                             check=True).stdout
+        sub = json.loads(out.strip().splitlines()[-1])
+        by = {(r["regime"], r["optimizer"]): r for r in sub["rows"]}
+        for regime in regimes:
+            ref = by[(regime, "torch AdamW fused")]
+            row = {"cap": cap, "cpu_kernels": sub["cpu_kernels"], "regime": regime,
+                   "torch_fused_ms": ref["wall_ms"]}
+            for k in ("memfit AdamW8bit", "memfit AdamW4bit"):
+                row[k] = {"wall_ms": by[(regime, k)]["wall_ms"],
+                          "speedup_vs_torch_fused": by[(regime, k)]["speedup_vs_torch_fused"]}
+            rows.append(row)
+    return rows
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--numel", type=int, default=16 * 1024 * 1024)
@@ -179,11 +210,44 @@ def main(argv=None):
     ap.add_argument("--regimes", default="cold,warm")
     ap.add_argument("--no-bnb", action="store_true")
     ap.add_argument("--no-gpu", action="store_true")
+    ap.add_argument("--cpu-isa", default=None,
+                    help="comma-separated MEMFIT_CPU_ISA caps to compare, e.g. avx512vbmi,avx512,avx2")
+    ap.add_argument("--emit-rows", action="store_true", help=argparse.SUPPRESS)  # for --cpu-isa
     args = ap.parse_args(argv)
+    regimes = args.regimes.split(",")
+
+    if args.emit_rows:
+        import json
+
+        from memfit.doctor import report
+
+        rows = cpu_bench(args.numel, args.reps, regimes, False, torch_only_fused=True)
+        print(json.dumps({"cpu_kernels": report()["runtime"]["cpu_kernels"], "rows": rows}))
+        return
+    if args.cpu_isa:
+        caps = [c for c in args.cpu_isa.split(",") if c]
+        meta = {"cpu": dict(metadata("cpu"), numel=args.numel, reps=args.reps)}
+        rows = cpu_isa_bench(caps, args.numel, args.reps, regimes)
+        m = meta["cpu"]
+        print(f"cpu: {m['cpu']}, {m['cores']} cores, memfit {m['memfit_threads']} threads, "
+              f"torch {m.get('torch')}, commit {m['commit']}, {m['date']}")
+        print(f"AdamW step over {args.numel} fp32 parameters; each cap in its own process, "
+              f"median of {args.reps} steps interleaved with torch fused AdamW\n")
+        print(markdown_table(
+            ["MEMFIT_CPU_ISA", "CPU kernels", "regime", "torch fused ms", "AdamW8bit ms",
+             "x torch", "AdamW4bit ms", "x torch"],
+            [[r["cap"], r["cpu_kernels"], r["regime"], f"{r['torch_fused_ms']:.2f}",
+              f"{r['memfit AdamW8bit']['wall_ms']:.2f}",
+              f"{r['memfit AdamW8bit']['speedup_vs_torch_fused']:.2f}",
+              f"{r['memfit AdamW4bit']['wall_ms']:.2f}",
+              f"{r['memfit AdamW4bit']['speedup_vs_torch_fused']:.2f}"] for r in rows]))
+        path = write_json("bench_optim_cpu_isa", {"meta": meta, "rows": rows})
+        print(f"\nwrote {path}")
+        return
 
     meta = {"cpu": dict(metadata("cpu"), copy_bandwidth_gbps=copy_bandwidth("cpu") / 1e9,
                         numel=args.numel, reps=args.reps)}
-    rows = cpu_bench(args.numel, args.reps, args.regimes.split(","), not args.no_bnb)
+    rows = cpu_bench(args.numel, args.reps, regimes, not args.no_bnb)
     m = meta["cpu"]
     print(f"cpu: {m['cpu']}, {m['cores']} cores, copy {m['copy_bandwidth_gbps']:.1f} GB/s (read+write), "
           f"memfit {m['memfit_threads']} / torch {m.get('torch_threads')} threads, torch {m.get('torch')}, "

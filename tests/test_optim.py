@@ -608,3 +608,22 @@ def test_fused_kernels_match_block_kernel_bitwise():
                            text=True, check=True)
         digests[isa] = r.stdout
     assert len(set(digests.values())) == 1, digests
+
+
+def test_state_layout_rechecked_when_states_are_replaced():
+    """The step remembers which parameters' states it has checked; clearing the states,
+    or loading a state dict, makes it check (and create) them again instead of stepping
+    on stale ones."""
+    torch.manual_seed(0)
+    p = torch.nn.Parameter(torch.randn(5000))
+    opt = mo.AdamW8bit([p], lr=1e-2)
+    p.grad = torch.randn(5000) * 0.01
+    opt.step()
+    sd = opt.state_dict()
+    opt.state.clear()
+    opt.step()  # fresh states, as on the first step
+    assert float(opt.state[p]["step"]) == 1.0
+    assert opt.state[p]["state1"].dtype == torch.uint8
+    opt.load_state_dict(sd)
+    opt.step()
+    assert float(opt.state[p]["step"]) == 2.0

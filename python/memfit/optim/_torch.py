@@ -140,8 +140,13 @@ class _MemfitOptimizer(torch.optim.Optimizer):
         grad_scale = getattr(self, "grad_scale", None)
         found_inf = getattr(self, "found_inf", None)
         name = type(self).__name__
+        # parameter -> the layout its state was last checked against, so that a step over a
+        # model with hundreds of tensors does not rebuild every expected layout every time
+        checked = self.__dict__.setdefault("_state_checked", {})
         for group in self.param_groups:
             hp = self._hparams(group)
+            layout = (group["bits"], group.get("block_size"), group["min_8bit_size"],
+                      self._rounding(group), hp[5])
             buckets = defaultdict(list)
             for p in group["params"]:
                 if p.grad is None:
@@ -150,7 +155,11 @@ class _MemfitOptimizer(torch.optim.Optimizer):
                     raise RuntimeError(f"{name} does not support sparse gradients")
                 if p.grad.device != p.device:
                     raise ValueError(f"{name}: a gradient is on {p.grad.device} but its parameter on {p.device}")
-                state = self._init_state(group, p)
+                state = self.state[p]
+                key = (layout, p.dtype, p.shape)
+                if "step" not in state or checked.get(p) != key:
+                    state = self._init_state(group, p)
+                    checked[p] = key
                 buckets[(p.device, self._format(group, p))].append((p, state))
             sr_step = group.get("sr_step", 0)
             for b, ((device, fmt), items) in enumerate(buckets.items()):
@@ -242,6 +251,7 @@ class _MemfitOptimizer(torch.optim.Optimizer):
         for ng in new_groups:
             self._check_group(ng)
         self.__setstate__({"state": state, "param_groups": new_groups})
+        self.__dict__.pop("_state_checked", None)  # new states: check them on the next step
 
 
 def _on(t, device):
