@@ -3,7 +3,8 @@
     python benchmarks/bench_optim.py                 # CPU (and GPU when one is present)
     python benchmarks/bench_optim.py --reps 31 --numel 16777216
 
-CPU: one fp32 tensor of --numel parameters (default 16M), gradients randn*0.01. Every
+CPU: one fp32 tensor of --numel parameters (default 16M), gradients randn*0.01, then a
+"model" of 200 tensors (3.3M parameters) where per-tensor overhead counts. Every
 repetition steps each optimizer once, in a rotating order (interleaved, so machine noise
 hits all of them alike); we report the median wall time and the median process CPU
 time. Two cache regimes:
@@ -59,28 +60,40 @@ BYTES = {"torch AdamW fused": 28, "torch AdamW foreach": 28, "memfit AdamW": 28,
          "bnb AdamW8bit": 16 + 8 / 256}
 
 
-def cpu_bench(numel, reps, regimes, with_bnb, torch_only_fused=False):
+# The CPU "model" layout: 50 blocks of Linear(256, 256) + LayerNorm(256), that is 50
+# weight matrices of 256 x 256 (quantized states) and 150 vectors of 256 (biases, norm
+# weights: below min_8bit_size, fp32 states), 3.3M parameters in 200 tensors, where
+# per-tensor overhead shows.
+MODEL_SIZES = [256 * 256, 256, 256, 256] * 50
+
+
+def cpu_bench(sizes, reps, regimes, with_bnb, torch_only_fused=False):
     gen = torch.Generator().manual_seed(0)
+    numel = sum(sizes)
     base = torch.randn(numel, generator=gen) * 0.1
     grad = torch.randn(numel, generator=gen) * 0.01
 
     def param():
-        p = torch.nn.Parameter(base.clone())
-        p.grad = grad.clone()
-        return p
+        ps, at = [], 0
+        for n in sizes:
+            p = torch.nn.Parameter(base[at:at + n].clone())
+            p.grad = grad[at:at + n].clone()
+            ps.append(p)
+            at += n
+        return ps
 
     opts = {
-        "torch AdamW fused": torch.optim.AdamW([param()], lr=1e-3, fused=True),
-        "memfit AdamW8bit": mo.AdamW8bit([param()], lr=1e-3),
-        "memfit AdamW4bit": mo.AdamW4bit([param()], lr=1e-3),
-        "memfit AdamW": mo.AdamW([param()], lr=1e-3),
+        "torch AdamW fused": torch.optim.AdamW(param(), lr=1e-3, fused=True),
+        "memfit AdamW8bit": mo.AdamW8bit(param(), lr=1e-3),
+        "memfit AdamW4bit": mo.AdamW4bit(param(), lr=1e-3),
+        "memfit AdamW": mo.AdamW(param(), lr=1e-3),
     }
     if not torch_only_fused:
-        opts["torch AdamW foreach"] = torch.optim.AdamW([param()], lr=1e-3, foreach=True)
+        opts["torch AdamW foreach"] = torch.optim.AdamW(param(), lr=1e-3, foreach=True)
     bnb = _bnb() if with_bnb else None
     if bnb is not None:
         try:
-            o = bnb.optim.AdamW8bit([param()], lr=1e-3)
+            o = bnb.optim.AdamW8bit(param(), lr=1e-3)
             o.step()
             opts["bnb AdamW8bit"] = o
         except Exception as e:  # pragma: no cover
@@ -111,7 +124,8 @@ def cpu_bench(numel, reps, regimes, with_bnb, torch_only_fused=False):
         for k in names:
             w, c = statistics.median(wall[k]), statistics.median(cpu[k])
             results[(regime, k)] = {
-                "regime": regime, "optimizer": k, "numel": numel, "reps": len(wall[k]),
+                "regime": regime, "optimizer": k, "numel": numel, "tensors": len(sizes),
+                "reps": len(wall[k]),
                 "wall_ms": w * 1e3, "cpu_ms": c * 1e3,
                 "wall_ms_min": min(wall[k]) * 1e3, "wall_ms_max": max(wall[k]) * 1e3,
                 "speedup_vs_torch_fused": ref / w, "cpu_speedup_vs_torch_fused": ref_cpu / c,
@@ -221,7 +235,7 @@ def main(argv=None):
 
         from memfit.doctor import report
 
-        rows = cpu_bench(args.numel, args.reps, regimes, False, torch_only_fused=True)
+        rows = cpu_bench([args.numel], args.reps, regimes, False, torch_only_fused=True)
         print(json.dumps({"cpu_kernels": report()["runtime"]["cpu_kernels"], "rows": rows}))
         return
     if args.cpu_isa:
@@ -247,7 +261,8 @@ def main(argv=None):
 
     meta = {"cpu": dict(metadata("cpu"), copy_bandwidth_gbps=copy_bandwidth("cpu") / 1e9,
                         numel=args.numel, reps=args.reps)}
-    rows = cpu_bench(args.numel, args.reps, regimes, not args.no_bnb)
+    rows = cpu_bench([args.numel], args.reps, regimes, not args.no_bnb)
+    model_rows = cpu_bench(MODEL_SIZES, args.reps, ["warm"], not args.no_bnb, torch_only_fused=True)
     m = meta["cpu"]
     print(f"cpu: {m['cpu']}, {m['cores']} cores, copy {m['copy_bandwidth_gbps']:.1f} GB/s (read+write), "
           f"memfit {m['memfit_threads']} / torch {m.get('torch_threads')} threads, torch {m.get('torch')}, "
@@ -259,6 +274,13 @@ def main(argv=None):
         [[r["regime"], r["optimizer"], f"{r['wall_ms']:.2f}", f"{r['speedup_vs_torch_fused']:.2f}",
           f"{r['cpu_speedup_vs_torch_fused']:.2f}", f"{r['bytes_per_param']:.1f}", f"{r['GB_per_s']:.1f}"]
          for r in rows]))
+    print(f"\nThe same over {len(MODEL_SIZES)} tensors ({sum(MODEL_SIZES)} parameters: 50 of "
+          "256 x 256 with quantized states, 150 of 256 below min_8bit_size), warm\n")
+    print(markdown_table(
+        ["optimizer", "wall ms", "x torch fused (wall)", "x torch fused (CPU time)"],
+        [[r["optimizer"], f"{r['wall_ms']:.2f}", f"{r['speedup_vs_torch_fused']:.2f}",
+          f"{r['cpu_speedup_vs_torch_fused']:.2f}"] for r in model_rows]))
+    rows += model_rows
     gpu = []
     if not args.no_gpu and torch.cuda.is_available() and memfit.build_info()["cuda"]:
         meta["cuda"] = metadata("cuda")
