@@ -221,42 +221,6 @@ MF_INLINE void quantize_run(const float *restrict s, float inv, int64_t n, const
   }
 }
 
-#ifdef MF_X86_SIMD
-#include <immintrin.h>
-
-/* AVX-512 versions of dequant8 and dequant4: the same arithmetic (one float multiply),
- * 16 elements at a time. */
-MF_TARGET_AVX512 static void dequant8_avx512(const uint8_t *restrict q,
-                                             const float *restrict code, float absmax,
-                                             int64_t n, float *restrict out) {
-  const __m512 a = _mm512_set1_ps(absmax);
-  int64_t i = 0;
-  for (; i + 16 <= n; i += 16) {
-    __m512i idx = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(q + i)));
-    _mm512_storeu_ps(out + i, _mm512_mul_ps(_mm512_i32gather_ps(idx, code, 4), a));
-  }
-  for (; i < n; i++) out[i] = code[q[i]] * absmax;
-}
-
-/* 4-bit: 16 codes fit one register, so the lookup is a permute (no gather). */
-MF_TARGET_AVX512 static void dequant4_avx512(const uint8_t *restrict q,
-                                             const float *restrict code, float absmax,
-                                             int64_t n, float *restrict out) {
-  const __m512 a = _mm512_set1_ps(absmax), table = _mm512_loadu_ps(code);
-  const __m128i low4 = _mm_set1_epi8(15);
-  int64_t i = 0;
-  for (; i + 16 <= n; i += 16) {
-    __m128i bytes = _mm_loadl_epi64((const __m128i *)(q + i / 2));
-    __m128i nib = _mm_unpacklo_epi8(_mm_and_si128(bytes, low4),
-                                    _mm_and_si128(_mm_srli_epi16(bytes, 4), low4));
-    __m512 v = _mm512_permutexvar_ps(_mm512_cvtepu8_epi32(nib), table);
-    _mm512_storeu_ps(out + i, _mm512_mul_ps(v, a));
-  }
-  for (; i < n; i++) out[i] = code[(q[i >> 1] >> ((i & 1) * 4)) & 15] * absmax;
-}
-
-#endif
-
 mf_status mf_optim_quantize_fast(const float *code, int size, const float *x, int64_t n,
                                  uint8_t *out) {
   if (size != MF_CODE_SIZE && size != MF_CODE4_SIZE)

@@ -105,31 +105,18 @@ static inline void tables_init(thread_bufs *b, const quant_ctx *qc, int ns) {
   (void)b, (void)qc, (void)ns;
 }
 
-/* Without VBMI: one gather of 16 code values per 16 indices. */
+/* Without VBMI: the block kernel's gathers (optim_cpu.h). */
 MF_TARGET_AVX512 static inline void dequant64_8(const thread_bufs *b, int k, const float *code,
                                                 const uint8_t *q, float absmax, float *out) {
   (void)b, (void)k;
-  const __m512 a = _mm512_set1_ps(absmax);
-  for (int v = 0; v < 4; v++) {
-    const __m512i idx = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(q + 16 * v)));
-    _mm512_storeu_ps(out + 16 * v, _mm512_mul_ps(_mm512_i32gather_ps(idx, code, 4), a));
-  }
+  dequant8_avx512(q, code, absmax, 64, out);
 }
 #endif /* MF_FUSED_GATHER */
 
-/* 4-bit states: 64 elements are 32 bytes, element 2i in the low nibble of byte i. The
- * 16-entry code fits one register, so the lookup is a permute (no gather, no VBMI). */
+/* 4-bit states: the 16-entry code fits one register, a permute (optim_cpu.h). */
 MF_TARGET_AVX512 static inline void dequant64_4(const float *code, const uint8_t *q, float absmax,
                                                 float *out) {
-  const __m512 table = _mm512_loadu_ps(code), a = _mm512_set1_ps(absmax);
-  const __m128i low4 = _mm_set1_epi8(15);
-  for (int v = 0; v < 4; v++) {
-    const __m128i bytes = _mm_loadl_epi64((const __m128i *)(q + 8 * v));
-    const __m128i nib = _mm_unpacklo_epi8(_mm_and_si128(bytes, low4),
-                                          _mm_and_si128(_mm_srli_epi16(bytes, 4), low4));
-    const __m512 x = _mm512_permutexvar_ps(_mm512_cvtepu8_epi32(nib), table);
-    _mm512_storeu_ps(out + 16 * v, _mm512_mul_ps(x, a));
-  }
+  dequant4_avx512(q, code, absmax, 64, out);
 }
 
 /* 64 floats s * inv -> 64 code indices: bytes (bits 8), or nibbles, element 2i in the
