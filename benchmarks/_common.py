@@ -17,12 +17,6 @@ from pathlib import Path
 OUT_DIR = Path(__file__).resolve().parent / "out"
 
 
-def _cpu_kernels() -> str:
-    from memfit.doctor import report
-
-    return report()["runtime"]["cpu_kernels"]
-
-
 def metadata(device: str) -> dict:
     import memfit
 
@@ -39,7 +33,7 @@ def metadata(device: str) -> dict:
         "cpu": platform.processor() or platform.machine(),
         "cores": os.cpu_count(),
         "memfit_threads": memfit.get_num_threads(),
-        "memfit_cpu_kernels": _cpu_kernels(),
+        "memfit_cpu_kernels": memfit.cpu_kernels(),
         "device": device,
     }
     from importlib import metadata as md

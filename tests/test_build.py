@@ -60,6 +60,8 @@ def test_doctor_reports_cpu_kernels_and_their_cap():
     out = subprocess.run([sys.executable, "-m", "memfit", "doctor"], capture_output=True,
                          text=True, check=True)
     assert f"CPU kernels  : {seen[None]}" in out.stdout
+    if "MEMFIT_CPU_ISA" not in os.environ:
+        assert memfit.cpu_kernels() == seen[None]
 
 
 def test_doctor_text_and_console_script():

@@ -24,6 +24,7 @@ __all__ = [
     "build_info",
     "cast",
     "checkpoint",
+    "cpu_kernels",
     "cuda_device_count",
     "get_num_threads",
     "optim",
@@ -61,6 +62,13 @@ def set_num_threads(n: int) -> None:
 def get_num_threads() -> int:
     """Number of CPU threads memfit's kernels use."""
     return _C.get_num_threads()
+
+
+def cpu_kernels() -> str:
+    """Which vector form memfit's CPU kernels run on this machine: ``"avx512-vbmi"``,
+    ``"avx512"``, ``"avx2"`` or ``"generic"`` (the widest the CPU has; the environment
+    variable ``MEMFIT_CPU_ISA=generic|avx2|avx512|avx512vbmi`` caps it, read once)."""
+    return _C.cpu_kernels()
 
 
 def cast(x, dtype, rounding="nearest", seed=None, out=None):

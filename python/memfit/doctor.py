@@ -29,8 +29,7 @@ def report() -> dict:
         "platform": platform.platform(),
         "cpu_count": os.cpu_count(),
         "threads": _C.get_num_threads(),
-        # avx512-vbmi, avx512, avx2 or generic (MEMFIT_CPU_ISA caps it)
-        "cpu_kernels": _C.cpu_kernels(),
+        "cpu_kernels": _C.cpu_kernels(),  # see memfit.cpu_kernels()
         "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
         "gpus": gpus,
         "cuda_usable": bool(gpus) and info["build"]["cuda"],
