@@ -130,6 +130,14 @@ def _caption(colours: dict, labels: dict | None = None) -> str:
     return "built-in plotter: " + ", ".join(f"{(labels or {}).get(k, k)} rgb{v}" for k, v in colours.items())
 
 
+def _save(plt, fig, ax, path) -> str:
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return "matplotlib"
+
+
 def plot_lines(series: dict, path, xlabel: str, ylabel: str) -> str:
     """Line chart of ``name -> y values``; returns how it was drawn (for a caption)."""
     plt = _pyplot()
@@ -140,11 +148,7 @@ def plot_lines(series: dict, path, xlabel: str, ylabel: str) -> str:
         ax.plot(ys, label=name)
     ax.set_xlabel(xlabel)
     ax.set_ylabel(ylabel)
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return "matplotlib"
+    return _save(plt, fig, ax, path)
 
 
 def plot_stacked(bars: dict, parts: list, labels: dict, path, ylabel: str) -> str:
@@ -159,8 +163,4 @@ def plot_stacked(bars: dict, parts: list, labels: dict, path, ylabel: str) -> st
         ax.bar(list(bars), vals, bottom=bottom, label=labels.get(part, part))
         bottom = [b + v for b, v in zip(bottom, vals)]
     ax.set_ylabel(ylabel)
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return "matplotlib"
+    return _save(plt, fig, ax, path)
