@@ -24,45 +24,40 @@ static void lock(void) {
 }
 static void unlock(void) { atomic_flag_clear_explicit(&cache_lock, memory_order_release); }
 
-static uint8_t search(const float *code, int size, uint32_t bits) {
-  return mf_quantize_nearest_n(code, size, mf_f32_from_bits(bits));
+/* q at the float whose key is `key`; NaN keys are ordered past +-Inf and take q(+-Inf),
+ * which keeps q monotone over all keys (callers map NaN to 0 themselves). */
+static uint8_t search(const float *code, int size, uint32_t key) {
+  uint32_t u = key & 0x80000000u ? key ^ 0x80000000u : ~key;
+  if ((u & 0x7fffffffu) > 0x7f800000u) u = (u & 0x80000000u) | 0x7f800000u;
+  return mf_quantize_nearest_n(code, size, mf_f32_from_bits(u));
 }
 
-/* Fills the entry of one bucket: magnitudes [lo, lo + 0xffff] with sign `neg`. */
-static uint32_t bucket_entry(const float *code, int size, uint32_t neg, uint32_t lo) {
-  /* position p in the bucket is the float with magnitude bits lo + (neg ? 0xffff - p : p) */
-  const uint32_t sign = neg << 31;
-#define AT(p) search(code, size, sign | (lo + (neg ? 0xffffu - (p) : (p))))
-  const uint32_t q0 = AT(0u), q1 = AT(0xffffu);
-  if (q1 == q0) return (q0 << 17) + 0x10000u; /* jump = 0x10000: never */
-  if (q1 != q0 + 1) return MF_CODE_LUT_SLOW;
-  uint32_t below = 0, at = 0xffffu; /* q(below) == q0, q(at) == q1 */
-  while (at - below > 1) {
-    const uint32_t mid = (below + at) / 2;
-    if (AT(mid) == q0) below = mid;
-    else at = mid;
+/* The entry of bucket b: keys [b << 16, (b << 16) + 0xffff]. */
+static uint32_t bucket_entry(const float *code, int size, uint32_t b) {
+  const uint32_t lo = b << 16;
+  const uint32_t q0 = search(code, size, lo), q1 = search(code, size, lo + 0xffffu);
+  uint32_t jump = 0x10000u; /* never */
+  if (q1 != q0) {
+    if (q1 != q0 + 1) return MF_CODE_LUT_SLOW - lo;
+    uint32_t below = 0, at = 0xffffu; /* q(lo + below) == q0, q(lo + at) == q1 */
+    while (at - below > 1) {
+      const uint32_t mid = (below + at) / 2;
+      if (search(code, size, lo + mid) == q0) below = mid;
+      else at = mid;
+    }
+    jump = at;
   }
-#undef AT
-  return (q0 << 17) + 0x20000u - at;
+  return (q0 << 16) + 0x10000u - jump - lo;
 }
 
 static int build(const float *code, int size, mf_code_lut *t) {
-  /* exp_lo: the highest exponent with q constant on [-2^(exp_lo-127), 2^(exp_lo-127)] */
-  uint32_t exp_lo = 127;
-  while (exp_lo > 0 && search(code, size, exp_lo << 23) != search(code, size, 0x80000000u | (exp_lo << 23)))
-    exp_lo--;
-  t->min_abs = exp_lo << 23;
-  t->bucket0 = t->min_abs >> 16;
-  const uint32_t last = MF_CODE_LUT_MAX_ABS >> 16; /* last positive bucket */
-  uint32_t *entry = (uint32_t *)malloc((0x8000u + last + 1u - t->bucket0) * sizeof(uint32_t));
+  uint32_t *entry = (uint32_t *)malloc(MF_CODE_LUT_BUCKETS * sizeof(uint32_t));
   if (!entry) return 0;
   t->has_slow = 0;
-  for (uint32_t neg = 0; neg < 2; neg++)
-    for (uint32_t b = t->bucket0; b <= last; b++) {
-      const uint32_t e = bucket_entry(code, size, neg, b << 16);
-      entry[neg * 0x8000u + b - t->bucket0] = e;
-      t->has_slow |= (e & MF_CODE_LUT_SLOW) != 0;
-    }
+  for (uint32_t b = 0; b < MF_CODE_LUT_BUCKETS; b++) {
+    entry[b] = bucket_entry(code, size, b);
+    t->has_slow |= ((entry[b] + (b << 16)) & MF_CODE_LUT_SLOW) != 0;
+  }
   t->entry = entry;
   t->size = size;
   return 1;

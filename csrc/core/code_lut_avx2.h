@@ -16,23 +16,20 @@ MF_TARGET_AVX2 static inline __m128i mf_code_lut_quantize8(const mf_code_lut *t,
                                                            __m256 inv, __m256i *slow,
                                                            const int check_nan) {
   const __m256i u = _mm256_castps_si256(_mm256_mul_ps(x, inv));
-  const __m256i neg = _mm256_srai_epi32(u, 31);
-  const __m256i sign = _mm256_set1_epi32((int)0x80000000u);
-  const __m256i a = _mm256_andnot_si256(sign, u);
-  const __m256i clamped_abs = _mm256_min_epu32(_mm256_max_epu32(a, _mm256_set1_epi32((int)t->min_abs)),
-                                               _mm256_set1_epi32((int)MF_CODE_LUT_MAX_ABS));
-  const __m256i clamped = _mm256_or_si256(_mm256_and_si256(u, sign), clamped_abs);
-  const __m256i bucket = _mm256_sub_epi32(_mm256_srli_epi32(clamped, 16), _mm256_set1_epi32((int)t->bucket0));
-  const __m256i e = _mm256_i32gather_epi32((const int *)t->entry, bucket, 4);
-  const __m256i pos = _mm256_and_si256(_mm256_xor_si256(clamped, neg), _mm256_set1_epi32(0xffff));
-  *slow = _mm256_or_si256(*slow, e);
-  __m256i q = _mm256_srli_epi32(_mm256_add_epi32(e, pos), 17);
-  if (check_nan) /* NaN (|bits| above Inf's) -> 0, as the binary search */
-    q = _mm256_and_si256(q, _mm256_cmpgt_epi32(_mm256_set1_epi32(0x7f800001), a));
-  /* byte 0 of each dword: to bytes 0-3 of each 128-bit lane, then the two lanes together */
-  const __m256i pick = _mm256_setr_epi8(0, 4, 8, 12, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1,
-                                        0, 4, 8, 12, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1);
-  const __m256i b = _mm256_shuffle_epi8(q, pick);
+  const __m256i key = _mm256_xor_si256(u, _mm256_or_si256(_mm256_srai_epi32(u, 31),
+                                                          _mm256_set1_epi32((int)0x80000000u)));
+  const __m256i e = _mm256_i32gather_epi32((const int *)t->entry, _mm256_srli_epi32(key, 16), 4);
+  __m256i sum = _mm256_add_epi32(e, key);
+  if (t->has_slow) *slow = _mm256_or_si256(*slow, sum);
+  if (check_nan) { /* NaN (|bits| above Inf's) -> 0, as the binary search */
+    const __m256i a = _mm256_andnot_si256(_mm256_set1_epi32((int)0x80000000u), u);
+    sum = _mm256_and_si256(sum, _mm256_cmpgt_epi32(_mm256_set1_epi32(0x7f800001), a));
+  }
+  /* byte 2 of each dword (the index): to bytes 0-3 of each 128-bit lane, then the two
+   * lanes together */
+  const __m256i pick = _mm256_setr_epi8(2, 6, 10, 14, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1,
+                                        2, 6, 10, 14, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1);
+  const __m256i b = _mm256_shuffle_epi8(sum, pick);
   return _mm_unpacklo_epi32(_mm256_castsi256_si128(b), _mm256_extracti128_si256(b, 1));
 }
 

@@ -9,28 +9,33 @@
 #ifdef MF_X86_SIMD
 #include <immintrin.h>
 
-/* 16 floats x * inv -> 16 code indices; the vector form of mf_code_lut_quantize.
- * *slow collects the entries, to find buckets that need the binary search. NaN input
- * (only the public search sees any: optimizer states are finite) maps to 0 when
- * check_nan is set. */
-MF_TARGET_AVX512 static inline __m128i mf_code_lut_quantize16(const mf_code_lut *t, __m512 x,
-                                                          __m512 inv, __m512i *slow,
-                                                          const int check_nan) {
+/* 16 floats x * inv -> 16 sums entry[key >> 16] + key: the code index is byte 2 of
+ * each (mf_code_lut_index16 shifts it down; a byte permute can pick it directly).
+ * *slow collects the sums, to find buckets that need the binary search (bit 31). */
+MF_TARGET_AVX512 static inline __m512i mf_code_lut_sum16(const mf_code_lut *t, __m512 x,
+                                                         __m512 inv, __m512i *slow) {
   const __m512i u = _mm512_castps_si512(_mm512_mul_ps(x, inv));
-  const __m512i neg = _mm512_srai_epi32(u, 31); /* all ones for negative x */
-  const __m512i a = _mm512_and_si512(u, _mm512_set1_epi32(0x7fffffff));
-  const __m512i clamped_abs = _mm512_min_epu32(_mm512_max_epu32(a, _mm512_set1_epi32((int)t->min_abs)),
-                                               _mm512_set1_epi32((int)MF_CODE_LUT_MAX_ABS));
-  /* sign of u, magnitude of clamped_abs (ternary-logic bit select: C ? A : B) */
-  const __m512i clamped = _mm512_ternarylogic_epi32(u, clamped_abs, _mm512_set1_epi32((int)0x80000000u), 0xe4);
-  const __m512i bucket = _mm512_sub_epi32(_mm512_srli_epi32(clamped, 16), _mm512_set1_epi32((int)t->bucket0));
-  const __m512i e = _mm512_i32gather_epi32(bucket, (const void *)t->entry, 4);
-  /* pos = (clamped ^ neg) & 0xffff */
-  const __m512i pos = _mm512_ternarylogic_epi32(clamped, neg, _mm512_set1_epi32(0xffff), 0x28);
-  if (t->has_slow) *slow = _mm512_or_si512(*slow, e);
-  __m512i q = _mm512_srli_epi32(_mm512_add_epi32(e, pos), 17);
-  if (check_nan)
+  /* key = u ^ (sign ? 0xffffffff : 0x80000000): A ^ (B | C) */
+  const __m512i key = _mm512_ternarylogic_epi32(u, _mm512_srai_epi32(u, 31),
+                                                _mm512_set1_epi32((int)0x80000000u), 0x1e);
+  const __m512i e = _mm512_i32gather_epi32(_mm512_srli_epi32(key, 16), (const void *)t->entry, 4);
+  const __m512i sum = _mm512_add_epi32(e, key);
+  if (t->has_slow) *slow = _mm512_or_si512(*slow, sum);
+  return sum;
+}
+
+/* 16 floats x * inv -> 16 code indices as bytes; the vector form of
+ * mf_code_lut_quantize. NaN input (only the public search sees any: optimizer states
+ * are finite) maps to 0 when check_nan is set. */
+MF_TARGET_AVX512 static inline __m128i mf_code_lut_quantize16(const mf_code_lut *t, __m512 x,
+                                                              __m512 inv, __m512i *slow,
+                                                              const int check_nan) {
+  __m512i q = _mm512_srli_epi32(mf_code_lut_sum16(t, x, inv, slow), 16);
+  if (check_nan) {
+    const __m512i a = _mm512_and_si512(_mm512_castps_si512(_mm512_mul_ps(x, inv)),
+                                       _mm512_set1_epi32(0x7fffffff));
     q = _mm512_maskz_mov_epi32(_mm512_cmple_epu32_mask(a, _mm512_set1_epi32(0x7f800000)), q);
+  }
   return _mm512_cvtepi32_epi8(q);
 }
 

@@ -71,12 +71,12 @@ MF_TARGET_AVX2 static inline void dequant64_4(const float *code, const uint8_t *
   }
 }
 
-/* 64 floats s * inv -> 64 code indices: bytes (bits 8), or nibbles, element 2i in the
+/* 32 floats s * inv -> 32 code indices: bytes (bits 8), or nibbles, element 2i in the
  * low nibble of byte i (bits 4) */
-MF_TARGET_AVX2 static inline void quantize64(const mf_code_lut *lut, const float *s, float inv,
+MF_TARGET_AVX2 static inline void quantize32(const mf_code_lut *lut, const float *s, float inv,
                                              fused_acc *slow, int bits, uint8_t *out) {
   const __m256 vinv = _mm256_set1_ps(inv);
-  for (int v = 0; v < 64; v += 8) {
+  for (int v = 0; v < 32; v += 8) {
     const __m128i q = mf_code_lut_quantize8(lut, _mm256_loadu_ps(s + v), vinv, slow, 0);
     if (bits == 8) {
       _mm_storel_epi64((__m128i *)(out + v), q);

@@ -119,12 +119,34 @@ MF_TARGET_AVX512 static inline void dequant64_4(const float *code, const uint8_t
   dequant4_avx512(q, code, absmax, 64, out);
 }
 
-/* 64 floats s * inv -> 64 code indices: bytes (bits 8), or nibbles, element 2i in the
- * low nibble of byte i (bits 4) */
-MF_TARGET_AVX512 static inline void quantize64(const mf_code_lut *lut, const float *s, float inv,
+/* 32 floats s * inv -> 32 code indices: bytes (bits 8), or nibbles, element 2i in the
+ * low nibble of byte i (bits 4). */
+#ifndef MF_FUSED_GATHER
+/* With VBMI one byte permute takes the indices (byte 2 of each sum, code_lut.h) out of
+ * 32 sums at once: no shifts, and no vpmovdb (two uops each). */
+MF_TARGET_VBMI static inline void quantize32(const mf_code_lut *lut, const float *s, float inv,
+                                             fused_acc *slow, int bits, uint8_t *out) {
+  const __m512 vinv = _mm512_set1_ps(inv);
+  /* byte i <- byte 2 of dword i of the 32 dwords of (lo, hi); bytes 32-63 unused */
+  const __m512i pick = _mm512_set_epi32(0x7e7a7672, 0x6e6a6662, 0x5e5a5652, 0x4e4a4642,
+                                        0x3e3a3632, 0x2e2a2622, 0x1e1a1612, 0x0e0a0602,
+                                        0x7e7a7672, 0x6e6a6662, 0x5e5a5652, 0x4e4a4642,
+                                        0x3e3a3632, 0x2e2a2622, 0x1e1a1612, 0x0e0a0602);
+  const __m512i lo = mf_code_lut_sum16(lut, _mm512_loadu_ps(s), vinv, slow);
+  const __m512i hi = mf_code_lut_sum16(lut, _mm512_loadu_ps(s + 16), vinv, slow);
+  const __m256i q = _mm512_castsi512_si256(_mm512_permutex2var_epi8(lo, pick, hi));
+  if (bits == 8) {
+    _mm256_storeu_si256((__m256i *)out, q);
+  } else {
+    const __m256i pairs = _mm256_maddubs_epi16(q, _mm256_set1_epi16(0x1001)); /* q[2i] + 16 q[2i+1] */
+    _mm_storeu_si128((__m128i *)out, _mm256_cvtepi16_epi8(pairs));
+  }
+}
+#else
+MF_TARGET_AVX512 static inline void quantize32(const mf_code_lut *lut, const float *s, float inv,
                                                fused_acc *slow, int bits, uint8_t *out) {
   const __m512 vinv = _mm512_set1_ps(inv);
-  for (int v = 0; v < 64; v += 16) {
+  for (int v = 0; v < 32; v += 16) {
     const __m128i q = mf_code_lut_quantize16(lut, _mm512_loadu_ps(s + v), vinv, slow, 0);
     if (bits == 8) {
       _mm_storeu_si128((__m128i *)(out + v), q);
@@ -134,6 +156,7 @@ MF_TARGET_AVX512 static inline void quantize64(const mf_code_lut *lut, const flo
     }
   }
 }
+#endif
 
 #include "optim_fused.h"
 
