@@ -73,86 +73,121 @@ MF_INLINE void prefetch_group(const mf_optim_tensor *t, size_t es, int bits, int
   if (ns > 1) __builtin_prefetch((const char *)t->state2.data + byte, 0, 3);
 }
 
-/* `kind`, `ns` and `bits` (8 or 4) are constants in each instantiation below (no
- * branches on them in the loop). */
-MF_INLINE FUSED_TARGET void fused(const mf_optim_kind kind, const int ns, const int bits,
-                                  const mf_optim_hparams *h, const mf_optim_consts *c,
-                                  int64_t bs, const quant_ctx *qc, const mf_optim_tensor *t,
-                                  int64_t first, int64_t n, thread_bufs *b) {
-  const mf_dtype dt = t->param.dtype;
-  const size_t es = mf_dtype_size(dt);
-  const int64_t blocks = n / bs;
-  /* state bytes of this item (4-bit: first is a multiple of the block size, so even) */
-  const int64_t byte0 = bits == 8 ? first : first / 2;
-  uint8_t *codes[2] = {(uint8_t *)t->state1.data + byte0,
-                       ns > 1 ? (uint8_t *)t->state2.data + byte0 : NULL};
-  float *absmax[2] = {(float *)t->absmax1.data + first / bs,
-                      ns > 1 ? (float *)t->absmax2.data + first / bs : NULL};
-  float *p = dt == MF_FLOAT32 ? (float *)t->param.data + first : b->p;
-  const float *g = dt == MF_FLOAT32 ? (const float *)t->grad.data + first : b->g;
-  float inv_prev[2] = {0.0f, 0.0f};
-  if (bits == 8) tables_init(b, qc, ns);
-  fused_acc slow = acc_zero();
-  for (int64_t j = 0; j <= blocks; j++) {
-    float *cur[2] = {b->ring + (j & 1) * 2 * bs, b->ring + (j & 1) * 2 * bs + bs};
-    float *prev[2] = {b->ring + ((j + 1) & 1) * 2 * bs, b->ring + ((j + 1) & 1) * 2 * bs + bs};
-    const float am[2] = {j < blocks ? absmax[0][j] : 0.0f,
-                         j < blocks && ns > 1 ? absmax[1][j] : 0.0f};
-    fused_acc mx[2] = {acc_zero(), acc_zero()};
-    for (int64_t o = 0; o < bs; o += GROUP) {
-      const int64_t at = j * bs + o, at_prev = (j - 1) * bs + o;
-      if (j < blocks) {
-        if (at + PREFETCH < n) prefetch_group(t, es, bits, ns, first + at + PREFETCH);
-        for (int k = 0; k < ns; k++) {
-          if (bits == 8) dequant64_8(b, k, qc->code[k], codes[k] + at, am[k], cur[k] + o);
-          else dequant64_4(qc->code[k], codes[k] + at / 2, am[k], cur[k] + o);
-        }
-        if (dt != MF_FLOAT32) {
-          load_params(t, first + at, GROUP, p + at);
-          widen(t->grad.data, dt, first + at, GROUP, b->g + at);
-        }
-      }
-      for (int64_t x = 0; x < GROUP; x += HALF) {
-        if (j < blocks)
-          update_loop(kind, c, ns, HALF, p + at + x, g + at + x, cur[0] + o + x,
-                      ns > 1 ? cur[1] + o + x : b->zero);
-        if (j > 0) {
-          for (int k = 0; k < ns; k++)
-            quantize32(qc->lut[k], prev[k] + o + x, inv_prev[k], &slow, bits,
-                       codes[k] + (bits == 8 ? at_prev + x : (at_prev + x) / 2));
-        }
-      }
-      if (j < blocks) {
-        if (dt != MF_FLOAT32) store_params(h, t, p + at, first + at, GROUP);
-        for (int k = 0; k < ns; k++) mx[k] = acc_absmax64(mx[k], cur[k] + o);
-      }
-    }
-    if (j > 0 && acc_slow(slow)) {
-      for (int k = 0; k < ns; k++) { /* buckets that need the binary search */
-        if (bits == 8) {
-          mf_code_lut_quantize_n(qc->lut[k], prev[k], inv_prev[k], bs, codes[k] + (j - 1) * bs);
-        } else {
-          mf_code_lut_quantize_n(qc->lut[k], prev[k], inv_prev[k], bs, b->q);
-          pack4(b->q, bs, codes[k] + (j - 1) * bs / 2);
-        }
-      }
-      slow = acc_zero();
-    }
-    if (j < blocks) {
+/* What one call of the fused kernel works on: the work item [first, first + n) of one
+ * tensor and the running state of the block pipeline. */
+typedef struct {
+  const mf_optim_hparams *h;
+  const mf_optim_consts *c;
+  const quant_ctx *qc;
+  const mf_optim_tensor *t;
+  thread_bufs *b;
+  int64_t bs, first, n;
+  uint8_t *codes[2];  /* the item's state bytes */
+  float *absmax[2];   /* and absmax, per block */
+  float *p;           /* parameters as float32 (the tensor's own, or scratch) */
+  const float *g;     /* gradients as float32 */
+  float inv_prev[2];  /* 1 / absmax of block j - 1 */
+  fused_acc slow;
+} fused_state;
+
+/* Round j of the pipeline: dequantize and update block j (when `update`), requantize
+ * block j - 1 (when `quant`). `kind`, `ns`, `bits` (8 or 4), `f32` (float32 params)
+ * and the two flags are constants in each inlined copy, so the steady-state loop has
+ * no branches on them. */
+MF_INLINE FUSED_TARGET void fused_round(const mf_optim_kind kind, const int ns, const int bits,
+                                        const int f32, const int update, const int quant,
+                                        fused_state *s, int64_t j) {
+  const int64_t bs = s->bs;
+  thread_bufs *b = s->b;
+  const quant_ctx *qc = s->qc;
+  const mf_optim_tensor *t = s->t;
+  const size_t es = f32 ? 4 : 2;
+  float *cur[2] = {b->ring + (j & 1) * 2 * bs, b->ring + (j & 1) * 2 * bs + bs};
+  float *prev[2] = {b->ring + ((j + 1) & 1) * 2 * bs, b->ring + ((j + 1) & 1) * 2 * bs + bs};
+  const float am[2] = {update ? s->absmax[0][j] : 0.0f, update && ns > 1 ? s->absmax[1][j] : 0.0f};
+  fused_acc mx[2] = {acc_zero(), acc_zero()};
+  for (int64_t o = 0; o < bs; o += GROUP) {
+    const int64_t at = j * bs + o, at_prev = (j - 1) * bs + o;
+    if (update) {
+      if (at + PREFETCH < s->n) prefetch_group(t, es, bits, ns, s->first + at + PREFETCH);
       for (int k = 0; k < ns; k++) {
-        const float a = mf_f32_from_bits(acc_max(mx[k]));
-        absmax[k][j] = a;
-        inv_prev[k] = mf_absmax_inverse(a);
+        if (bits == 8) dequant64_8(b, k, qc->code[k], s->codes[k] + at, am[k], cur[k] + o);
+        else dequant64_4(qc->code[k], s->codes[k] + at / 2, am[k], cur[k] + o);
       }
+      if (!f32) {
+        load_params(t, s->first + at, GROUP, s->p + at);
+        widen(t->grad.data, t->param.dtype, s->first + at, GROUP, b->g + at);
+      }
+    }
+    for (int64_t x = 0; x < GROUP; x += HALF) {
+      if (update)
+        update_loop(kind, s->c, ns, HALF, s->p + at + x, s->g + at + x, cur[0] + o + x,
+                    ns > 1 ? cur[1] + o + x : b->zero);
+      if (quant)
+        for (int k = 0; k < ns; k++)
+          quantize32(qc->lut[k], prev[k] + o + x, s->inv_prev[k], &s->slow, bits,
+                     s->codes[k] + (bits == 8 ? at_prev + x : (at_prev + x) / 2));
+    }
+    if (update) {
+      if (!f32) store_params(s->h, t, s->p + at, s->first + at, GROUP);
+      for (int k = 0; k < ns; k++) mx[k] = acc_absmax64(mx[k], cur[k] + o);
+    }
+  }
+  if (quant && acc_slow(s->slow)) {
+    for (int k = 0; k < ns; k++) { /* buckets that need the binary search */
+      if (bits == 8) {
+        mf_code_lut_quantize_n(qc->lut[k], prev[k], s->inv_prev[k], bs, s->codes[k] + (j - 1) * bs);
+      } else {
+        mf_code_lut_quantize_n(qc->lut[k], prev[k], s->inv_prev[k], bs, b->q);
+        pack4(b->q, bs, s->codes[k] + (j - 1) * bs / 2);
+      }
+    }
+    s->slow = acc_zero();
+  }
+  if (update) {
+    for (int k = 0; k < ns; k++) {
+      const float a = mf_f32_from_bits(acc_max(mx[k]));
+      s->absmax[k][j] = a;
+      s->inv_prev[k] = mf_absmax_inverse(a);
     }
   }
 }
+
+MF_INLINE FUSED_TARGET void fused(const mf_optim_kind kind, const int ns, const int bits,
+                                  const int f32, const mf_optim_hparams *h,
+                                  const mf_optim_consts *c, int64_t bs, const quant_ctx *qc,
+                                  const mf_optim_tensor *t, int64_t first, int64_t n,
+                                  thread_bufs *b) {
+  /* state bytes of this item (4-bit: first is a multiple of the block size, so even) */
+  const int64_t byte0 = bits == 8 ? first : first / 2, blocks = n / bs;
+  fused_state s = {
+      .h = h, .c = c, .qc = qc, .t = t, .b = b, .bs = bs, .first = first, .n = n,
+      .codes = {(uint8_t *)t->state1.data + byte0, ns > 1 ? (uint8_t *)t->state2.data + byte0 : NULL},
+      .absmax = {(float *)t->absmax1.data + first / bs,
+                 ns > 1 ? (float *)t->absmax2.data + first / bs : NULL},
+      .p = f32 ? (float *)t->param.data + first : b->p,
+      .g = f32 ? (const float *)t->grad.data + first : b->g,
+      .inv_prev = {0.0f, 0.0f},
+      .slow = acc_zero()};
+  if (blocks == 0) return;
+  if (bits == 8) tables_init(b, qc, ns);
+  fused_round(kind, ns, bits, f32, 1, 0, &s, 0);
+  for (int64_t j = 1; j < blocks; j++) fused_round(kind, ns, bits, f32, 1, 1, &s, j);
+  fused_round(kind, ns, bits, f32, 0, 1, &s, blocks);
+}
+
+/* fused() with the parameter width a constant too. */
+#define FUSED_BY_DTYPE(kind, ns, bits)                                            \
+  do {                                                                            \
+    if (t->param.dtype == MF_FLOAT32) fused(kind, ns, bits, 1, h, c, bs, qc, t, first, n, b); \
+    else fused(kind, ns, bits, 0, h, c, bs, qc, t, first, n, b);                   \
+  } while (0)
 
 /* One instantiation per optimizer kind and state count, for 8-bit states. */
 FUSED_TARGET void FUSED8_ENTRY(const mf_optim_hparams *h, const mf_optim_consts *c, int ns,
                                int64_t bs, const quant_ctx *qc, const mf_optim_tensor *t,
                                int64_t first, int64_t n, thread_bufs *b) {
-#define FUSED(kind, ns) fused(kind, ns, 8, h, c, bs, qc, t, first, n, b)
+#define FUSED(kind, ns) FUSED_BY_DTYPE(kind, ns, 8)
   switch (h->kind) {
     case MF_OPT_ADAMW: FUSED(MF_OPT_ADAMW, 2); break;
     case MF_OPT_ADAM: FUSED(MF_OPT_ADAM, 2); break;
@@ -172,8 +207,8 @@ FUSED_TARGET void FUSED4_ENTRY(const mf_optim_hparams *h, const mf_optim_consts 
                                int64_t bs, const quant_ctx *qc, const mf_optim_tensor *t,
                                int64_t first, int64_t n, thread_bufs *b) {
   (void)ns;
-  if (h->kind == MF_OPT_ADAMW) fused(MF_OPT_ADAMW, 2, 4, h, c, bs, qc, t, first, n, b);
-  else fused(MF_OPT_ADAM, 2, 4, h, c, bs, qc, t, first, n, b);
+  if (h->kind == MF_OPT_ADAMW) FUSED_BY_DTYPE(MF_OPT_ADAMW, 2, 4);
+  else FUSED_BY_DTYPE(MF_OPT_ADAM, 2, 4);
 }
 
 #endif /* MEMFIT_OPTIM_FUSED_H */
