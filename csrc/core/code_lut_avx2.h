@@ -10,8 +10,8 @@
 #include <immintrin.h>
 
 /* The AVX2 form of mf_code_lut_quantize16 (code_lut_avx512.h): 8 floats x * inv -> 8
- * code indices (in the low 8 bytes), the same steps with 8-lane gathers; NaN maps to 0
- * when check_nan is set. */
+ * code indices (in the low 8 bytes), the same steps with 8-lane gathers; *slow collects
+ * the sums, and NaN maps to 0 when check_nan is set. */
 MF_TARGET_AVX2 static inline __m128i mf_code_lut_quantize8(const mf_code_lut *t, __m256 x,
                                                            __m256 inv, __m256i *slow,
                                                            const int check_nan) {
@@ -20,7 +20,7 @@ MF_TARGET_AVX2 static inline __m128i mf_code_lut_quantize8(const mf_code_lut *t,
                                                           _mm256_set1_epi32((int)0x80000000u)));
   const __m256i e = _mm256_i32gather_epi32((const int *)t->entry, _mm256_srli_epi32(key, 16), 4);
   __m256i sum = _mm256_add_epi32(e, key);
-  if (t->has_slow) *slow = _mm256_or_si256(*slow, sum);
+  *slow = _mm256_or_si256(*slow, sum); /* bit 31: a bucket that needs the binary search */
   if (check_nan) { /* NaN (|bits| above Inf's) -> 0, as the binary search */
     const __m256i a = _mm256_andnot_si256(_mm256_set1_epi32((int)0x80000000u), u);
     sum = _mm256_and_si256(sum, _mm256_cmpgt_epi32(_mm256_set1_epi32(0x7f800001), a));

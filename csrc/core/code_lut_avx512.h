@@ -10,27 +10,27 @@
 #include <immintrin.h>
 
 /* 16 floats x * inv -> 16 sums entry[key >> 16] + key: the code index is byte 2 of
- * each (mf_code_lut_index16 shifts it down; a byte permute can pick it directly).
- * *slow collects the sums, to find buckets that need the binary search (bit 31). */
-MF_TARGET_AVX512 static inline __m512i mf_code_lut_sum16(const mf_code_lut *t, __m512 x,
-                                                         __m512 inv, __m512i *slow) {
+ * each (a byte permute can pick it directly); bit 31 is set in the sums of slow
+ * buckets. */
+MF_TARGET_AVX512 static inline __m512i mf_code_lut_sum16(const mf_code_lut *t, __m512 x, __m512 inv) {
   const __m512i u = _mm512_castps_si512(_mm512_mul_ps(x, inv));
   /* key = u ^ (sign ? 0xffffffff : 0x80000000): A ^ (B | C) */
   const __m512i key = _mm512_ternarylogic_epi32(u, _mm512_srai_epi32(u, 31),
                                                 _mm512_set1_epi32((int)0x80000000u), 0x1e);
   const __m512i e = _mm512_i32gather_epi32(_mm512_srli_epi32(key, 16), (const void *)t->entry, 4);
-  const __m512i sum = _mm512_add_epi32(e, key);
-  if (t->has_slow) *slow = _mm512_or_si512(*slow, sum);
-  return sum;
+  return _mm512_add_epi32(e, key);
 }
 
 /* 16 floats x * inv -> 16 code indices as bytes; the vector form of
- * mf_code_lut_quantize. NaN input (only the public search sees any: optimizer states
- * are finite) maps to 0 when check_nan is set. */
+ * mf_code_lut_quantize. *slow collects the sums (bit 31: a bucket that needs the
+ * binary search). NaN input (only the public search sees any: optimizer states are
+ * finite) maps to 0 when check_nan is set. */
 MF_TARGET_AVX512 static inline __m128i mf_code_lut_quantize16(const mf_code_lut *t, __m512 x,
                                                               __m512 inv, __m512i *slow,
                                                               const int check_nan) {
-  __m512i q = _mm512_srli_epi32(mf_code_lut_sum16(t, x, inv, slow), 16);
+  const __m512i sum = mf_code_lut_sum16(t, x, inv);
+  *slow = _mm512_or_si512(*slow, sum);
+  __m512i q = _mm512_srli_epi32(sum, 16);
   if (check_nan) {
     const __m512i a = _mm512_and_si512(_mm512_castps_si512(_mm512_mul_ps(x, inv)),
                                        _mm512_set1_epi32(0x7fffffff));

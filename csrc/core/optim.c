@@ -357,7 +357,10 @@ static fused_fn pick_fused(const mf_optim_hparams *h, mf_state_format fmt, int n
                            const quant_ctx *qc) {
   const int kind_ok = fmt == MF_STATE_8BIT ||
                       (fmt == MF_STATE_4BIT && (h->kind == MF_OPT_ADAMW || h->kind == MF_OPT_ADAM));
-  if (!kind_ok || ns < 1 || bs % 64 != 0 || !qc->lut[0] || (ns > 1 && !qc->lut[1]))
+  /* the fused search has no binary-search fallback: tables with slow buckets (codes
+   * closer than 1/128 of a binade; none of memfit's own) take the block kernel */
+  if (!kind_ok || ns < 1 || bs % 64 != 0 || !qc->lut[0] || qc->lut[0]->has_slow ||
+      (ns > 1 && (!qc->lut[1] || qc->lut[1]->has_slow)))
     return NULL;
   const int eight = fmt == MF_STATE_8BIT;
   if (mf_cpu_has_vbmi()) return eight ? mf_optim_fused8_avx512_vbmi : mf_optim_fused4_avx512_vbmi;

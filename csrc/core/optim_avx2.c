@@ -32,11 +32,6 @@ MF_TARGET_AVX2 static inline uint32_t acc_max(fused_acc m) {
   return (uint32_t)_mm_cvtsi128_si32(x);
 }
 
-/* MF_CODE_LUT_SLOW is the sign bit */
-MF_TARGET_AVX2 static inline int acc_slow(fused_acc s) {
-  return _mm256_movemask_ps(_mm256_castsi256_ps(s)) != 0;
-}
-
 static inline void tables_init(thread_bufs *b, const quant_ctx *qc, int ns) {
   (void)b, (void)qc, (void)ns;
 }
@@ -74,10 +69,11 @@ MF_TARGET_AVX2 static inline void dequant64_4(const float *code, const uint8_t *
 /* 32 floats s * inv -> 32 code indices: bytes (bits 8), or nibbles, element 2i in the
  * low nibble of byte i (bits 4) */
 MF_TARGET_AVX2 static inline void quantize32(const mf_code_lut *lut, const float *s, float inv,
-                                             fused_acc *slow, int bits, uint8_t *out) {
+                                             int bits, uint8_t *out) {
   const __m256 vinv = _mm256_set1_ps(inv);
+  __m256i slow = _mm256_setzero_si256(); /* unused: pick_fused takes no slow tables */
   for (int v = 0; v < 32; v += 8) {
-    const __m128i q = mf_code_lut_quantize8(lut, _mm256_loadu_ps(s + v), vinv, slow, 0);
+    const __m128i q = mf_code_lut_quantize8(lut, _mm256_loadu_ps(s + v), vinv, &slow, 0);
     if (bits == 8) {
       _mm_storel_epi64((__m128i *)(out + v), q);
     } else {

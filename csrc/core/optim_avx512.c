@@ -38,10 +38,6 @@ MF_TARGET_AVX512 static inline uint32_t acc_max(fused_acc m) {
   return (uint32_t)_mm512_reduce_max_epu32(m);
 }
 
-MF_TARGET_AVX512 static inline int acc_slow(fused_acc s) {
-  return ((uint32_t)_mm512_reduce_or_epi32(s) & MF_CODE_LUT_SLOW) != 0;
-}
-
 #ifndef MF_FUSED_GATHER
 /* Dequantization without gathers (AVX512-VBMI): the 256-entry code is split into four
  * byte planes (byte j of every code value), 4 registers each; vpermi2b looks up 64
@@ -125,15 +121,15 @@ MF_TARGET_AVX512 static inline void dequant64_4(const float *code, const uint8_t
 /* With VBMI one byte permute takes the indices (byte 2 of each sum, code_lut.h) out of
  * 32 sums at once: no shifts, and no vpmovdb (two uops each). */
 MF_TARGET_VBMI static inline void quantize32(const mf_code_lut *lut, const float *s, float inv,
-                                             fused_acc *slow, int bits, uint8_t *out) {
+                                             int bits, uint8_t *out) {
   const __m512 vinv = _mm512_set1_ps(inv);
   /* byte i <- byte 2 of dword i of the 32 dwords of (lo, hi); bytes 32-63 unused */
   const __m512i pick = _mm512_set_epi32(0x7e7a7672, 0x6e6a6662, 0x5e5a5652, 0x4e4a4642,
                                         0x3e3a3632, 0x2e2a2622, 0x1e1a1612, 0x0e0a0602,
                                         0x7e7a7672, 0x6e6a6662, 0x5e5a5652, 0x4e4a4642,
                                         0x3e3a3632, 0x2e2a2622, 0x1e1a1612, 0x0e0a0602);
-  const __m512i lo = mf_code_lut_sum16(lut, _mm512_loadu_ps(s), vinv, slow);
-  const __m512i hi = mf_code_lut_sum16(lut, _mm512_loadu_ps(s + 16), vinv, slow);
+  const __m512i lo = mf_code_lut_sum16(lut, _mm512_loadu_ps(s), vinv);
+  const __m512i hi = mf_code_lut_sum16(lut, _mm512_loadu_ps(s + 16), vinv);
   const __m256i q = _mm512_castsi512_si256(_mm512_permutex2var_epi8(lo, pick, hi));
   if (bits == 8) {
     _mm256_storeu_si256((__m256i *)out, q);
@@ -144,10 +140,11 @@ MF_TARGET_VBMI static inline void quantize32(const mf_code_lut *lut, const float
 }
 #else
 MF_TARGET_AVX512 static inline void quantize32(const mf_code_lut *lut, const float *s, float inv,
-                                               fused_acc *slow, int bits, uint8_t *out) {
+                                               int bits, uint8_t *out) {
   const __m512 vinv = _mm512_set1_ps(inv);
   for (int v = 0; v < 32; v += 16) {
-    const __m128i q = mf_code_lut_quantize16(lut, _mm512_loadu_ps(s + v), vinv, slow, 0);
+    const __m512i sum = mf_code_lut_sum16(lut, _mm512_loadu_ps(s + v), vinv);
+    const __m128i q = _mm512_cvtepi32_epi8(_mm512_srli_epi32(sum, 16));
     if (bits == 8) {
       _mm_storeu_si128((__m128i *)(out + v), q);
     } else {

@@ -24,18 +24,20 @@
  * The arithmetic is the generic kernel's, operation for operation (the update loop is
  * the same inline function, absmax is the same integer max, the code search is the
  * exact table of code_lut.h), so the bits are the same; tests compare the variants.
- * The including file is compiled with -ffp-contract=off like optim.c.
+ * Tables with slow buckets (codes closer than 1/128 of a binade; none that memfit
+ * ships) go to the block kernel instead (pick_fused in optim.c), so the search here
+ * never needs the binary-search fallback. The including file is compiled with
+ * -ffp-contract=off like optim.c.
  *
  * The including file defines, for its instruction set:
  *   FUSED_TARGET                      the target attribute of the kernels
  *   FUSED8_ENTRY, FUSED4_ENTRY        the names of the two entry points (optim_cpu.h)
  *   fused_acc                         a vector of uint32 lanes, with
  *     acc_zero(), acc_absmax64(acc, s)  (max of the |bit patterns| of s[0..63]),
- *     acc_max(acc)                      (the max lane), acc_slow(acc) (a lane has
- *                                       MF_CODE_LUT_SLOW)
+ *     acc_max(acc)                      (the max lane)
  *   tables_init(b, qc, ns)            per-thread lookup tables, once per step call
  *   dequant64_8(b, k, code, q, absmax, out), dequant64_4(code, q, absmax, out)
- *   quantize32(lut, s, inv, slow, bits, out)   32 codes (bytes, or nibbles for 4-bit)
+ *   quantize32(lut, s, inv, bits, out)   32 codes (bytes, or nibbles for 4-bit)
  */
 #ifndef MEMFIT_OPTIM_FUSED_H
 #define MEMFIT_OPTIM_FUSED_H
@@ -87,7 +89,6 @@ typedef struct {
   float *p;           /* parameters as float32 (the tensor's own, or scratch) */
   const float *g;     /* gradients as float32 */
   float inv_prev[2];  /* 1 / absmax of block j - 1 */
-  fused_acc slow;
 } fused_state;
 
 /* Round j of the pipeline: dequantize and update block j (when `update`), requantize
@@ -125,24 +126,13 @@ MF_INLINE FUSED_TARGET void fused_round(const mf_optim_kind kind, const int ns, 
                     ns > 1 ? cur[1] + o + x : b->zero);
       if (quant)
         for (int k = 0; k < ns; k++)
-          quantize32(qc->lut[k], prev[k] + o + x, s->inv_prev[k], &s->slow, bits,
+          quantize32(qc->lut[k], prev[k] + o + x, s->inv_prev[k], bits,
                      s->codes[k] + (bits == 8 ? at_prev + x : (at_prev + x) / 2));
     }
     if (update) {
       if (!f32) store_params(s->h, t, s->p + at, s->first + at, GROUP);
       for (int k = 0; k < ns; k++) mx[k] = acc_absmax64(mx[k], cur[k] + o);
     }
-  }
-  if (quant && acc_slow(s->slow)) {
-    for (int k = 0; k < ns; k++) { /* buckets that need the binary search */
-      if (bits == 8) {
-        mf_code_lut_quantize_n(qc->lut[k], prev[k], s->inv_prev[k], bs, s->codes[k] + (j - 1) * bs);
-      } else {
-        mf_code_lut_quantize_n(qc->lut[k], prev[k], s->inv_prev[k], bs, b->q);
-        pack4(b->q, bs, s->codes[k] + (j - 1) * bs / 2);
-      }
-    }
-    s->slow = acc_zero();
   }
   if (update) {
     for (int k = 0; k < ns; k++) {
@@ -167,8 +157,7 @@ MF_INLINE FUSED_TARGET void fused(const mf_optim_kind kind, const int ns, const 
                  ns > 1 ? (float *)t->absmax2.data + first / bs : NULL},
       .p = f32 ? (float *)t->param.data + first : b->p,
       .g = f32 ? (const float *)t->grad.data + first : b->g,
-      .inv_prev = {0.0f, 0.0f},
-      .slow = acc_zero()};
+      .inv_prev = {0.0f, 0.0f}};
   if (blocks == 0) return;
   if (bits == 8) tables_init(b, qc, ns);
   fused_round(kind, ns, bits, f32, 1, 0, &s, 0);

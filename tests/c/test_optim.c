@@ -166,6 +166,69 @@ static void test_kahan_step(void) {
         "comp for float32 params must be refused");
 }
 
+/* An 8-bit AdamW step whose first-moment code has entries closer than a table bucket
+ * (the search's slow buckets; the fused kernels do not take such codes): the result
+ * must be the scalar reference's, bit for bit (dequantize, mf_optim_update_one,
+ * absmax, binary search per block). */
+static void test_step_dense_code(const float *dense, const float *u8) {
+  enum { N = 1024, BS = 256, NB = N / BS };
+  static float p[N], g[N], ref_p[N];
+  static uint8_t q1[N], q2[N], ref_q1[N], ref_q2[N];
+  float a1[NB], a2[NB], ref_a1[NB], ref_a2[NB], step = 0.0f;
+  uint32_t r = 12345u;
+  for (int i = 0; i < N; i++) {
+    r = r * 1664525u + 1013904223u;
+    p[i] = ref_p[i] = (float)(r >> 8) / 16777216.0f - 0.5f;
+    g[i] = ((float)((r >> 4) & 0xfff) / 4096.0f - 0.5f) * 0.01f;
+    q1[i] = ref_q1[i] = (uint8_t)(r >> 16);
+    q2[i] = ref_q2[i] = (uint8_t)(r >> 24);
+  }
+  for (int b = 0; b < NB; b++) {
+    a1[b] = ref_a1[b] = 0.003f * (float)(b + 1);
+    a2[b] = ref_a2[b] = 1e-5f * (float)(b + 1);
+  }
+  mf_optim_hparams h = {.kind = MF_OPT_ADAMW, .lr = 1e-3, .beta1 = 0.9, .beta2 = 0.999,
+                        .eps = 1e-8, .weight_decay = 0.01};
+  const mf_optim_consts c = mf_optim_prepare(&h, 1.0f, 1.0f);
+  for (int b = 0; b < NB; b++) {
+    float s1[BS], s2[BS];
+    uint32_t m1 = 0, m2 = 0;
+    for (int i = 0; i < BS; i++) {
+      const int e = b * BS + i;
+      s1[i] = dense[ref_q1[e]] * ref_a1[b];
+      s2[i] = u8[ref_q2[e]] * ref_a2[b];
+      mf_optim_update_one(MF_OPT_ADAMW, &c, 2, &ref_p[e], g[e], &s1[i], &s2[i]);
+      const uint32_t b1 = mf_f32_bits(s1[i]) & 0x7fffffffu, b2 = mf_f32_bits(s2[i]) & 0x7fffffffu;
+      m1 = b1 > m1 ? b1 : m1;
+      m2 = b2 > m2 ? b2 : m2;
+    }
+    ref_a1[b] = mf_f32_from_bits(m1);
+    ref_a2[b] = mf_f32_from_bits(m2);
+    for (int i = 0; i < BS; i++) {
+      ref_q1[b * BS + i] = mf_optim_quantize(dense, 256, s1[i] * mf_absmax_inverse(ref_a1[b]));
+      ref_q2[b * BS + i] = mf_optim_quantize(u8, 256, s2[i] * mf_absmax_inverse(ref_a2[b]));
+    }
+  }
+  mf_optim_tensor t;
+  memset(&t, 0, sizeof t);
+  t.param = (mf_tensor){p, N, MF_FLOAT32, MF_CPU, 0};
+  t.grad = (mf_tensor){g, N, MF_FLOAT32, MF_CPU, 0};
+  t.state1 = (mf_tensor){q1, N, MF_UINT8, MF_CPU, 0};
+  t.state2 = (mf_tensor){q2, N, MF_UINT8, MF_CPU, 0};
+  t.absmax1 = (mf_tensor){a1, NB, MF_FLOAT32, MF_CPU, 0};
+  t.absmax2 = (mf_tensor){a2, NB, MF_FLOAT32, MF_CPU, 0};
+  t.step = (mf_tensor){&step, 1, MF_FLOAT32, MF_CPU, 0};
+  mf_tensor c1 = {(void *)dense, 256, MF_FLOAT32, MF_CPU, 0}, c2 = {(void *)u8, 256, MF_FLOAT32, MF_CPU, 0};
+  CHECK(mf_optim_step(&h, MF_STATE_8BIT, BS, &c1, &c2, &t, 1, NULL, NULL, NULL) == MF_OK, "%s",
+        mf_last_error());
+  int bad = 0;
+  for (int i = 0; i < N; i++)
+    bad += mf_f32_bits(p[i]) != mf_f32_bits(ref_p[i]) || q1[i] != ref_q1[i] || q2[i] != ref_q2[i];
+  for (int b = 0; b < NB; b++)
+    bad += mf_f32_bits(a1[b]) != mf_f32_bits(ref_a1[b]) || mf_f32_bits(a2[b]) != mf_f32_bits(ref_a2[b]);
+  CHECK(bad == 0, "dense-code step: %d values differ from the scalar reference", bad);
+}
+
 int main(void) {
   float s8[256], u8[256], s4[16], u4[16];
   CHECK(mf_dynamic_map(s8, 256, 1, 8, 7) == MF_OK, "map");
@@ -181,6 +244,7 @@ int main(void) {
   float dense[256];
   for (int i = 0; i < 256; i++) dense[i] = i < 128 ? -1.0f + (float)i / 128.0f : 0.5f + (float)(i - 128) * 1e-4f;
   test_code(dense, 256, "a code with entries 1e-4 apart");
+  test_step_dense_code(dense, u8);
   test_skip_nonfinite();
   test_kahan_split();
   test_kahan_step();

@@ -116,32 +116,6 @@ static void test_lut_is_exact(int is_signed) {
           "lut differs at special %g", (double)specials[k]);
 }
 
-/* A code with three entries closer than 1/128 of a binade: their bucket has two steps,
- * so it is marked slow and its elements take the binary search; the vector search
- * (mf_code_lut_quantize_n) must still give the binary search's answers. */
-static void test_lut_slow_bucket(void) {
-  float code[16];
-  for (int i = 0; i < 16; i++) code[i] = -1.0f + (float)i * (2.0f / 15.0f);
-  code[9] = code[8] + 1e-6f; /* 0.0667, + 1e-6, + 2e-6 */
-  code[10] = code[8] + 2e-6f;
-  const mf_code_lut *lut = mf_code_lut_get(code, 16);
-  CHECK(lut != NULL && lut->has_slow, "a bucket with two steps is marked slow");
-  if (!lut) return;
-  enum { N = 4099 };
-  static float x[N];
-  static uint8_t q[N];
-  for (int i = 0; i < N; i++) {
-    x[i] = (float)(2.0 * uniform01() - 1.0);
-    if (i % 3 == 0) x[i] = code[8] + (float)(uniform01() * 2e-6 - 5e-7); /* in the slow bucket */
-  }
-  mf_code_lut_quantize_n(lut, x, 1.0f, N, q);
-  for (int i = 0; i < N; i++) {
-    CHECK(q[i] == mf_quantize_nearest_n(code, 16, x[i]), "slow-bucket search differs at %.9g",
-          (double)x[i]);
-    CHECK(mf_code_lut_quantize(lut, x[i]) == q[i], "scalar slow-bucket search at %.9g", (double)x[i]);
-  }
-}
-
 static void test_round_trip(mf_dtype dt, int64_t bs, int64_t numel) {
   float code[256];
   mf_dynamic_map(code, 256, 1, 8, 7);
@@ -258,7 +232,6 @@ int main(void) {
   test_search_matches_exhaustive();
   test_lut_is_exact(1);
   test_lut_is_exact(0);
-  test_lut_slow_bucket();
   mf_dtype dts[] = {MF_FLOAT32, MF_FLOAT16, MF_BFLOAT16};
   for (int d = 0; d < 3; d++)
     for (int64_t bs = 64; bs <= 4096; bs *= 2) test_round_trip(dts[d], bs, 3 * bs + 17);
