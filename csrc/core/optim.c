@@ -20,10 +20,12 @@
  * Code search: the exact lookup table of code_lut.h (bit-identical to the binary
  * search the CUDA kernels use), built once per code and cached.
  *
- * On CPUs with AVX512-VBMI, work items made of whole quantization blocks (8-bit states,
- * and 4-bit states of Adam/AdamW) go to the fused, software-pipelined kernel of
- * optim_avx512.c instead (same bits, tested):
- * it overlaps the divider-bound update with the gather-bound requantization.
+ * On x86 CPUs with AVX2 or AVX-512, work items made of whole quantization blocks (8-bit
+ * states, and 4-bit states of Adam/AdamW) go to the fused, software-pipelined kernel of
+ * optim_fused.h instead (built per instruction set in optim_avx512.c,
+ * optim_avx512_gather.c and optim_avx2.c; same bits, tested): one pass per block that
+ * overlaps the divider-bound update with the gather-bound requantization. Codes whose
+ * search table has slow buckets (pick_fused) stay on the block kernel.
  */
 #include <stdio.h>
 #include <stdlib.h>
