@@ -9,28 +9,39 @@
 #ifdef MF_X86_SIMD
 #include <immintrin.h>
 
-/* The AVX2 form of mf_code_lut_quantize16 (code_lut_avx512.h): 8 floats x * inv -> 8
- * code indices (in the low 8 bytes), the same steps with 8-lane gathers; *slow collects
- * the sums, and NaN maps to 0 when check_nan is set. */
-MF_TARGET_AVX2 static inline __m128i mf_code_lut_quantize8(const mf_code_lut *t, __m256 x,
-                                                           __m256 inv, __m256i *slow,
-                                                           const int check_nan) {
+/* The AVX2 form of mf_code_lut_sum16 (code_lut_avx512.h): 8 floats x * inv -> 8 sums
+ * entry[key >> 16] + key, with an 8-lane gather. */
+MF_TARGET_AVX2 static inline __m256i mf_code_lut_sum8(const mf_code_lut *t, __m256 x, __m256 inv) {
   const __m256i u = _mm256_castps_si256(_mm256_mul_ps(x, inv));
   const __m256i key = _mm256_xor_si256(u, _mm256_or_si256(_mm256_srai_epi32(u, 31),
                                                           _mm256_set1_epi32((int)0x80000000u)));
   const __m256i e = _mm256_i32gather_epi32((const int *)t->entry, _mm256_srli_epi32(key, 16), 4);
-  __m256i sum = _mm256_add_epi32(e, key);
-  *slow = _mm256_or_si256(*slow, sum); /* bit 31: a bucket that needs the binary search */
-  if (check_nan) { /* NaN (|bits| above Inf's) -> 0, as the binary search */
-    const __m256i a = _mm256_andnot_si256(_mm256_set1_epi32((int)0x80000000u), u);
-    sum = _mm256_and_si256(sum, _mm256_cmpgt_epi32(_mm256_set1_epi32(0x7f800001), a));
-  }
-  /* byte 2 of each dword (the index): to bytes 0-3 of each 128-bit lane, then the two
-   * lanes together */
+  return _mm256_add_epi32(e, key);
+}
+
+/* The code indices of 8 sums (byte 2 of each) in the low 8 bytes: to bytes 0-3 of each
+ * 128-bit lane, then the two lanes together. */
+MF_TARGET_AVX2 static inline __m128i mf_code_lut_bytes8(__m256i sum) {
   const __m256i pick = _mm256_setr_epi8(2, 6, 10, 14, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1,
                                         2, 6, 10, 14, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1);
   const __m256i b = _mm256_shuffle_epi8(sum, pick);
   return _mm_unpacklo_epi32(_mm256_castsi256_si128(b), _mm256_extracti128_si256(b, 1));
+}
+
+/* The AVX2 form of mf_code_lut_quantize16: 8 floats x * inv -> 8 code indices (in the
+ * low 8 bytes); *slow collects the sums (bit 31: a bucket that needs the binary
+ * search), and NaN maps to 0 when check_nan is set. */
+MF_TARGET_AVX2 static inline __m128i mf_code_lut_quantize8(const mf_code_lut *t, __m256 x,
+                                                           __m256 inv, __m256i *slow,
+                                                           const int check_nan) {
+  __m256i sum = mf_code_lut_sum8(t, x, inv);
+  *slow = _mm256_or_si256(*slow, sum);
+  if (check_nan) { /* NaN (|bits| above Inf's) -> 0, as the binary search */
+    const __m256i a = _mm256_andnot_si256(_mm256_set1_epi32((int)0x80000000u),
+                                          _mm256_castps_si256(_mm256_mul_ps(x, inv)));
+    sum = _mm256_and_si256(sum, _mm256_cmpgt_epi32(_mm256_set1_epi32(0x7f800001), a));
+  }
+  return mf_code_lut_bytes8(sum);
 }
 
 #endif /* MF_X86_SIMD */

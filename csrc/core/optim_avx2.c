@@ -1,7 +1,7 @@
 /*
  * The fused CPU optimizer step (optim_fused.h) for AVX2 CPUs (Haswell to Alder Lake,
  * Zen 1-3): 8 lanes, table gathers to dequantize 8-bit codes, two permutes and a blend
- * for the 16-entry 4-bit code, and mf_code_lut_quantize8 as the code search.
+ * for the 16-entry 4-bit code, and mf_code_lut_sum8 as the code search.
  */
 #include "code_lut_avx2.h"
 #include "optim_cpu.h"
@@ -71,9 +71,8 @@ MF_TARGET_AVX2 static inline void dequant64_4(const float *code, const uint8_t *
 MF_TARGET_AVX2 static inline void quantize32(const mf_code_lut *lut, const float *s, float inv,
                                              int bits, uint8_t *out) {
   const __m256 vinv = _mm256_set1_ps(inv);
-  __m256i slow = _mm256_setzero_si256(); /* unused: pick_fused takes no slow tables */
   for (int v = 0; v < 32; v += 8) {
-    const __m128i q = mf_code_lut_quantize8(lut, _mm256_loadu_ps(s + v), vinv, &slow, 0);
+    const __m128i q = mf_code_lut_bytes8(mf_code_lut_sum8(lut, _mm256_loadu_ps(s + v), vinv));
     if (bits == 8) {
       _mm_storel_epi64((__m128i *)(out + v), q);
     } else {

@@ -4,7 +4,7 @@
  * optim_avx512_gather.c, which defines MF_FUSED_GATHER and includes it, for AVX-512
  * CPUs without VBMI (Skylake-SP, Cascade Lake: much of the cloud, Colab included). The
  * only difference is the 8-bit dequantization: byte permutes here, table gathers there
- * (the same values). 16 lanes; the code search is mf_code_lut_quantize16.
+ * (the same values). 16 lanes; the code search is mf_code_lut_sum16.
  */
 #include "code_lut_avx512.h"
 #include "optim_cpu.h"
