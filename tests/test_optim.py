@@ -627,3 +627,40 @@ def test_state_layout_rechecked_when_states_are_replaced():
     opt.load_state_dict(sd)
     opt.step()
     assert float(opt.state[p]["step"]) == 2.0
+
+
+@pytest.mark.parametrize("cls", [mo.AdamW8bit, mo.AdamW4bit, mo.AdamW])
+def test_many_tensors_any_thread_count_same_bits(cls):
+    """One step call shares the work items of all its tensors among the threads
+    dynamically (csrc/core/optim.c): each item must still get its own tensor's step
+    count and arrays. Tensors with different step counts (some had no gradient on the
+    first steps), an empty one, whole fused items, partial blocks and tiny ones, stepped
+    together with 1, 2 or 3 threads, give the same bits as each tensor stepped alone."""
+    import memfit
+
+    sizes = [70000, 0, 300, 16384 * 5, 4096, 16384 + 301, 1, 5000]
+
+    def run(together, threads):
+        torch.manual_seed(0)
+        ps = [torch.nn.Parameter(torch.randn(n) * 0.1) for n in sizes]
+        opts = ([cls(ps, lr=1e-2, min_8bit_size=0)] if together
+                else [cls([p], lr=1e-2, min_8bit_size=0) for p in ps])
+        gen = torch.Generator().manual_seed(1)
+        old = memfit.get_num_threads()
+        memfit.set_num_threads(threads)
+        try:
+            for step in range(4):
+                for i, p in enumerate(ps):
+                    g = torch.randn(p.shape, generator=gen) * 0.01
+                    p.grad = g if step >= i % 3 else None  # tensors start at steps 0, 1, 2
+                for o in opts:
+                    o.step()
+        finally:
+            memfit.set_num_threads(0 if old == 0 else old)
+        states = [opts[0 if together else i].state[p] for i, p in enumerate(ps)]
+        assert [float(s["step"]) for s in states] == [4 - i % 3 for i in range(len(ps))]
+        return [p.detach().clone() for p in ps], [{k: v.clone() for k, v in s.items()} for s in states]
+
+    alone = run(False, 1)
+    for threads in (1, 2, 3):
+        assert_same(alone, run(True, threads))

@@ -1,10 +1,11 @@
 /*
  * Optimizer steps: argument checks, dispatch, and the CPU loops.
  *
- * CPU path. One OpenMP parallel region covers every tensor of the call; each tensor's
- * work items (2048 elements, or one quantization block if larger) are shared out with
- * `omp for nowait`, so a call with many small tensors does not pay one fork/join each.
- * An item goes through short loops over per-thread buffers (L1/L2 resident):
+ * CPU path. One OpenMP parallel region covers every tensor of the call: the work items
+ * of all tensors (2048 elements, 16384 for the fused kernel, or one quantization block
+ * if larger) are numbered across tensors and handed out dynamically (see step_cpu), so
+ * a call with many small tensors pays one fork/join, and a slower core takes fewer
+ * items. An item goes through short loops over per-thread buffers (L1/L2 resident):
  *   1. load:     widen f16/bf16 params and grads to float; dequantize the states
  *                (code[index] * absmax, per quantization block)
  *   2. update:   mf_optim_update_one() for every element (optim.h, shared with CUDA)
@@ -349,6 +350,11 @@ static block_fn pick_block_fn(void) {
  * hardware prefetchers follow runs within a 4 KB page); whole quantization blocks. */
 #define CPU_CHUNK 2048
 #define FUSED_CHUNK 16384
+/* Elements a thread takes from the shared work list at a time (whole items): taken one
+ * item at a time, the threads interleave at a fine grain and the 16M-param 2-thread
+ * AdamW8bit step ran ~3% slower when both cores ran at the same speed; 65536 elements
+ * (4 fused items) kept that speed and most of the gain when they do not. */
+#define GRAB_ELEMS 65536
 
 /* The fused kernel that work items with whole quantization blocks go to (optim_fused.h;
  * the partial last block of a tensor, if any, takes the block kernel), or NULL: 8-bit
@@ -372,6 +378,18 @@ static fused_fn pick_fused(const mf_optim_hparams *h, mf_state_format fmt, int n
   return NULL;
 }
 #endif
+
+/* The tensor that work item w belongs to: the i with start[i] <= w < start[i + 1]
+ * (tensors without items have start[i] == start[i + 1] and are never returned). */
+static int64_t tensor_of_item(const int64_t *start, int64_t n, int64_t w) {
+  int64_t lo = 0, hi = n - 1; /* start[lo] <= w < start[hi + 1] */
+  while (lo < hi) {
+    const int64_t mid = lo + (hi - lo + 1) / 2;
+    if (start[mid] <= w) lo = mid;
+    else hi = mid - 1;
+  }
+  return lo;
+}
 
 static mf_status step_cpu(const mf_optim_hparams *h, mf_state_format fmt, int64_t bs,
                           const mf_tensor *code1, const mf_tensor *code2,
@@ -397,11 +415,21 @@ static mf_status step_cpu(const mf_optim_hparams *h, mf_state_format fmt, int64_
   /* the fused kernel drains its pipeline once per item: give it longer ones */
   const int64_t item = fused ? FUSED_CHUNK : CPU_CHUNK;
   const int64_t chunk = fmt == MF_STATE_FP32 || bs < item ? item : bs;
-  int64_t total_blocks = 0;
-  for (int64_t i = 0; i < n; i++) total_blocks += mf_quant_num_blocks(ts[i].param.numel, chunk);
+  /* Work items numbered across tensors: tensor i has items [start[i], start[i + 1]).
+   * They are handed out GRAB_ELEMS elements' worth at a time (schedule(dynamic)) rather
+   * than split evenly up front: the kernels are compute-bound, and on shared machines
+   * the cores do not run at the same speed (on the 2-vCPU reference VM one core or the
+   * other often runs this kernel 1.5-1.7x slower), so an even split waits for the slow
+   * one. */
+  int64_t *start = (int64_t *)malloc((size_t)(n + 1) * sizeof *start);
+  if (!start) return mf_error(MF_ERR_NOMEM, "optimizer step: out of host memory");
+  start[0] = 0;
+  for (int64_t i = 0; i < n; i++) start[i + 1] = start[i] + mf_quant_num_blocks(ts[i].param.numel, chunk);
+  const int64_t total_items = start[n];
+  const int grab = chunk >= GRAB_ELEMS ? 1 : (int)(GRAB_ELEMS / chunk);
 
   int failed = 0;
-#pragma omp parallel num_threads(mf_get_num_threads()) if (total_blocks > 8)
+#pragma omp parallel num_threads(mf_get_num_threads()) if (total_items > 8)
   {
     thread_bufs b;
     /* Every region is written before it is read, but for `zero` (the missing second
@@ -422,27 +450,31 @@ static mf_status step_cpu(const mf_optim_hparams *h, mf_state_format fmt, int64_
     b.ring = mem ? mem + 5 * chunk : NULL;
     b.q = qmem;
     b.fused_ready = 0;
-    for (int64_t i = 0; i < n; i++) {
+    int64_t cur = -1; /* the tensor whose constants c holds */
+    mf_optim_consts c;
+#pragma omp for schedule(dynamic, grab)
+    for (int64_t w = 0; w < total_items; w++) {
+      if (!mem || !qmem) continue;
+      const int64_t i = tensor_of_item(start, n, w);
       const mf_optim_tensor *t = &ts[i];
-      const int64_t numel = t->param.numel, nb = mf_quant_num_blocks(numel, chunk);
-      const mf_optim_consts c = mf_optim_prepare(h, *(const float *)t->step.data + 1.0f, inv_scale);
-#pragma omp for schedule(static) nowait
-      for (int64_t j = 0; j < nb; j++) {
-        if (!mem || !qmem) continue;
-        const int64_t first = j * chunk;
-        const int64_t len = numel - first < chunk ? numel - first : chunk;
-#ifdef MF_X86_SIMD
-        if (fused && len % bs == 0) {
-          fused(h, &c, ns, bs, &qc, t, first, len, &b);
-          continue;
-        }
-#endif
-        block_step(h, &c, ns, fmt, bs, &qc, t, first, len, &b);
+      if (i != cur) {
+        c = mf_optim_prepare(h, *(const float *)t->step.data + 1.0f, inv_scale);
+        cur = i;
       }
+      const int64_t numel = t->param.numel, first = (w - start[i]) * chunk;
+      const int64_t len = numel - first < chunk ? numel - first : chunk;
+#ifdef MF_X86_SIMD
+      if (fused && len % bs == 0) {
+        fused(h, &c, ns, bs, &qc, t, first, len, &b);
+        continue;
+      }
+#endif
+      block_step(h, &c, ns, fmt, bs, &qc, t, first, len, &b);
     }
     free(mem);
     free(qmem);
   }
+  free(start);
   if (failed) return mf_error(MF_ERR_NOMEM, "optimizer step: out of host memory");
   for (int64_t i = 0; i < n; i++) *(float *)ts[i].step.data += 1.0f;
   return MF_OK;
