@@ -664,3 +664,47 @@ def test_many_tensors_any_thread_count_same_bits(cls):
     alone = run(False, 1)
     for threads in (1, 2, 3):
         assert_same(alone, run(True, threads))
+
+
+def test_torch_cpu_views_match_numpy_and_refuse_what_dlpack_refuses():
+    """CPU torch tensors reach the core through their own attributes (csrc/python/
+    views.c), not DLPack: a step on torch tensors (slices at a storage offset, uint8
+    states, bfloat16 params) gives the bits of the same step on NumPy arrays; a tensor
+    that requires grad or is not contiguous is still refused with the general path's
+    error, naming the argument."""
+    rng = np.random.default_rng(5)
+    n = 5000
+    base = rng.standard_normal(n + 300).astype(np.float32)
+    g = (rng.standard_normal(n) * 0.01).astype(np.float32)
+    for dtype in (torch.float32, torch.bfloat16):
+        big = torch.from_numpy(base.copy()).to(dtype)
+        p_t, g_t = big[300:], torch.from_numpy(g).to(dtype)  # p_t: a view at a storage offset
+        st_t = F.adamw8bit_init(p_t)
+        for _ in range(2):
+            F.adamw8bit_step(p_t, g_t, st_t, lr=1e-2)
+        if dtype == torch.float32:  # the same step on NumPy arrays (__array_interface__)
+            p_n, st_n = base[300:].copy(), F.adamw8bit_init(base[300:].copy())
+            for _ in range(2):
+                F.adamw8bit_step(p_n, g, st_n, lr=1e-2)
+            np.testing.assert_array_equal(p_t.numpy(), p_n)
+            for k in ("state1", "absmax1", "state2", "absmax2"):
+                np.testing.assert_array_equal(st_t[k].numpy(), st_n[k])
+        else:  # the optimizer class (nearest rounding, as the functional API) on a fresh copy
+            pt = torch.nn.Parameter(torch.from_numpy(base[300:].copy()).to(dtype))
+            opt = mo.AdamW8bit([pt], lr=1e-2, bf16_stochastic_round=False, min_8bit_size=0)
+            for _ in range(2):
+                pt.grad = g_t.clone()
+                opt.step()
+            assert torch.equal(pt.detach(), p_t)
+        assert torch.equal(big[:300], torch.from_numpy(base[:300]).to(dtype))  # untouched
+    p = torch.zeros(n)
+    st = F.adamw8bit_init(p)
+    st["absmax1"].requires_grad_()  # (the functional API detaches params and grads itself)
+    with pytest.raises(TypeError, match=r"absmax1\[0\]: could not be exported through DLPack"):
+        F.adamw8bit_step(p, p, st)
+    st["absmax1"] = st["absmax1"].detach()
+    with pytest.raises(ValueError, match=r"must be contiguous"):
+        F.adamw8bit_step(p, torch.zeros(2 * n)[::2], st)
+    st["state1"] = st["state1"].float()
+    with pytest.raises(TypeError, match=r"state1\[0\]: expected dtype uint8, got float32"):
+        F.adamw8bit_step(p, p, st)

@@ -204,7 +204,7 @@ static int view_list_get(PyObject *obj, const char *name, int writable, uintptr_
     int rc = torch_view(items[i], name, i, &l->t[i]);
     if (rc == 1) {
       char item[96];
-      snprintf(item, sizeof item, "%s[%zd]", name, i);
+      mf_py_index_name(item, sizeof item, name, i);
       rc = mf_py_view_get(items[i], item, writable, stream, &l->generic[i]);
       if (rc == 0) l->t[i] = l->generic[i].t;
     }

@@ -49,6 +49,24 @@ void mf_py_views_release(int n, mf_py_view *views);
 /* The view's tensor, or NULL for an absent optional view. */
 static inline mf_tensor *mf_py_tensor_or_null(mf_py_view *v) { return v->owner ? &v->t : NULL; }
 
+/* out <- "what[i]" (an argument's name for error messages), truncated to cap bytes.
+ * Bindings name every array of a list up front, thousands per optimizer step of a
+ * large model, so this avoids snprintf's format parsing (~10x slower). */
+static inline void mf_py_index_name(char *out, size_t cap, const char *what, Py_ssize_t i) {
+  char digits[24];
+  int nd = 0;
+  size_t k = 0;
+  unsigned long long u = i < 0 ? 0ull - (unsigned long long)i : (unsigned long long)i;
+  do digits[nd++] = (char)('0' + u % 10); while ((u /= 10) && nd < (int)sizeof digits);
+  if (cap == 0) return;
+  while (*what && k + 1 < cap) out[k++] = *what++;
+  if (k + 1 < cap) out[k++] = '[';
+  if (i < 0 && k + 1 < cap) out[k++] = '-';
+  while (nd > 0 && k + 1 < cap) out[k++] = digits[--nd];
+  if (k + 1 < cap) out[k++] = ']';
+  out[k] = '\0';
+}
+
 extern PyMethodDef mf_quant_methods[];
 extern PyMethodDef mf_cast_methods[];
 extern PyMethodDef mf_gemm_methods[];

@@ -13,7 +13,7 @@ static int add_list(PyObject *seq, const char *what, Py_ssize_t n, int flags, Py
   if (seq == Py_None && (flags & MF_PY_OPTIONAL)) {
     for (Py_ssize_t i = 0; i < n; i++) {
       objs[*k] = Py_None;
-      snprintf(names[*k], 32, "%s[%zd]", what, i);
+      mf_py_index_name(names[*k], 32, what, i);
       fl[(*k)++] = flags;
     }
     return 0;
@@ -27,7 +27,7 @@ static int add_list(PyObject *seq, const char *what, Py_ssize_t n, int flags, Py
   }
   for (Py_ssize_t i = 0; i < n; i++) {
     objs[*k] = PySequence_Fast_GET_ITEM(*fast, i);
-    snprintf(names[*k], 32, "%s[%zd]", what, i);
+    mf_py_index_name(names[*k], 32, what, i);
     fl[(*k)++] = flags;
   }
   return 0;

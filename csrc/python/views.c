@@ -179,19 +179,24 @@ static int view_from_dlpack(PyObject *obj, const char *name, int writable, uintp
 }
 
 /* The fast path for CPU torch tensors. torch's __dlpack__ and __dlpack_device__ are
- * Python functions that together cost ~3.5 us per array, paid seven times per
- * parameter by an optimizer step (hundreds of parameters in a real model); their C core,
- * torch._C._to_dlpack_versioned, costs ~0.2 us. Taken only once torch is imported (this
- * never imports it), for a plain Tensor or Parameter that does not require grad, whose
- * capsule says CPU: the cases where __dlpack__ exports the same tensor with no stream
- * semantics. Anything else, or any failure, returns 0 with no error set and the caller
- * takes the general path (and its error messages). Returns 1, with *rc the result, when
- * it handled obj. */
-static int view_from_torch_cpu(PyObject *obj, const char *name, int writable, mf_py_view *v,
-                               int *rc) {
-  /* 0: torch not imported yet; 1: ready; -1: this torch lacks the C function */
+ * Python functions that together cost ~3.5 us per array, paid five to seven times per
+ * parameter by an optimizer step (hundreds of parameters in a real model); a DLPack
+ * export through their C core, torch._C._to_dlpack_versioned, still cost ~0.65 us per
+ * array with its capsule and deleter. Here we read what a view needs from the tensor's
+ * own C-level attributes (dtype, is_contiguous(), numel(), data_ptr(): ~0.3 us) and
+ * hold a reference to the tensor for the call. Taken only once torch is imported (this
+ * never imports it), for a plain Tensor or Parameter that does not require grad, on
+ * the CPU, contiguous, of a dtype memfit takes: the cases where __dlpack__ would export
+ * this same memory with no stream semantics. Anything else, or any failure, returns 0
+ * with no error set and the caller takes the general path (and its error messages).
+ * Returns 1 when it filled v. */
+static int view_from_torch_cpu(PyObject *obj, mf_py_view *v) {
+  /* 0: torch not imported yet; 1: ready; -1: this torch lacks something we need */
   static int state;
-  static PyObject *tensor_type, *param_type, *to_dlpack; /* held for the process's life */
+  /* held for the process's life */
+  static PyObject *tensor_type, *param_type, *dtypes[4];
+  static PyObject *s_requires_grad, *s_is_cpu, *s_dtype, *s_is_contiguous, *s_numel, *s_data_ptr;
+  static const mf_dtype mf_dtypes[4] = {MF_FLOAT32, MF_FLOAT16, MF_BFLOAT16, MF_UINT8};
   if (state == 0) {
     static PyObject *torch_name;
     if (!torch_name && !(torch_name = PyUnicode_InternFromString("torch"))) {
@@ -203,45 +208,74 @@ static int view_from_torch_cpu(PyObject *obj, const char *name, int writable, mf
       PyErr_Clear();
       return 0;
     }
-    PyObject *c = PyObject_GetAttrString(torch, "_C");
+    static const char *const dtype_names[4] = {"float32", "float16", "bfloat16", "uint8"};
     PyObject *nn = PyObject_GetAttrString(torch, "nn");
     tensor_type = PyObject_GetAttrString(torch, "Tensor");
     param_type = nn ? PyObject_GetAttrString(nn, "Parameter") : NULL;
-    to_dlpack = c ? PyObject_GetAttrString(c, "_to_dlpack_versioned") : NULL;
-    Py_XDECREF(c);
+    int ok = tensor_type && param_type && PyType_Check(tensor_type) && PyType_Check(param_type);
+    for (int i = 0; i < 4; i++) ok = (dtypes[i] = PyObject_GetAttrString(torch, dtype_names[i])) && ok;
+    s_requires_grad = PyUnicode_InternFromString("requires_grad");
+    s_is_cpu = PyUnicode_InternFromString("is_cpu");
+    s_dtype = PyUnicode_InternFromString("dtype");
+    s_is_contiguous = PyUnicode_InternFromString("is_contiguous");
+    s_numel = PyUnicode_InternFromString("numel");
+    s_data_ptr = PyUnicode_InternFromString("data_ptr");
+    ok = ok && s_requires_grad && s_is_cpu && s_dtype && s_is_contiguous && s_numel && s_data_ptr;
     Py_XDECREF(nn);
     Py_DECREF(torch);
     PyErr_Clear();
-    state = tensor_type && param_type && to_dlpack && PyType_Check(tensor_type) &&
-                    PyType_Check(param_type) ? 1 : -1;
+    state = ok ? 1 : -1;
   }
   if (state != 1) return 0;
   if ((PyObject *)Py_TYPE(obj) != tensor_type && (PyObject *)Py_TYPE(obj) != param_type) return 0;
-  PyObject *rg = PyObject_GetAttrString(obj, "requires_grad");
-  const int needs_grad = rg ? PyObject_IsTrue(rg) : -1;
-  Py_XDECREF(rg);
-  PyObject *cpu = needs_grad == 0 ? PyObject_GetAttrString(obj, "is_cpu") : NULL;
-  const int on_cpu = cpu ? PyObject_IsTrue(cpu) : 0;
-  Py_XDECREF(cpu);
-  if (needs_grad != 0 || on_cpu != 1) { /* GPU tensors keep __dlpack__'s stream handling */
+  /* requires_grad, is_cpu and dtype are attributes; is_contiguous, numel and data_ptr
+   * methods. Each step bails out (general path) on anything unexpected. */
+  PyObject *a = PyObject_GetAttr(obj, s_requires_grad);
+  int ok = a == Py_False;
+  Py_XDECREF(a);
+  if (ok) {
+    a = PyObject_GetAttr(obj, s_is_cpu);
+    ok = a == Py_True;
+    Py_XDECREF(a);
+  }
+  int which = -1;
+  if (ok) {
+    a = PyObject_GetAttr(obj, s_dtype);
+    for (int i = 0; i < 4; i++)
+      if (a == dtypes[i]) which = i;
+    Py_XDECREF(a);
+    ok = which >= 0;
+  }
+  if (ok) {
+    a = PyObject_CallMethodNoArgs(obj, s_is_contiguous);
+    ok = a == Py_True;
+    Py_XDECREF(a);
+  }
+  long long numel = -1;
+  if (ok) {
+    a = PyObject_CallMethodNoArgs(obj, s_numel);
+    numel = a && PyLong_Check(a) ? PyLong_AsLongLong(a) : -1;
+    Py_XDECREF(a);
+    ok = numel >= 0;
+  }
+  void *data = NULL;
+  if (ok) {
+    a = PyObject_CallMethodNoArgs(obj, s_data_ptr);
+    data = a && PyLong_Check(a) ? PyLong_AsVoidPtr(a) : NULL;
+    ok = a && PyLong_Check(a) && !PyErr_Occurred();
+    Py_XDECREF(a);
+  }
+  if (!ok) {
     PyErr_Clear();
     return 0;
   }
-  PyObject *capsule = PyObject_CallOneArg(to_dlpack, obj);
-  if (!capsule) {
-    PyErr_Clear();
-    return 0;
-  }
-  mf_dl_managed_versioned *m =
-      PyCapsule_IsValid(capsule, "dltensor_versioned")
-          ? (mf_dl_managed_versioned *)PyCapsule_GetPointer(capsule, "dltensor_versioned")
-          : NULL;
-  if (!m || m->dl_tensor.device.device_type != MF_DL_CPU) {
-    PyErr_Clear();
-    Py_DECREF(capsule); /* unused: its destructor frees the export */
-    return 0;
-  }
-  *rc = view_from_capsule(capsule, name, writable, v);
+  v->t.data = data;
+  v->t.numel = (int64_t)numel;
+  v->t.dtype = mf_dtypes[which];
+  v->t.device = MF_CPU;
+  v->t.device_id = 0;
+  Py_INCREF(obj);
+  v->owner = obj; /* keeps the tensor (and its memory) alive while we use it */
   return 1;
 }
 
@@ -345,21 +379,17 @@ static void release_keeping_error(mf_py_view *v) {
 int mf_py_view_get(PyObject *obj, const char *name, int writable, uintptr_t stream,
                    mf_py_view *v) {
   memset(v, 0, sizeof *v);
-  int rc;
-  if (view_from_torch_cpu(obj, name, writable, v, &rc)) {
-    if (rc) release_keeping_error(v);
-    return rc;
-  }
+  if (view_from_torch_cpu(obj, v)) return 0;
   PyObject *iface = PyObject_GetAttrString(obj, "__array_interface__");
   if (iface) {
-    int rc = view_from_array_interface(obj, iface, name, writable, v);
+    const int rc = view_from_array_interface(obj, iface, name, writable, v);
     Py_DECREF(iface);
     if (rc) mf_py_view_release(v);
     return rc;
   }
   PyErr_Clear();
   if (PyObject_HasAttrString(obj, "__dlpack__")) {
-    rc = view_from_dlpack(obj, name, writable, stream, v);
+    const int rc = view_from_dlpack(obj, name, writable, stream, v);
     if (rc) release_keeping_error(v); /* the deleter must not clobber the error */
     return rc;
   }

@@ -139,49 +139,61 @@ class _MemfitOptimizer(torch.optim.Optimizer):
                 loss = closure()
         grad_scale = getattr(self, "grad_scale", None)
         found_inf = getattr(self, "found_inf", None)
-        name = type(self).__name__
-        # parameter -> the layout its state was last checked against, so that a step over a
-        # model with hundreds of tensors does not rebuild every expected layout every time
+        # parameter -> (key, format) of the layout its state was last checked against, so
+        # that a step over a model with hundreds of tensors does not rebuild every expected
+        # layout every time (this loop and _step_bucket run per parameter per step: kept
+        # lean, it is most of the step's time for models of many small tensors)
         checked = self.__dict__.setdefault("_state_checked", {})
+        state_of = self.state
         for group in self.param_groups:
             hp = self._hparams(group)
-            layout = (group["bits"], group.get("block_size"), group["min_8bit_size"],
-                      self._rounding(group), hp[5])
-            buckets = defaultdict(list)
+            rounding = self._rounding(group)
+            layout = (group["bits"], group.get("block_size"), group["min_8bit_size"], rounding, hp[5])
+            buckets = {}  # (device, format) -> [(p, grad, state)], in first-seen order
             for p in group["params"]:
-                if p.grad is None:
+                g = p.grad
+                if g is None:
                     continue
-                if p.grad.is_sparse:
-                    raise RuntimeError(f"{name} does not support sparse gradients")
-                if p.grad.device != p.device:
-                    raise ValueError(f"{name}: a gradient is on {p.grad.device} but its parameter on {p.device}")
-                state = self.state[p]
+                if g.is_sparse:
+                    raise RuntimeError(f"{type(self).__name__} does not support sparse gradients")
+                device = p.device
+                if g.device != device:
+                    raise ValueError(f"{type(self).__name__}: a gradient is on {g.device} but its "
+                                     f"parameter on {device}")
+                state = state_of[p]
                 key = (layout, p.dtype, p.shape)
-                if "step" not in state or checked.get(p) != key:
+                seen = checked.get(p)
+                if seen is None or seen[0] != key or "step" not in state:
                     state = self._init_state(group, p)
-                    checked[p] = key
-                buckets[(p.device, self._format(group, p))].append((p, state))
+                    seen = checked[p] = (key, self._format(group, p))
+                items = buckets.get((device, seen[1]))
+                if items is None:
+                    items = buckets[(device, seen[1])] = []
+                items.append((p, g, state))
             sr_step = group.get("sr_step", 0)
             for b, ((device, fmt), items) in enumerate(buckets.items()):
                 bhp = hp
-                if self._rounding(group) == "stochastic" and any(p.dtype != torch.float32 for p, _ in items):
+                if rounding == "stochastic" and any(p.dtype != torch.float32 for p, _, _ in items):
                     bhp = hp[:-1] + (_core.sr_seed(group.get("sr_seed", 0), sr_step, b),)
                 self._step_bucket(group, bhp, device, fmt, items, grad_scale, found_inf)
             group["sr_step"] = sr_step + 1
         return loss
 
     def _step_bucket(self, group, hp, device, fmt, items, grad_scale, found_inf):
-        params, grads, s1, a1, s2, a2, steps, comps = [], [], [], [], [], [], [], []
-        for p, st in items:
-            params.append(p.data)
-            g = p.grad
-            grads.append(g if g.is_contiguous() else g.contiguous())
-            s1.append(st.get("state1"))
-            a1.append(st.get("absmax1"))
-            s2.append(st.get("state2"))
-            a2.append(st.get("absmax2"))
-            steps.append(st["step"])
-            comps.append(st.get("kahan_comp"))
+        """One call into the core for the (parameter, gradient, state) triples of one
+        device and state format."""
+        params = [p.data for p, _, _ in items]
+        grads = [g if g.is_contiguous() else g.contiguous() for _, g, _ in items]
+        s1 = [st.get("state1") for _, _, st in items]
+        s2 = [st.get("state2") for _, _, st in items]
+        steps = [st["step"] for _, _, st in items]
+        # lists the core takes as None when no parameter has the array
+        a1 = a2 = comps = None
+        if fmt != 32:
+            a1 = [st.get("absmax1") for _, _, st in items]
+            a2 = [st.get("absmax2") for _, _, st in items]
+        if self._rounding(group) == "kahan":
+            comps = [st.get("kahan_comp") for _, _, st in items]
         gs = _on(grad_scale, device)
         fi = _on(found_inf, device)
         stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
