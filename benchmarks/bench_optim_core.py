@@ -29,7 +29,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import OUT_DIR, Progress, markdown_table, write_json  # noqa: E402
+from _common import OUT_DIR, Progress, markdown_table, metadata, write_json  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -93,6 +93,8 @@ def main(argv=None):
     best = min(r["best_ms"] for r in rows)
     med = statistics.median(r["median_ms"] for r in rows)
     fmt = lambda d: ", ".join(f"cpu{c} {ms:.3f}" for c, ms in d.items())  # noqa: E731
+    meta = metadata("cpu")
+    print(f"cpu: {meta['cpu']}, {meta['cores']} cores, commit {meta['commit']}, {meta['date']}")
     print(f"per-core speed (single-thread AdamW8bit step, 262144 params, ms): before {fmt(before)}; "
           f"after {fmt(after)}")
     print(markdown_table(
@@ -101,7 +103,7 @@ def main(argv=None):
         [[args.numel, args.threads, args.bits, "-" if args.busy_core is None else args.busy_core,
           args.rounds, f"{best:.3f}", f"{med:.3f}", f"{best * 1e6 / args.numel:.3f}"]]))
     path = write_json("bench_optim_core", {
-        "args": vars(args), "core_step_ms": {"before": before, "after": after},
+        "meta": meta, "args": vars(args), "core_step_ms": {"before": before, "after": after},
         "best_ms": best, "median_of_medians_ms": med, "rounds": rows})
     print(f"\nwrote {path}")
 

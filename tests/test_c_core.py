@@ -44,3 +44,31 @@ def test_c_core_under_sanitizers(tmp_path):
                              text=True, env=env)
         assert run.returncode == 0, f"MEMFIT_CPU_ISA={isa}\n" + run.stdout + run.stderr
         assert "tests passed" in run.stdout
+
+
+@pytest.mark.skipif(not (ROOT / "CMakeLists.txt").exists(), reason="needs the source tree")
+def test_c_optimizer_benchmark_builds_and_runs(tmp_path):
+    """benchmarks/c/bench_optim_step.c (driven by benchmarks/bench_optim_core.py) builds
+    against the core and reports sane timings for 8- and 4-bit states; bad arguments
+    get a usage error, not a crash."""
+    import json
+
+    cmake = _tool("cmake")
+    configure = [cmake, "-S", str(ROOT), "-B", str(tmp_path), "-DMEMFIT_PYTHON=OFF",
+                 "-DMEMFIT_CUDA=OFF", "-DMEMFIT_BUILD_BENCHMARKS=ON", "-DCMAKE_BUILD_TYPE=Release"]
+    if shutil.which("ninja"):
+        configure += ["-G", "Ninja"]
+    subprocess.run(configure, check=True, capture_output=True, text=True)
+    build = subprocess.run([cmake, "--build", str(tmp_path), "--target", "bench_optim_step", "-j2"],
+                           capture_output=True, text=True)
+    assert build.returncode == 0, build.stdout + build.stderr
+    exe = str(tmp_path / "bench_optim_step")
+    for bits in (8, 4):
+        out = subprocess.run([exe, "70000", "2", "2", "3", str(bits)], capture_output=True,
+                             text=True, check=True).stdout
+        r = json.loads(out)
+        assert (r["numel"], r["threads"], r["bits"]) == (70000, 2, bits)
+        assert 0 < r["best_ms"] <= r["median_ms"]
+    bad = subprocess.run([exe, "70000", "2", "2", "3", "5"], capture_output=True, text=True)
+    assert bad.returncode == 2 and "BITS 8 or 4" in bad.stderr
+    assert subprocess.run([exe], capture_output=True, text=True).returncode == 2
