@@ -302,7 +302,9 @@ def main(argv=None):
           f"memfit {m['memfit_threads']} / torch {m.get('torch_threads')} threads, torch {m.get('torch')}, "
           f"commit {m['commit']}, {m['date']}")
     if speeds:
-        fmt = lambda d: ", ".join(f"cpu{c} {ms:.3f}" for c, ms in d.items())  # noqa: E731
+        def fmt(d):
+            return ", ".join(f"cpu{c} {ms:.3f}" for c, ms in d.items())
+
         print(f"per-core speed (single-thread AdamW8bit step, 262144 params, ms): before {fmt(speeds)}; "
               f"after {fmt(speeds_after)}")
     print(f"AdamW step over {args.numel} fp32 parameters (one tensor, grads randn*0.01); median of "

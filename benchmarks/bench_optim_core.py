@@ -92,7 +92,9 @@ def main(argv=None):
     after = core_speeds(exe)
     best = min(r["best_ms"] for r in rows)
     med = statistics.median(r["median_ms"] for r in rows)
-    fmt = lambda d: ", ".join(f"cpu{c} {ms:.3f}" for c, ms in d.items())  # noqa: E731
+    def fmt(d):
+        return ", ".join(f"cpu{c} {ms:.3f}" for c, ms in d.items())
+
     meta = metadata("cpu")
     print(f"cpu: {meta['cpu']}, {meta['cores']} cores, commit {meta['commit']}, {meta['date']}")
     print(f"per-core speed (single-thread AdamW8bit step, 262144 params, ms): before {fmt(before)}; "
