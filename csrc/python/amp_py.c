@@ -4,8 +4,8 @@
  *
  * Lists of gradients: a step may touch hundreds of tensors, and a DLPack export costs
  * a few microseconds per tensor in torch (two Python-level calls and a capsule), more
- * than the unscale of a small gradient. So for torch tensors (registered once by
- * memfit.amp through register_torch()) we read data_ptr/numel/device/dtype/layout
+ * than the unscale of a small gradient. So for torch tensors (once torch is imported;
+ * its references come from mf_py_torch() in views.c) we read data_ptr/numel/device/dtype/layout
  * from the tensor directly, with the same checks as the DLPack path (dense layout,
  * contiguous, CPU or CUDA, float dtype), and fall back to mf_py_view_get() for
  * everything else (NumPy, CuPy, JAX, other __dlpack__ producers). The list holds a
@@ -18,40 +18,6 @@
 #include "memfit/scaler.h"
 
 /* ---- torch fast path ------------------------------------------------------------------ */
-
-static PyObject *torch_tensor_type, *torch_f32, *torch_f16, *torch_bf16, *torch_strided;
-static int intern_names(void);
-
-static PyObject *py_register_torch(PyObject *self, PyObject *args) {
-  (void)self;
-  PyObject *tt, *f32, *f16, *bf16, *strided;
-  if (!PyArg_ParseTuple(args, "O!OOOO", &PyType_Type, &tt, &f32, &f16, &bf16, &strided))
-    return NULL;
-  Py_XSETREF(torch_tensor_type, Py_NewRef(tt));
-  Py_XSETREF(torch_f32, Py_NewRef(f32));
-  Py_XSETREF(torch_f16, Py_NewRef(f16));
-  Py_XSETREF(torch_bf16, Py_NewRef(bf16));
-  Py_XSETREF(torch_strided, Py_NewRef(strided));
-  if (intern_names()) return NULL;
-  Py_RETURN_NONE;
-}
-
-/* Interned attribute names (created once by register_torch). */
-static PyObject *s_dtype, *s_layout, *s_is_cuda, *s_is_cpu, *s_get_device, *s_is_contiguous,
-    *s_numel, *s_data_ptr;
-
-static int intern_names(void) {
-  struct { PyObject **slot; const char *name; } names[] = {
-      {&s_dtype, "dtype"}, {&s_layout, "layout"}, {&s_is_cuda, "is_cuda"},
-      {&s_is_cpu, "is_cpu"}, {&s_get_device, "get_device"},
-      {&s_is_contiguous, "is_contiguous"}, {&s_numel, "numel"}, {&s_data_ptr, "data_ptr"}};
-  for (size_t i = 0; i < sizeof names / sizeof names[0]; i++) {
-    if (*names[i].slot) continue;
-    *names[i].slot = PyUnicode_InternFromString(names[i].name);
-    if (!*names[i].slot) return -1;
-  }
-  return 0;
-}
 
 /* obj.<name>() when call, else obj.<name>: new reference or NULL. */
 static PyObject *attr(PyObject *obj, PyObject *name, int call) {
@@ -77,16 +43,17 @@ static int64_t int_of(PyObject *obj, PyObject *name) {
 /* Fills t from a torch tensor. Returns 0, 1 (not handled here: use the generic path)
  * or -1 with an exception set. Six attribute reads/calls for a CPU tensor. */
 static int torch_view(PyObject *obj, const char *base, Py_ssize_t index, mf_tensor *t) {
-  if (!torch_tensor_type || !PyObject_TypeCheck(obj, (PyTypeObject *)torch_tensor_type)) return 1;
+  const mf_py_torch_refs *T = mf_py_torch();
+  if (!T || !PyObject_TypeCheck(obj, (PyTypeObject *)T->tensor_type)) return 1;
   /* the argument's name ("grads[3]"), formatted only when an error needs it */
   char name[96];
 #define NAME() (index < 0 ? base : (snprintf(name, sizeof name, "%s[%zd]", base, index), name))
-  PyObject *dtype = attr(obj, s_dtype, 0);
+  PyObject *dtype = attr(obj, T->s_dtype, 0);
   if (!dtype) return -1;
   Py_DECREF(dtype); /* the registered dtypes stay alive, so identity is safe */
-  if (dtype == torch_f32) t->dtype = MF_FLOAT32;
-  else if (dtype == torch_f16) t->dtype = MF_FLOAT16;
-  else if (dtype == torch_bf16) t->dtype = MF_BFLOAT16;
+  if (dtype == T->float32) t->dtype = MF_FLOAT32;
+  else if (dtype == T->float16) t->dtype = MF_FLOAT16;
+  else if (dtype == T->bfloat16) t->dtype = MF_BFLOAT16;
   else {
     PyObject *str = PyObject_Str(dtype);
     PyErr_Format(mf_py_TypeError, "%s: unsupported dtype %s; expected float32, float16 or "
@@ -94,28 +61,28 @@ static int torch_view(PyObject *obj, const char *base, Py_ssize_t index, mf_tens
     Py_XDECREF(str);
     return -1;
   }
-  int is_cuda = truthy(obj, s_is_cuda, 0);
+  int is_cuda = truthy(obj, T->s_is_cuda, 0);
   if (is_cuda < 0) return -1;
   if (is_cuda) {
-    int64_t dev = int_of(obj, s_get_device);
+    int64_t dev = int_of(obj, T->s_get_device);
     if (dev == -1 && PyErr_Occurred()) return -1;
     t->device = MF_CUDA;
     t->device_id = (int)dev;
   } else {
-    int is_cpu = truthy(obj, s_is_cpu, 0);
+    int is_cpu = truthy(obj, T->s_is_cpu, 0);
     if (is_cpu < 0) return -1;
     if (!is_cpu) return 1; /* meta, mps, xpu...: the DLPack path names the device */
     t->device = MF_CPU;
     t->device_id = 0;
   }
-  int contig = truthy(obj, s_is_contiguous, 1);
+  int contig = truthy(obj, T->s_is_contiguous, 1);
   if (contig <= 0) {
     /* sparse and other non-strided layouts are "not contiguous" (or raise): say what
      * they are instead */
     PyObject *type, *value, *tb;
     PyErr_Fetch(&type, &value, &tb);
-    PyObject *layout = attr(obj, s_layout, 0);
-    int strided = !layout || layout == torch_strided;
+    PyObject *layout = attr(obj, T->s_layout, 0);
+    int strided = !layout || layout == T->strided;
     Py_XDECREF(layout);
     PyErr_Clear();
     if (!strided) {
@@ -134,9 +101,9 @@ static int torch_view(PyObject *obj, const char *base, Py_ssize_t index, mf_tens
                  NAME());
     return -1;
   }
-  t->numel = int_of(obj, s_numel);
+  t->numel = int_of(obj, T->s_numel);
   if (t->numel == -1 && PyErr_Occurred()) return -1;
-  PyObject *ptr = attr(obj, s_data_ptr, 1);
+  PyObject *ptr = attr(obj, T->s_data_ptr, 1);
   if (!ptr) return -1;
   t->data = PyLong_AsVoidPtr(ptr);
   Py_DECREF(ptr);
@@ -451,8 +418,6 @@ static PyObject *py_num_chunks(PyObject *self, PyObject *arg) {
 }
 
 PyMethodDef mf_amp_methods[] = {
-    {"register_torch", py_register_torch, METH_VARARGS,
-     "register_torch(Tensor, float32, float16, bfloat16, strided): enables the fast path"},
     {"scaler_layout", py_scaler_layout, METH_NOARGS, "Word offsets of the scaler state block."},
     {"scaler_state_init", py_scaler_state_init, METH_VARARGS,
      "scaler_state_init(state, init_scale, growth_tracker)"},

@@ -49,6 +49,17 @@ void mf_py_views_release(int n, mf_py_view *views);
 /* The view's tensor, or NULL for an absent optional view. */
 static inline mf_tensor *mf_py_tensor_or_null(mf_py_view *v) { return v->owner ? &v->t : NULL; }
 
+/* torch's objects the torch fast paths compare against, and the attribute names they
+ * read (interned), found in sys.modules once torch is imported: memfit never imports it
+ * itself. NULL before that, or if this torch lacks one of them. views.c. */
+typedef struct {
+  PyObject *tensor_type, *parameter_type;
+  PyObject *float32, *float16, *bfloat16, *uint8, *strided;
+  PyObject *s_requires_grad, *s_is_cpu, *s_is_cuda, *s_get_device, *s_dtype, *s_layout,
+      *s_is_contiguous, *s_numel, *s_data_ptr;
+} mf_py_torch_refs;
+const mf_py_torch_refs *mf_py_torch(void);
+
 /* out <- "what[i]" (an argument's name for error messages), truncated to cap bytes.
  * Bindings name every array of a list up front, thousands per optimizer step of a
  * large model, so this avoids snprintf's format parsing (~10x slower). */

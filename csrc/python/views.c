@@ -178,100 +178,108 @@ static int view_from_dlpack(PyObject *obj, const char *name, int writable, uintp
   return view_from_capsule(capsule, name, writable, v);
 }
 
+const mf_py_torch_refs *mf_py_torch(void) {
+  /* 0: torch not imported yet; 1: ready; -1: this torch lacks something we need */
+  static int state;
+  static mf_py_torch_refs r; /* held for the process's life */
+  if (state == 0) {
+    static PyObject *torch_name;
+    if (!torch_name && !(torch_name = PyUnicode_InternFromString("torch"))) {
+      PyErr_Clear();
+      return NULL;
+    }
+    PyObject *torch = PyImport_GetModule(torch_name);
+    if (!torch) {
+      PyErr_Clear();
+      return NULL;
+    }
+    PyObject *nn = PyObject_GetAttrString(torch, "nn");
+    struct { PyObject **slot; PyObject *from; const char *name; } attrs[] = {
+        {&r.tensor_type, torch, "Tensor"}, {&r.parameter_type, nn, "Parameter"},
+        {&r.float32, torch, "float32"}, {&r.float16, torch, "float16"},
+        {&r.bfloat16, torch, "bfloat16"}, {&r.uint8, torch, "uint8"},
+        {&r.strided, torch, "strided"}};
+    int ok = 1;
+    for (size_t i = 0; i < sizeof attrs / sizeof attrs[0]; i++)
+      ok = attrs[i].from && (*attrs[i].slot = PyObject_GetAttrString(attrs[i].from, attrs[i].name)) && ok;
+    ok = ok && PyType_Check(r.tensor_type) && PyType_Check(r.parameter_type);
+    struct { PyObject **slot; const char *name; } names[] = {
+        {&r.s_requires_grad, "requires_grad"}, {&r.s_is_cpu, "is_cpu"}, {&r.s_is_cuda, "is_cuda"},
+        {&r.s_get_device, "get_device"}, {&r.s_dtype, "dtype"}, {&r.s_layout, "layout"},
+        {&r.s_is_contiguous, "is_contiguous"}, {&r.s_numel, "numel"}, {&r.s_data_ptr, "data_ptr"}};
+    for (size_t i = 0; i < sizeof names / sizeof names[0]; i++)
+      ok = (*names[i].slot = PyUnicode_InternFromString(names[i].name)) && ok;
+    Py_XDECREF(nn);
+    Py_DECREF(torch);
+    PyErr_Clear();
+    state = ok ? 1 : -1;
+  }
+  return state == 1 ? &r : NULL;
+}
+
 /* The fast path for CPU torch tensors. torch's __dlpack__ and __dlpack_device__ are
  * Python functions that together cost ~3.5 us per array, paid five to seven times per
  * parameter by an optimizer step (hundreds of parameters in a real model); a DLPack
  * export through their C core, torch._C._to_dlpack_versioned, still cost ~0.65 us per
  * array with its capsule and deleter. Here we read what a view needs from the tensor's
  * own C-level attributes (dtype, is_contiguous(), numel(), data_ptr(): ~0.3 us) and
- * hold a reference to the tensor for the call. Taken only once torch is imported (this
- * never imports it), for a plain Tensor or Parameter that does not require grad, on
- * the CPU, contiguous, of a dtype memfit takes: the cases where __dlpack__ would export
- * this same memory with no stream semantics. Anything else, or any failure, returns 0
- * with no error set and the caller takes the general path (and its error messages).
- * Returns 1 when it filled v. */
+ * hold a reference to the tensor for the call. Taken once torch is imported, for a
+ * plain Tensor or Parameter that does not require grad, on the CPU, contiguous, of a
+ * dtype memfit takes: the cases where __dlpack__ would export this same memory with no
+ * stream semantics. Anything else, or any failure, returns 0 with no error set and the
+ * caller takes the general path (and its error messages). Returns 1 when it filled v.
+ * (amp_py.c has its own fast path over the same mf_py_torch() references, for lists of
+ * gradients on CPU or CUDA, which names what is wrong instead of falling back.) */
 static int view_from_torch_cpu(PyObject *obj, mf_py_view *v) {
-  /* 0: torch not imported yet; 1: ready; -1: this torch lacks something we need */
-  static int state;
-  /* held for the process's life */
-  static PyObject *tensor_type, *param_type, *dtypes[4];
-  static PyObject *s_requires_grad, *s_is_cpu, *s_dtype, *s_is_contiguous, *s_numel, *s_data_ptr;
-  static const mf_dtype mf_dtypes[4] = {MF_FLOAT32, MF_FLOAT16, MF_BFLOAT16, MF_UINT8};
-  if (state == 0) {
-    static PyObject *torch_name;
-    if (!torch_name && !(torch_name = PyUnicode_InternFromString("torch"))) {
-      PyErr_Clear();
-      return 0;
-    }
-    PyObject *torch = PyImport_GetModule(torch_name);
-    if (!torch) {
-      PyErr_Clear();
-      return 0;
-    }
-    static const char *const dtype_names[4] = {"float32", "float16", "bfloat16", "uint8"};
-    PyObject *nn = PyObject_GetAttrString(torch, "nn");
-    tensor_type = PyObject_GetAttrString(torch, "Tensor");
-    param_type = nn ? PyObject_GetAttrString(nn, "Parameter") : NULL;
-    int ok = tensor_type && param_type && PyType_Check(tensor_type) && PyType_Check(param_type);
-    for (int i = 0; i < 4; i++) ok = (dtypes[i] = PyObject_GetAttrString(torch, dtype_names[i])) && ok;
-    s_requires_grad = PyUnicode_InternFromString("requires_grad");
-    s_is_cpu = PyUnicode_InternFromString("is_cpu");
-    s_dtype = PyUnicode_InternFromString("dtype");
-    s_is_contiguous = PyUnicode_InternFromString("is_contiguous");
-    s_numel = PyUnicode_InternFromString("numel");
-    s_data_ptr = PyUnicode_InternFromString("data_ptr");
-    ok = ok && s_requires_grad && s_is_cpu && s_dtype && s_is_contiguous && s_numel && s_data_ptr;
-    Py_XDECREF(nn);
-    Py_DECREF(torch);
-    PyErr_Clear();
-    state = ok ? 1 : -1;
-  }
-  if (state != 1) return 0;
-  if ((PyObject *)Py_TYPE(obj) != tensor_type && (PyObject *)Py_TYPE(obj) != param_type) return 0;
+  const mf_py_torch_refs *T = mf_py_torch();
+  if (!T) return 0;
+  if ((PyObject *)Py_TYPE(obj) != T->tensor_type && (PyObject *)Py_TYPE(obj) != T->parameter_type)
+    return 0;
   /* requires_grad, is_cpu and dtype are attributes; is_contiguous, numel and data_ptr
    * methods. Each step bails out (general path) on anything unexpected. */
-  PyObject *a = PyObject_GetAttr(obj, s_requires_grad);
+  PyObject *a = PyObject_GetAttr(obj, T->s_requires_grad);
   int ok = a == Py_False;
   Py_XDECREF(a);
   if (ok) {
-    a = PyObject_GetAttr(obj, s_is_cpu);
+    a = PyObject_GetAttr(obj, T->s_is_cpu);
     ok = a == Py_True;
     Py_XDECREF(a);
   }
-  int which = -1;
   if (ok) {
-    a = PyObject_GetAttr(obj, s_dtype);
-    for (int i = 0; i < 4; i++)
-      if (a == dtypes[i]) which = i;
+    a = PyObject_GetAttr(obj, T->s_dtype);
+    if (a == T->float32) v->t.dtype = MF_FLOAT32;
+    else if (a == T->float16) v->t.dtype = MF_FLOAT16;
+    else if (a == T->bfloat16) v->t.dtype = MF_BFLOAT16;
+    else if (a == T->uint8) v->t.dtype = MF_UINT8;
+    else ok = 0;
     Py_XDECREF(a);
-    ok = which >= 0;
   }
   if (ok) {
-    a = PyObject_CallMethodNoArgs(obj, s_is_contiguous);
+    a = PyObject_CallMethodNoArgs(obj, T->s_is_contiguous);
     ok = a == Py_True;
     Py_XDECREF(a);
   }
   long long numel = -1;
   if (ok) {
-    a = PyObject_CallMethodNoArgs(obj, s_numel);
+    a = PyObject_CallMethodNoArgs(obj, T->s_numel);
     numel = a && PyLong_Check(a) ? PyLong_AsLongLong(a) : -1;
     Py_XDECREF(a);
     ok = numel >= 0;
   }
   void *data = NULL;
   if (ok) {
-    a = PyObject_CallMethodNoArgs(obj, s_data_ptr);
+    a = PyObject_CallMethodNoArgs(obj, T->s_data_ptr);
     data = a && PyLong_Check(a) ? PyLong_AsVoidPtr(a) : NULL;
     ok = a && PyLong_Check(a) && !PyErr_Occurred();
     Py_XDECREF(a);
   }
   if (!ok) {
     PyErr_Clear();
+    memset(v, 0, sizeof *v);
     return 0;
   }
   v->t.data = data;
   v->t.numel = (int64_t)numel;
-  v->t.dtype = mf_dtypes[which];
   v->t.device = MF_CPU;
   v->t.device_id = 0;
   Py_INCREF(obj);

@@ -74,8 +74,6 @@ _WORDS = _LAYOUT["words"]
 _HEAD = _LAYOUT["history"]  # the counters live in the first _HEAD words
 _ONE_BITS = 0x3F800000  # 1.0f
 
-# The core reads torch tensors' pointers directly (no DLPack round trip per gradient).
-_C.register_torch(torch.Tensor, torch.float32, torch.float16, torch.bfloat16, torch.strided)
 _FUSED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 _F32, _F16, _BF16 = _FUSED_DTYPES
 _is_contiguous = torch.Tensor.is_contiguous
