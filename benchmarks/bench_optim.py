@@ -40,7 +40,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import copy_bandwidth, markdown_table, metadata, write_json  # noqa: E402
+from _common import copy_bandwidth, markdown_table, metadata, per_core_line, write_json  # noqa: E402
 
 import memfit  # noqa: E402
 import memfit.optim as mo  # noqa: E402
@@ -302,11 +302,7 @@ def main(argv=None):
           f"memfit {m['memfit_threads']} / torch {m.get('torch_threads')} threads, torch {m.get('torch')}, "
           f"commit {m['commit']}, {m['date']}")
     if speeds:
-        def fmt(d):
-            return ", ".join(f"cpu{c} {ms:.3f}" for c, ms in d.items())
-
-        print(f"per-core speed (single-thread AdamW8bit step, 262144 params, ms): before {fmt(speeds)}; "
-              f"after {fmt(speeds_after)}")
+        print(per_core_line(speeds, speeds_after))
     print(f"AdamW step over {args.numel} fp32 parameters (one tensor, grads randn*0.01); median of "
           f"{args.reps} interleaved steps (bitsandbytes: fewer); cold = 1 GiB written before each step\n")
     print(markdown_table(

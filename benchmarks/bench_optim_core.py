@@ -29,7 +29,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import OUT_DIR, Progress, markdown_table, metadata, write_json  # noqa: E402
+from _common import OUT_DIR, Progress, markdown_table, metadata, per_core_line, write_json  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -92,13 +92,9 @@ def main(argv=None):
     after = core_speeds(exe)
     best = min(r["best_ms"] for r in rows)
     med = statistics.median(r["median_ms"] for r in rows)
-    def fmt(d):
-        return ", ".join(f"cpu{c} {ms:.3f}" for c, ms in d.items())
-
     meta = metadata("cpu")
     print(f"cpu: {meta['cpu']}, {meta['cores']} cores, commit {meta['commit']}, {meta['date']}")
-    print(f"per-core speed (single-thread AdamW8bit step, 262144 params, ms): before {fmt(before)}; "
-          f"after {fmt(after)}")
+    print(per_core_line(before, after))
     print(markdown_table(
         ["numel", "threads", "bits", "busy core", "rounds", "best ms", "median of medians ms",
          "ns / param (best)"],
