@@ -105,14 +105,16 @@ static inline void tables_init(thread_bufs *b, const quant_ctx *qc, int ns) {
 MF_TARGET_AVX512 static inline void dequant64_8(const thread_bufs *b, int k, const float *code,
                                                 const uint8_t *q, float absmax, float *out) {
   (void)b, (void)k;
-  dequant8_avx512(q, code, absmax, 64, out);
+  const __m512 a = _mm512_set1_ps(absmax);
+  for (int i = 0; i < 64; i += 16) dequant8_16_avx512(q + i, code, a, out + i);
 }
 #endif /* MF_FUSED_GATHER */
 
 /* 4-bit states: the 16-entry code fits one register, a permute (optim_cpu.h). */
 MF_TARGET_AVX512 static inline void dequant64_4(const float *code, const uint8_t *q, float absmax,
                                                 float *out) {
-  dequant4_avx512(q, code, absmax, 64, out);
+  const __m512 a = _mm512_set1_ps(absmax), table = _mm512_loadu_ps(code);
+  for (int i = 0; i < 64; i += 16) dequant4_16_avx512(q + i / 2, table, a, out + i);
 }
 
 /* 32 floats s * inv -> 32 code indices: bytes (bits 8), or nibbles, element 2i in the

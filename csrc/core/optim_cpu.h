@@ -119,34 +119,41 @@ MF_INLINE void pack4(const uint8_t *restrict q, int64_t n, uint8_t *restrict out
 #include <immintrin.h>
 
 /* AVX-512 dequantization, 16 elements at a time: the arithmetic of dequant8/dequant4 in
- * optim.c (one float multiply). The block kernel calls them per block; the fused
- * kernels (optim_avx512.c) with n = 64, where they inline to the loop body alone. */
+ * optim.c (one float multiply). The block kernel runs them over a block (with a scalar
+ * tail); the fused kernels (optim_avx512.c) four times over a group of 64. */
+MF_TARGET_AVX512 static inline void dequant8_16_avx512(const uint8_t *restrict q,
+                                                       const float *restrict code, __m512 absmax,
+                                                       float *restrict out) {
+  const __m512i idx = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)q));
+  _mm512_storeu_ps(out, _mm512_mul_ps(_mm512_i32gather_ps(idx, code, 4), absmax));
+}
+
+/* 4-bit: 16 codes fit one register, so the lookup is a permute (no gather). q: the 8
+ * bytes of the 16 elements. */
+MF_TARGET_AVX512 static inline void dequant4_16_avx512(const uint8_t *restrict q, __m512 table,
+                                                       __m512 absmax, float *restrict out) {
+  const __m128i low4 = _mm_set1_epi8(15), bytes = _mm_loadl_epi64((const __m128i *)q);
+  const __m128i nib = _mm_unpacklo_epi8(_mm_and_si128(bytes, low4),
+                                        _mm_and_si128(_mm_srli_epi16(bytes, 4), low4));
+  const __m512 v = _mm512_permutexvar_ps(_mm512_cvtepu8_epi32(nib), table);
+  _mm512_storeu_ps(out, _mm512_mul_ps(v, absmax));
+}
+
 MF_TARGET_AVX512 static inline void dequant8_avx512(const uint8_t *restrict q,
                                                     const float *restrict code, float absmax,
                                                     int64_t n, float *restrict out) {
   const __m512 a = _mm512_set1_ps(absmax);
   int64_t i = 0;
-  for (; i + 16 <= n; i += 16) {
-    __m512i idx = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(q + i)));
-    _mm512_storeu_ps(out + i, _mm512_mul_ps(_mm512_i32gather_ps(idx, code, 4), a));
-  }
+  for (; i + 16 <= n; i += 16) dequant8_16_avx512(q + i, code, a, out + i);
   for (; i < n; i++) out[i] = code[q[i]] * absmax;
 }
 
-/* 4-bit: 16 codes fit one register, so the lookup is a permute (no gather). */
 MF_TARGET_AVX512 static inline void dequant4_avx512(const uint8_t *restrict q,
                                                     const float *restrict code, float absmax,
                                                     int64_t n, float *restrict out) {
   const __m512 a = _mm512_set1_ps(absmax), table = _mm512_loadu_ps(code);
-  const __m128i low4 = _mm_set1_epi8(15);
   int64_t i = 0;
-  for (; i + 16 <= n; i += 16) {
-    __m128i bytes = _mm_loadl_epi64((const __m128i *)(q + i / 2));
-    __m128i nib = _mm_unpacklo_epi8(_mm_and_si128(bytes, low4),
-                                    _mm_and_si128(_mm_srli_epi16(bytes, 4), low4));
-    __m512 v = _mm512_permutexvar_ps(_mm512_cvtepu8_epi32(nib), table);
-    _mm512_storeu_ps(out + i, _mm512_mul_ps(v, a));
-  }
+  for (; i + 16 <= n; i += 16) dequant4_16_avx512(q + i / 2, table, a, out + i);
   for (; i < n; i++) out[i] = code[(q[i >> 1] >> ((i & 1) * 4)) & 15] * absmax;
 }
 

@@ -1,6 +1,7 @@
 /* C tests of the optimizer core: the CPU's table-driven code search must return exactly
  * what mf_optim_quantize (the binary search the CUDA kernels use) returns, for every
- * code the optimizers use; the element update must skip non-finite values; and the
+ * code the optimizers use; the element update must skip non-finite values (Adam's
+ * shortcut test against the contract, on every combination of special values); and the
  * Kahan-compensated store of half-precision parameters. */
 #include <math.h>
 #include <stdio.h>
@@ -76,6 +77,54 @@ static void test_skip_nonfinite(void) {
   CHECK(ok && p != 0.5f, "a finite gradient updates");
   /* bias corrections: exact binary powers agree with pow() to double rounding */
   CHECK(fabs(mf_powi(0.999, 1000) - pow(0.999, 1000)) < 1e-13, "mf_powi");
+}
+
+/* Adam/AdamW decide whether to skip an element from pn and bn alone
+ * (mf_both_finite_f32); the contract is the four-value test (g, pn, an, bn finite).
+ * Every combination of special and extreme values of g, p, the two states, the step
+ * and the hyperparameters (lr 0, eps 0, beta1 0 or 0.9, beta2 0 or 0.999, a decay factor
+ * below zero, 1/grad_scale infinite, maximize) must give the same decision, and the
+ * same bits, as the contract computed here the long way. */
+static void test_adam_skip_test_is_the_contract(void) {
+  const float vals[] = {0.0f, -0.0f, 1e-3f, -2.5f, 1e-40f, 1.8e19f, -2e19f, 3e38f, -3.4e38f,
+                        INFINITY, -INFINITY, NAN};
+  const int nv = (int)(sizeof vals / sizeof vals[0]);
+  const struct { double lr, b1, b2, eps, wd, inv_scale, t; int maximize; } hs[] = {
+      {1e-3, 0.9, 0.999, 1e-8, 1e-2, 1.0, 1, 0}, {1e-3, 0.9, 0.999, 1e-8, 1e-2, 1.0, 1000, 1},
+      {0.0, 0.9, 0.999, 1e-8, 0.0, 1.0, 3, 0},   {1e-3, 0.0, 0.0, 0.0, 0.0, 1.0, 2, 0},
+      {10.0, 0.5, 0.9, 1e-8, 5.0, 1.0, 2, 0},    {1e-3, 0.9, 0.999, 1e-8, 1e-2, INFINITY, 5, 0},
+      {1e30, 0.9, 0.999, 0.0, 0.0, 1e-20, 1, 1}};
+  long checked = 0, bad = 0;
+  for (int kind = MF_OPT_ADAMW; kind <= MF_OPT_ADAM; kind++) {
+    for (size_t hi = 0; hi < sizeof hs / sizeof hs[0]; hi++) {
+      mf_optim_hparams h = {.kind = (mf_optim_kind)kind, .lr = hs[hi].lr, .beta1 = hs[hi].b1,
+                            .beta2 = hs[hi].b2, .eps = hs[hi].eps, .weight_decay = hs[hi].wd,
+                            .maximize = hs[hi].maximize};
+      const mf_optim_consts c = mf_optim_prepare(&h, (float)hs[hi].t, (float)hs[hi].inv_scale);
+      for (int i = 0; i < nv * nv * nv * nv; i++) {
+        const float g0 = vals[i % nv], p0 = vals[i / nv % nv], a = vals[i / (nv * nv) % nv];
+        const float b = vals[i / (nv * nv * nv)];
+        /* the contract, the long way */
+        float g = g0 * c.gmul;
+        if (kind == MF_OPT_ADAM) g = g + c.wd * p0;
+        const float an = c.b1 * a + c.omb1 * g, bn = c.b2 * b + c.omb2 * (g * g);
+        const float pn = p0 * c.decay - c.step_size * (an / (sqrtf(bn) * c.inv_sqrt_bc2 + c.eps));
+        const int want = isfinite(g) && isfinite(pn) && isfinite(an) && isfinite(bn);
+        float p = p0, s1 = a, s2 = b;
+        const int ok = mf_optim_update_one((mf_optim_kind)kind, &c, 2, &p, g0, &s1, &s2);
+        const float wp = want ? pn : p0, w1 = want ? an : a, w2 = want ? bn : b;
+        checked++;
+        if (ok != want || mf_f32_bits(p) != mf_f32_bits(wp) || mf_f32_bits(s1) != mf_f32_bits(w1) ||
+            mf_f32_bits(s2) != mf_f32_bits(w2)) {
+          if (bad++ < 5)
+            CHECK(0, "kind %d hparams %zu: g=%g p=%g a=%g b=%g: ok %d, contract %d", kind, hi,
+                  (double)g0, (double)p0, (double)a, (double)b, ok, want);
+        }
+      }
+    }
+  }
+  CHECK(bad == 0, "%ld of %ld combinations differ from the contract", bad, checked);
+  CHECK(checked == 2L * 7 * nv * nv * nv * nv, "all combinations ran");
 }
 
 /* Kahan split (optim.h): x = float(hi) + float(lo) is within the precision of two
@@ -246,6 +295,7 @@ int main(void) {
   test_code(dense, 256, "a code with entries 1e-4 apart");
   test_step_dense_code(dense, u8);
   test_skip_nonfinite();
+  test_adam_skip_test_is_the_contract();
   test_kahan_split();
   test_kahan_step();
   return check_exit("test_optim");
