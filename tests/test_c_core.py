@@ -72,3 +72,33 @@ def test_c_optimizer_benchmark_builds_and_runs(tmp_path):
     bad = subprocess.run([exe, "70000", "2", "2", "3", "5"], capture_output=True, text=True)
     assert bad.returncode == 2 and "BITS 8 or 4" in bad.stderr
     assert subprocess.run([exe], capture_output=True, text=True).returncode == 2
+
+
+def test_c_optimizer_benchmark_against_a_revision(tmp_path, monkeypatch):
+    """bench_optim_core.py --against REV builds the core of REV too and compares the two
+    round by round: here REV is HEAD, so both builds run and REV's own ratio is 1; a
+    name that is not a commit is refused before anything is built."""
+    import json
+
+    _tool("cmake")
+    if shutil.which("git") is None or subprocess.run(
+            ["git", "-C", str(ROOT), "rev-parse", "HEAD"], capture_output=True).returncode:
+        pytest.skip("not a git checkout")
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    import _common
+    import bench_optim_core
+
+    monkeypatch.setattr(_common, "OUT_DIR", tmp_path)
+    monkeypatch.setattr(bench_optim_core, "OUT_DIR", tmp_path)
+    with pytest.raises(SystemExit, match="not a commit"):
+        bench_optim_core.main(["--against", "no-such-revision-7f3e"])
+    bench_optim_core.main(["--against", "HEAD", "--numel", "70000", "--threads", "1",
+                           "--rounds", "2", "--reps", "1", "--steps", "2"])
+    builds = json.loads((tmp_path / "bench_optim_core.json").read_text())["builds"]
+    assert len(builds) == 2
+    (this,) = [v for k, v in builds.items() if k.startswith("this tree")]
+    (rev,) = [v for k, v in builds.items() if not k.startswith("this tree")]
+    assert rev["ratio_vs_against"] == {"median": 1.0, "q1": 1.0, "q3": 1.0}
+    assert 0 < this["ratio_vs_against"]["median"] < 100
+    for b in (this, rev):
+        assert len(b["rounds"]) == 2 and 0 < b["best_ms"] <= b["median_of_medians_ms"]
