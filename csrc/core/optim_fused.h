@@ -110,8 +110,10 @@ MF_INLINE FUSED_TARGET void dequant_group(const int ns, const int bits, const fu
  * The states are dequantized one group ahead of their update (the block's first group
  * before the loop), so the update reads values stored a group earlier instead of
  * waiting on the permutes that make them: ~3% on the single-thread L2-resident step of
- * the 2-core reference machine (AVX-512 + VBMI; paired runs of the C benchmark, 24
- * rounds, median ratio 0.97). */
+ * the 2-core reference machine (AVX-512 + VBMI). With Adam's cheaper skip test
+ * (optim.h) the step took 0.964 of the time before both: `python
+ * benchmarks/bench_optim_core.py --against 2c8a155 --numel 65536 --threads 1 --steps 20
+ * --reps 20 --rounds 20`, median of the same-round ratios. */
 MF_INLINE FUSED_TARGET void fused_round(const mf_optim_kind kind, const int ns, const int bits,
                                         const int f32, const int update, const int quant,
                                         fused_state *s, int64_t j) {

@@ -254,10 +254,11 @@ static inline MF_HD int mf_optim_update_one(mf_optim_kind kind, const mf_optim_c
   if (kind == MF_OPT_ADAMW || kind == MF_OPT_ADAM) {
     /* The test below, in three vector operations instead of eight (the CPU step's
      * hottest loop). Whatever a and b are: a non-finite g makes g * g, so omb2 * (g * g)
-     * (0 * Inf is NaN), so bn non-finite; with bn finite the denominator is finite, so
-     * a non-finite an makes an / denom, so pn, non-finite (0 * Inf is NaN again). Hence
-     * pn and bn finite <=> g, pn, an and bn finite; tests/c/test_optim.c checks it on
-     * every combination of special values. */
+     * (0 * Inf is NaN), so bn non-finite; with bn finite the denominator is finite (or
+     * NaN, for a negative bn, which makes pn NaN anyway), so a non-finite an makes
+     * an / denom, so pn, non-finite (0 * Inf is NaN again). Hence pn and bn finite <=>
+     * g, pn, an and bn finite; tests/c/test_optim.c checks decision and bits on every
+     * combination of special values. */
     ok = mf_both_finite_f32(pn, bn);
   } else {
     ok = mf_isfinite_f32(g) & mf_isfinite_f32(pn) & mf_isfinite_f32(an) & mf_isfinite_f32(bn);
