@@ -76,7 +76,10 @@ def export_revision(rev: str) -> tuple[Path, str]:
         tar = subprocess.run(["git", "-C", str(ROOT), "archive", "--format=tar", commit],
                              capture_output=True, check=True).stdout
         with tarfile.open(fileobj=io.BytesIO(tar)) as t:
-            t.extractall(dest, filter="data") if hasattr(tarfile, "data_filter") else t.extractall(dest)
+            if hasattr(tarfile, "data_filter"):  # Python 3.12+ (and 3.11.4+): no links out of dest
+                t.extractall(dest, filter="data")
+            else:
+                t.extractall(dest)
     if "MEMFIT_BUILD_BENCHMARKS" not in (dest / "CMakeLists.txt").read_text():
         sys.exit(f"--against: {commit} predates the C benchmark (MEMFIT_BUILD_BENCHMARKS, 230a97f)")
     bench = dest / "benchmarks" / "c"
