@@ -40,6 +40,8 @@ static int cmp_double(const void *a, const void *b) {
   return x < y ? -1 : x > y;
 }
 
+/* Its own, not common.h's mf_cpu_tensor: bench_optim_core.py --against builds this file
+ * against older cores too, which lack it. */
 static mf_tensor cpu_tensor(void *data, mf_dtype dt, int64_t numel) {
   mf_tensor t;
   memset(&t, 0, sizeof t);

@@ -167,6 +167,21 @@ static void test_kahan_split(void) {
   CHECK(isnan(mf_bf16_to_f32(hi)) && lo == 0, "NaN: comp = 0");
 }
 
+/* The tensor of one CPU step: parameter and gradient (dtype dt) and two states
+ * (state_dt), n elements each, with its step counter; the rest unset. */
+
+static mf_optim_tensor step_tensor(void *param, void *grad, mf_dtype dt, void *s1, void *s2,
+                                   mf_dtype state_dt, int64_t n, float *step) {
+  mf_optim_tensor t;
+  memset(&t, 0, sizeof t);
+  t.param = mf_cpu_tensor(param, n, dt);
+  t.grad = mf_cpu_tensor(grad, n, dt);
+  t.state1 = mf_cpu_tensor(s1, n, state_dt);
+  t.state2 = mf_cpu_tensor(s2, n, state_dt);
+  t.step = mf_cpu_tensor(step, 1, MF_FLOAT32);
+  return t;
+}
+
 /* The argument checks of a compensation buffer, and one small CPU step with it. */
 static void test_kahan_step(void) {
   enum { N = 300 };
@@ -181,14 +196,8 @@ static void test_kahan_step(void) {
     s1[i] = s2[i] = 0.0f;
   }
   mf_optim_hparams h = {.kind = MF_OPT_ADAMW, .lr = 1e-4, .beta1 = 0.9, .beta2 = 0.999, .eps = 1e-8};
-  mf_optim_tensor t;
-  memset(&t, 0, sizeof t);
-  t.param = (mf_tensor){p, N, MF_BFLOAT16, MF_CPU, 0};
-  t.grad = (mf_tensor){g, N, MF_BFLOAT16, MF_CPU, 0};
-  t.state1 = (mf_tensor){s1, N, MF_FLOAT32, MF_CPU, 0};
-  t.state2 = (mf_tensor){s2, N, MF_FLOAT32, MF_CPU, 0};
-  t.step = (mf_tensor){&step, 1, MF_FLOAT32, MF_CPU, 0};
-  t.comp = (mf_tensor){c, N, MF_BFLOAT16, MF_CPU, 0};
+  mf_optim_tensor t = step_tensor(p, g, MF_BFLOAT16, s1, s2, MF_FLOAT32, N, &step);
+  t.comp = mf_cpu_tensor(c, N, MF_BFLOAT16);
   for (int k = 0; k < 10; k++)
     CHECK(mf_optim_step(&h, MF_STATE_FP32, 0, NULL, NULL, &t, 1, NULL, NULL, NULL) == MF_OK, "%s",
           mf_last_error());
@@ -207,9 +216,9 @@ static void test_kahan_step(void) {
   t.comp.dtype = MF_FLOAT16;
   CHECK(mf_optim_step(&h, MF_STATE_FP32, 0, NULL, NULL, &t, 1, NULL, NULL, NULL) == MF_ERR_TYPE,
         "comp of another dtype must be refused");
-  t.param = (mf_tensor){p32, N, MF_FLOAT32, MF_CPU, 0};
-  t.grad = (mf_tensor){s1, N, MF_FLOAT32, MF_CPU, 0};
-  t.comp = (mf_tensor){c32, N, MF_FLOAT32, MF_CPU, 0};
+  t.param = mf_cpu_tensor(p32, N, MF_FLOAT32);
+  t.grad = mf_cpu_tensor(s1, N, MF_FLOAT32);
+  t.comp = mf_cpu_tensor(c32, N, MF_FLOAT32);
   CHECK(mf_optim_step(&h, MF_STATE_FP32, 0, NULL, NULL, &t, 1, NULL, NULL, NULL) == MF_ERR_VALUE &&
             strstr(mf_last_error(), "comps[0]"),
         "comp for float32 params must be refused");
@@ -258,16 +267,11 @@ static void test_step_dense_code(const float *dense, const float *u8) {
       ref_q2[b * BS + i] = mf_optim_quantize(u8, 256, s2[i] * mf_absmax_inverse(ref_a2[b]));
     }
   }
-  mf_optim_tensor t;
-  memset(&t, 0, sizeof t);
-  t.param = (mf_tensor){p, N, MF_FLOAT32, MF_CPU, 0};
-  t.grad = (mf_tensor){g, N, MF_FLOAT32, MF_CPU, 0};
-  t.state1 = (mf_tensor){q1, N, MF_UINT8, MF_CPU, 0};
-  t.state2 = (mf_tensor){q2, N, MF_UINT8, MF_CPU, 0};
-  t.absmax1 = (mf_tensor){a1, NB, MF_FLOAT32, MF_CPU, 0};
-  t.absmax2 = (mf_tensor){a2, NB, MF_FLOAT32, MF_CPU, 0};
-  t.step = (mf_tensor){&step, 1, MF_FLOAT32, MF_CPU, 0};
-  mf_tensor c1 = {(void *)dense, 256, MF_FLOAT32, MF_CPU, 0}, c2 = {(void *)u8, 256, MF_FLOAT32, MF_CPU, 0};
+  mf_optim_tensor t = step_tensor(p, g, MF_FLOAT32, q1, q2, MF_UINT8, N, &step);
+  t.absmax1 = mf_cpu_tensor(a1, NB, MF_FLOAT32);
+  t.absmax2 = mf_cpu_tensor(a2, NB, MF_FLOAT32);
+  mf_tensor c1 = mf_cpu_tensor((void *)dense, 256, MF_FLOAT32);
+  mf_tensor c2 = mf_cpu_tensor((void *)u8, 256, MF_FLOAT32);
   CHECK(mf_optim_step(&h, MF_STATE_8BIT, BS, &c1, &c2, &t, 1, NULL, NULL, NULL) == MF_OK, "%s",
         mf_last_error());
   int bad = 0;

@@ -28,11 +28,6 @@ static double normal01(void) {
   return sqrt(-2.0 * log(u1)) * cos(6.283185307179586 * u2);
 }
 
-static mf_tensor view(void *data, int64_t numel, mf_dtype dt) {
-  mf_tensor t = {data, numel, dt, MF_CPU, 0};
-  return t;
-}
-
 /* Nearest code by exhaustive search in float64: the reference for the binary search. */
 static int nearest_ref(const float *code, float x) {
   int best = 0;
@@ -125,9 +120,9 @@ static void test_round_trip(mf_dtype dt, int64_t bs, int64_t numel) {
   int64_t nb = mf_quant_num_blocks(numel, bs);
   float *absmax = malloc((size_t)nb * sizeof(float));
   for (int64_t i = 0; i < numel; i++) mf_store_f32(x, i, dt, (float)normal01());
-  mf_tensor tx = view(x, numel, dt), tc = view(code, 256, MF_FLOAT32),
-            tq = view(codes, numel, MF_UINT8), ta = view(absmax, nb, MF_FLOAT32),
-            ty = view(y, numel, dt);
+  mf_tensor tx = mf_cpu_tensor(x, numel, dt), tc = mf_cpu_tensor(code, 256, MF_FLOAT32),
+            tq = mf_cpu_tensor(codes, numel, MF_UINT8), ta = mf_cpu_tensor(absmax, nb, MF_FLOAT32),
+            ty = mf_cpu_tensor(y, numel, dt);
   mf_status st = mf_quantize_blockwise(&tx, &tc, &tq, &ta, bs, MF_ROUND_NEAREST, 0, NULL);
   CHECK(st == MF_OK, "quantize dt=%s bs=%lld: %s", mf_dtype_name(dt), (long long)bs, mf_last_error());
   st = mf_dequantize_blockwise(&tq, &ta, &tc, &ty, bs, NULL);
@@ -158,9 +153,9 @@ static void test_non_finite(void) {
   for (int i = 0; i < 300; i++) x[i] = (float)normal01();
   x[5] = NAN;
   x[150] = INFINITY;
-  mf_tensor tx = view(x, 300, MF_FLOAT32), tc = view(code, 256, MF_FLOAT32),
-            tq = view(codes, 300, MF_UINT8), ta = view(absmax, 3, MF_FLOAT32),
-            ty = view(y, 300, MF_FLOAT32);
+  mf_tensor tx = mf_cpu_tensor(x, 300, MF_FLOAT32), tc = mf_cpu_tensor(code, 256, MF_FLOAT32),
+            tq = mf_cpu_tensor(codes, 300, MF_UINT8), ta = mf_cpu_tensor(absmax, 3, MF_FLOAT32),
+            ty = mf_cpu_tensor(y, 300, MF_FLOAT32);
   CHECK(mf_quantize_blockwise(&tx, &tc, &tq, &ta, 128, MF_ROUND_NEAREST, 0, NULL) == MF_OK, "nan q");
   CHECK(isnan(absmax[0]) && isnan(absmax[1]) && isfinite(absmax[2]), "non-finite blocks get NaN absmax");
   CHECK(mf_dequantize_blockwise(&tq, &ta, &tc, &ty, 128, NULL) == MF_OK, "nan dq");
@@ -173,25 +168,25 @@ static void test_errors(void) {
   uint8_t codes[256];
   mf_dynamic_map(code, 256, 1, 8, 7);
   for (int i = 0; i < 256; i++) x[i] = (float)normal01();
-  mf_tensor tx = view(x, 256, MF_FLOAT32), tc = view(code, 256, MF_FLOAT32),
-            tq = view(codes, 256, MF_UINT8), ta = view(absmax, 4, MF_FLOAT32);
+  mf_tensor tx = mf_cpu_tensor(x, 256, MF_FLOAT32), tc = mf_cpu_tensor(code, 256, MF_FLOAT32),
+            tq = mf_cpu_tensor(codes, 256, MF_UINT8), ta = mf_cpu_tensor(absmax, 4, MF_FLOAT32);
   struct { int64_t bs; const char *needle; } cases[] = {{100, "block_size"}, {32, "block_size"}, {8192, "block_size"}};
   for (size_t k = 0; k < sizeof cases / sizeof cases[0]; k++) {
     CHECK(mf_quantize_blockwise(&tx, &tc, &tq, &ta, cases[k].bs, MF_ROUND_NEAREST, 0, NULL) == MF_ERR_VALUE,
           "bs %lld must fail", (long long)cases[k].bs);
     CHECK(strstr(mf_last_error(), cases[k].needle) != NULL, "message: %s", mf_last_error());
   }
-  mf_tensor short_code = view(code, 100, MF_FLOAT32);
+  mf_tensor short_code = mf_cpu_tensor(code, 100, MF_FLOAT32);
   CHECK(mf_quantize_blockwise(&tx, &short_code, &tq, &ta, 64, MF_ROUND_NEAREST, 0, NULL) == MF_ERR_VALUE,
         "short code must fail");
   CHECK(strstr(mf_last_error(), "code") != NULL, "message names code: %s", mf_last_error());
-  mf_tensor bad_dtype = view(x, 256, MF_UINT8);
+  mf_tensor bad_dtype = mf_cpu_tensor(x, 256, MF_UINT8);
   CHECK(mf_quantize_blockwise(&bad_dtype, &tc, &tq, &ta, 64, MF_ROUND_NEAREST, 0, NULL) == MF_ERR_TYPE,
         "uint8 input must be a type error");
-  mf_tensor empty = view(x, 0, MF_FLOAT32), no_codes = view(codes, 0, MF_UINT8), no_absmax = view(absmax, 0, MF_FLOAT32);
+  mf_tensor empty = mf_cpu_tensor(x, 0, MF_FLOAT32), no_codes = mf_cpu_tensor(codes, 0, MF_UINT8), no_absmax = mf_cpu_tensor(absmax, 0, MF_FLOAT32);
   CHECK(mf_quantize_blockwise(&empty, &tc, &no_codes, &no_absmax, 64, MF_ROUND_NEAREST, 0, NULL) == MF_ERR_VALUE,
         "empty input must fail");
-  mf_tensor wrong_absmax = view(absmax, 3, MF_FLOAT32);
+  mf_tensor wrong_absmax = mf_cpu_tensor(absmax, 3, MF_FLOAT32);
   CHECK(mf_quantize_blockwise(&tx, &tc, &tq, &wrong_absmax, 64, MF_ROUND_NEAREST, 0, NULL) == MF_ERR_VALUE,
         "absmax of the wrong size must fail");
   mf_tensor on_gpu = tc;
@@ -201,7 +196,7 @@ static void test_errors(void) {
   float unsorted[256];
   memcpy(unsorted, code, sizeof unsorted);
   unsorted[10] = 0.5f;
-  mf_tensor tu = view(unsorted, 256, MF_FLOAT32);
+  mf_tensor tu = mf_cpu_tensor(unsorted, 256, MF_FLOAT32);
   CHECK(mf_quantize_blockwise(&tx, &tu, &tq, &ta, 64, MF_ROUND_NEAREST, 0, NULL) == MF_ERR_VALUE,
         "unsorted code must fail");
 }
@@ -216,9 +211,9 @@ static void test_stochastic_unbiased(void) {
   /* one block: absmax pins to 1.0, the rest sit between two code values */
   for (int i = 0; i < N; i++) x[i] = 0.3f;
   x[0] = 1.0f;
-  mf_tensor tx = view(x, N, MF_FLOAT32), tc = view(code, 256, MF_FLOAT32),
-            tq = view(codes, N, MF_UINT8), ta = view(absmax, 1, MF_FLOAT32),
-            ty = view(y, N, MF_FLOAT32);
+  mf_tensor tx = mf_cpu_tensor(x, N, MF_FLOAT32), tc = mf_cpu_tensor(code, 256, MF_FLOAT32),
+            tq = mf_cpu_tensor(codes, N, MF_UINT8), ta = mf_cpu_tensor(absmax, 1, MF_FLOAT32),
+            ty = mf_cpu_tensor(y, N, MF_FLOAT32);
   CHECK(mf_quantize_blockwise(&tx, &tc, &tq, &ta, 4096, MF_ROUND_STOCHASTIC, 42, NULL) == MF_OK, "sr");
   mf_dequantize_blockwise(&tq, &ta, &tc, &ty, 4096, NULL);
   double mean = 0.0;

@@ -57,6 +57,13 @@ typedef struct {
   int device_id;
 } mf_tensor;
 
+/* A view of host memory: what C callers (tests, benchmarks, embedders) pass to the
+ * entry points; the Python bindings build theirs from DLPack. */
+static inline mf_tensor mf_cpu_tensor(void *data, int64_t numel, mf_dtype dtype) {
+  mf_tensor t = {data, numel, dtype, MF_CPU, 0};
+  return t;
+}
+
 /* Thread-local error message of the last failing call on this thread. */
 const char *mf_last_error(void);
 /* Records a message (printf-style) and returns `status`, so callers can write
