@@ -15,19 +15,58 @@ static inline mf_status mf_cuda_status(cudaError_t err, const char *what) {
                   cudaGetErrorName(err), cudaGetErrorString(err));
 }
 
+/* Whether `device` has an active primary context (the driver's
+ * cuDevicePrimaryCtxGetState, reached through the runtime so memfit does not link
+ * libcuda). Unknown (no driver entry point) counts as active: the guard then restores
+ * the caller's device as it always did. */
+static inline bool mf_cuda_has_context(int device) {
+  typedef int (*get_state_fn)(int dev, unsigned *flags, int *active); /* CUresult, CUdevice */
+  static get_state_fn get_state = []() -> get_state_fn {
+    void *fn = nullptr;
+    cudaDriverEntryPointQueryResult found;
+#if CUDART_VERSION >= 12050
+    cudaError_t err = cudaGetDriverEntryPointByVersion("cuDevicePrimaryCtxGetState", &fn, 12000,
+                                                       cudaEnableDefault, &found);
+#else
+    cudaError_t err = cudaGetDriverEntryPoint("cuDevicePrimaryCtxGetState", &fn,
+                                              cudaEnableDefault, &found);
+#endif
+    if (err != cudaSuccess || found != cudaDriverEntryPointSuccess) {
+      cudaGetLastError();
+      return nullptr;
+    }
+    return (get_state_fn)fn;
+  }();
+  unsigned flags = 0;
+  int active = 1;
+  if (get_state && get_state(device, &flags, &active) != 0) return true;
+  return active != 0;
+}
+
 /* Makes `device` current for the lifetime of the guard and restores the caller's
- * device afterwards, so a launcher never changes the caller's CUDA state. */
+ * device afterwards, so a launcher does not change the caller's CUDA state. As torch's
+ * device guard does, it switches back only when it switched, and only to a device
+ * that already has a context: since CUDA 12, cudaSetDevice creates the primary context
+ * (300-500 MB) of a device the process never used, typically GPU 0, the default
+ * current device of every new thread. In that one case the thread stays on `device`,
+ * which is also where torch's guard leaves the CUDA runtime (torch keeps the device
+ * it means in a thread-local of its own). */
 struct MfDeviceGuard {
   int prev = -1;
+  bool switched = false;
   cudaError_t err = cudaSuccess;
   explicit MfDeviceGuard(int device) {
     err = cudaGetDevice(&prev);
-    if (err == cudaSuccess && prev != device) err = cudaSetDevice(device);
+    if (err == cudaSuccess && prev != device) {
+      err = cudaSetDevice(device);
+      switched = err == cudaSuccess;
+    }
   }
   ~MfDeviceGuard() {
-    int cur = -1;
-    if (prev >= 0 && cudaGetDevice(&cur) == cudaSuccess && cur != prev) cudaSetDevice(prev);
+    if (switched && mf_cuda_has_context(prev)) cudaSetDevice(prev);
   }
+  MfDeviceGuard(const MfDeviceGuard &) = delete;
+  MfDeviceGuard &operator=(const MfDeviceGuard &) = delete;
 };
 
 /* Grid size for a grid-stride loop: enough blocks to fill the GPU, never more than
