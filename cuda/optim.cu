@@ -15,12 +15,20 @@
  * writes the parameter, then the block reduces the new absmax (max of the float bit
  * patterns with the sign cleared, exactly as the CPU does) and requantizes with
  * mf_optim_quantize() (the binary search that the CPU's lookup table reproduces bit for
- * bit). 4-bit codes of elements 2j and 2j+1 live in neighbouring lanes and are packed
- * with one shuffle.
+ * bit). The absmax reduction is a warp shuffle, then one value per warp in shared
+ * memory: one barrier per tile. 4-bit codes of elements 2j and 2j+1 live in
+ * neighbouring lanes and are packed with one shuffle.
  * optim_fp32_kernel: float32 states, element-wise.
  * Both read and write parameters through mf_optim_load_param/mf_optim_store_param
  * (optim.h): the Kahan compensation buffer and stochastic rounding live there.
  * optim_count_kernel: after all updates, step += 1 for every tensor (unless found_inf).
+ *
+ * Per-tensor constants: mf_optim_prepare() (bias corrections in FP64: powers, a
+ * division, a square root) depends on the step counter and the scale, which live on the
+ * device, so the host cannot compute it without a sync. Thread 0 of each block computes
+ * it once into shared memory: FP64 runs at 1/32 rate on sm_75 (the T4), and all 256
+ * threads computing it cost about as much as the step's DRAM traffic. Same function,
+ * same inputs: the same bits as the CPU.
  *
  * GradScaler: grad_scale and found_inf are device pointers read inside the kernels;
  * with found_inf != 0 every block returns at once and the step counters stay put, so
@@ -88,6 +96,23 @@ __device__ __forceinline__ bool skipped(const float *found_inf) {
   return found_inf && *found_inf != 0.0f;
 }
 
+/* mf_optim_prepare() for tensor t by thread 0 into `out`; the caller's next
+ * __syncthreads() publishes it. */
+__device__ __forceinline__ void prepare_once(mf_optim_consts *out, const mf_optim_hparams &h,
+                                             const TensorSlot &t, const float *grad_scale) {
+  if (threadIdx.x == 0) *out = mf_optim_prepare(&h, *t.step + 1.0f, inverse_scale(grad_scale));
+}
+
+/* Max of v over the 32 lanes of the warp (every lane gets it). */
+__device__ __forceinline__ uint32_t warp_max_u32(uint32_t v) {
+#pragma unroll
+  for (int off = 16; off > 0; off >>= 1) {
+    const uint32_t o = __shfl_xor_sync(0xffffffffu, v, off);
+    v = o > v ? o : v;
+  }
+  return v;
+}
+
 template <int BS, int BITS>
 __global__ void __launch_bounds__(kThreads)
     optim_quant_kernel(LaunchList L, mf_optim_hparams h, const float *__restrict__ code1,
@@ -97,8 +122,13 @@ __global__ void __launch_bounds__(kThreads)
   constexpr int ITEMS = BS >= kThreads ? BS / kThreads : 1;
   constexpr int TILE = kThreads * ITEMS;
   constexpr int GROUP = BS < kThreads ? BS : kThreads; /* threads sharing one block */
+  constexpr int WARPS = GROUP / 32; /* warps sharing one quantization block (BS >= 64) */
+  static_assert(GROUP % 32 == 0, "a quantization block spans whole warps");
   __shared__ float c1s[CS], c2s[CS];
-  __shared__ uint32_t red1[kThreads], red2[kThreads];
+  /* per-warp absmax, double-buffered by tile parity: tile k + 2 writes a buffer only
+   * after tile k + 1's barrier, when every thread has read tile k's values */
+  __shared__ uint32_t red1[2][kThreads / 32], red2[2][kThreads / 32];
+  __shared__ mf_optim_consts cs;
 
   if (skipped(found_inf)) return;
   const int ns = mf_optim_num_states(&h);
@@ -109,12 +139,14 @@ __global__ void __launch_bounds__(kThreads)
   int64_t cstart;
   const TensorSlot &t = locate(L, &cstart);
   const int64_t cend = cstart + kItem < t.numel ? cstart + kItem : t.numel;
-  const mf_optim_consts c = mf_optim_prepare(&h, *t.step + 1.0f, inverse_scale(grad_scale));
+  prepare_once(&cs, h, t, grad_scale);
   const mf_dtype dt = (mf_dtype)t.dtype;
-  const int tid = threadIdx.x;
-  __syncthreads();
+  const int tid = threadIdx.x, warp = tid / 32;
+  __syncthreads(); /* codes and constants */
+  const mf_optim_consts c = cs;
 
-  for (int64_t base = cstart; base < cend; base += TILE) {
+  int parity = 0;
+  for (int64_t base = cstart; base < cend; base += TILE, parity ^= 1) {
     float s1v[ITEMS], s2v[ITEMS];
     uint32_t m1 = 0, m2 = 0;
 #pragma unroll
@@ -143,20 +175,25 @@ __global__ void __launch_bounds__(kThreads)
       m1 = b1 > m1 ? b1 : m1;
       m2 = b2 > m2 ? b2 : m2;
     }
-    /* absmax of each quantization block: a tree over the GROUP threads that own it */
-    red1[tid] = m1;
-    red2[tid] = m2;
-    __syncthreads();
-#pragma unroll
-    for (int s = GROUP / 2; s > 0; s >>= 1) {
-      if ((tid & (GROUP - 1)) < s) {
-        red1[tid] = red1[tid] > red1[tid + s] ? red1[tid] : red1[tid + s];
-        red2[tid] = red2[tid] > red2[tid + s] ? red2[tid] : red2[tid + s];
-      }
-      __syncthreads();
+    /* absmax of each quantization block: shuffles within each warp, then the max over
+     * the WARPS warps that own the block */
+    m1 = warp_max_u32(m1);
+    m2 = warp_max_u32(m2);
+    if (tid % 32 == 0) {
+      red1[parity][warp] = m1;
+      red2[parity][warp] = m2;
     }
-    const int lead = tid & ~(GROUP - 1);
-    const float am1 = mf_f32_from_bits(red1[lead]), am2 = mf_f32_from_bits(red2[lead]);
+    __syncthreads();
+    const int lead = warp & ~(WARPS - 1);
+    m1 = red1[parity][lead];
+    m2 = red2[parity][lead];
+#pragma unroll
+    for (int w = 1; w < WARPS; w++) {
+      const uint32_t o1 = red1[parity][lead + w], o2 = red2[parity][lead + w];
+      m1 = o1 > m1 ? o1 : m1;
+      m2 = o2 > m2 ? o2 : m2;
+    }
+    const float am1 = mf_f32_from_bits(m1), am2 = mf_f32_from_bits(m2);
     const int64_t first = base + tid; /* element of this thread in item 0 */
     if ((tid & (GROUP - 1)) == 0 && first < cend) {
       const int64_t blk = first / BS;
@@ -183,19 +220,21 @@ __global__ void __launch_bounds__(kThreads)
         }
       }
     }
-    __syncthreads(); /* red1/red2 are reused by the next tile */
   }
 }
 
 __global__ void __launch_bounds__(kThreads)
     optim_fp32_kernel(LaunchList L, mf_optim_hparams h, const float *grad_scale,
                       const float *found_inf) {
+  __shared__ mf_optim_consts cs;
   if (skipped(found_inf)) return;
   const int ns = mf_optim_num_states(&h);
   int64_t cstart;
   const TensorSlot &t = locate(L, &cstart);
   const int64_t cend = cstart + kItem < t.numel ? cstart + kItem : t.numel;
-  const mf_optim_consts c = mf_optim_prepare(&h, *t.step + 1.0f, inverse_scale(grad_scale));
+  prepare_once(&cs, h, t, grad_scale);
+  __syncthreads();
+  const mf_optim_consts c = cs;
   const mf_dtype dt = (mf_dtype)t.dtype;
   float *s1p = (float *)t.s1, *s2p = (float *)t.s2;
   for (int64_t i = cstart + threadIdx.x; i < cend; i += kThreads) {
