@@ -11,10 +11,14 @@
  *
  * unscale_grads_kernel: every thread checks and rescales a strided slice of its
  *   block's chunk; __syncthreads_or() folds the non-finite flags, thread 0 sets
- *   found_inf. inv = (float)(1.0 / (double)scale), as torch computes it.
+ *   found_inf. inv = (float)(1.0 / (double)scale), as torch computes it, by thread 0
+ *   once per block (FP64 division runs at 1/32 rate on sm_75).
  * grad_norm_partial_kernel: one float partial per chunk into the workspace (the chunk's
  *   global index), reduced in a fixed order by grad_norm_finish_kernel in float64, so
- *   the result does not depend on scheduling.
+ *   the result does not depend on scheduling. A general p sums |x|^p in float64, as the
+ *   CPU does (in float, 10^40 is already inf: v = 10, p = 40 would clip every gradient
+ *   to zero), and stores the chunk's own p-norm, sum^(1/p), which fits a float whenever
+ *   the total does; the finish kernel raises it back to the p-th power in float64.
  * clip_grads_kernel: multiplies by torch's clip coefficient read from the norm.
  */
 #include "cuda_util.cuh"
@@ -51,8 +55,11 @@ __device__ __forceinline__ Chunk my_chunk(const MtArgs &a) {
 
 __global__ void __launch_bounds__(kThreads)
     unscale_grads_kernel(MtArgs a, const float *__restrict__ scale, float *found_inf) {
+  __shared__ float inv_s;
   const Chunk c = my_chunk(a);
-  const float inv = scale ? (float)(1.0 / (double)*scale) : 1.0f;
+  if (threadIdx.x == 0) inv_s = scale ? (float)(1.0 / (double)*scale) : 1.0f;
+  __syncthreads();
+  const float inv = inv_s;
   const bool write = inv != 1.0f;
   int bad = 0;
   for (int64_t i = c.first + threadIdx.x; i < c.first + c.len; i += blockDim.x) {
@@ -65,12 +72,13 @@ __global__ void __launch_bounds__(kThreads)
 
 /* Block-wide reductions over kThreads threads (warp shuffles, then one value per
  * warp in shared memory). Every thread gets the result. */
-__device__ float block_sum(float v) {
-  __shared__ float s[kThreads / 32];
+template <class T>
+__device__ T block_sum(T v) {
+  __shared__ T s[kThreads / 32];
   for (int off = 16; off > 0; off >>= 1) v += __shfl_xor_sync(0xffffffffu, v, off);
   if (threadIdx.x % 32 == 0) s[threadIdx.x / 32] = v;
   __syncthreads();
-  float r = 0.0f;
+  T r = 0;
   for (int w = 0; w < (int)(blockDim.x + 31) / 32; w++) r += s[w];
   __syncthreads();
   return r;
@@ -88,7 +96,7 @@ __device__ uint32_t block_max_u32(uint32_t v) {
 }
 
 __global__ void __launch_bounds__(kThreads)
-    grad_norm_partial_kernel(MtArgs a, int kind, float p, float *__restrict__ ws, int64_t base) {
+    grad_norm_partial_kernel(MtArgs a, int kind, double p, float *__restrict__ ws, int64_t base) {
   const Chunk c = my_chunk(a);
   if (kind == kNormInf) {
     /* max of |x| bits: same order as the floats, and NaN sorts above inf */
@@ -99,10 +107,18 @@ __global__ void __launch_bounds__(kThreads)
     if (threadIdx.x == 0) ws[base + blockIdx.x] = mf_f32_from_bits(m);
     return;
   }
+  if (kind == kNormP) {
+    double acc = 0.0;
+    for (int64_t i = c.first + threadIdx.x; i < c.first + c.len; i += blockDim.x)
+      acc += pow(fabs((double)mf_load_f32(c.ptr, i, c.dtype)), p);
+    acc = block_sum(acc);
+    if (threadIdx.x == 0) ws[base + blockIdx.x] = (float)pow(acc, 1.0 / p);
+    return;
+  }
   float acc = 0.0f;
   for (int64_t i = c.first + threadIdx.x; i < c.first + c.len; i += blockDim.x) {
     const float v = fabsf(mf_load_f32(c.ptr, i, c.dtype));
-    acc += kind == kNormL2 ? v * v : kind == kNormL1 ? v : powf(v, p);
+    acc += kind == kNormL2 ? v * v : v;
   }
   acc = block_sum(acc);
   if (threadIdx.x == 0) ws[base + blockIdx.x] = acc;
@@ -116,7 +132,7 @@ __global__ void __launch_bounds__(kFinishThreads)
   __shared__ double s[kFinishThreads];
   double acc = 0.0;
   for (int64_t i = threadIdx.x; i < nchunks; i += blockDim.x) {
-    const double v = ws[i];
+    const double v = kind == kNormP ? pow((double)ws[i], p) : ws[i]; /* see the top */
     if (kind == kNormInf) acc = (v > acc || v != v) ? v : acc;
     else acc += v;
   }
@@ -191,7 +207,7 @@ extern "C" mf_status mf_cuda_grad_norm(const mf_tensor *grads, int64_t n, double
   float *ws = (float *)workspace->data;
   mf_status st = for_each_launch(grads, n, [&](const MtArgs &a) {
     grad_norm_partial_kernel<<<a.nblocks, kThreads, 0, (cudaStream_t)stream>>>(
-        a, kind, (float)norm_type, ws, a.base);
+        a, kind, norm_type, ws, a.base);
     return mf_cuda_status(cudaGetLastError(), "grad_norm");
   });
   if (st) return st;
