@@ -7,7 +7,9 @@
  * absmax (warp shuffles, then one value per warp in shared memory); pass 2 reads the
  * block again (from L1/L2: at most 16 KB) and writes the codes. The 256-entry code
  * sits in shared memory for the binary search.
- * dequantize_blockwise_kernel: grid-stride loop, one element per thread per step.
+ * dequantize_blockwise_kernel: grid-stride loop, one element per thread per step; the
+ * block of element i is i >> log2(block_size) (block sizes are powers of two, checked
+ * by the core), not a 64-bit division per element.
  */
 #include "cuda_util.cuh"
 #include "memfit/cuda_launch.h"
@@ -59,13 +61,13 @@ __global__ void quantize_blockwise_kernel(const void *__restrict__ x, mf_dtype d
 __global__ void dequantize_blockwise_kernel(const uint8_t *__restrict__ codes,
                                             const float *__restrict__ absmax,
                                             const float *__restrict__ code, void *out,
-                                            mf_dtype dtype, int64_t numel, int64_t block_size) {
+                                            mf_dtype dtype, int64_t numel, int block_shift) {
   __shared__ float code_s[MF_CODE_SIZE];
   for (int i = threadIdx.x; i < MF_CODE_SIZE; i += blockDim.x) code_s[i] = code[i];
   __syncthreads();
   const int64_t stride = (int64_t)gridDim.x * blockDim.x;
   for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < numel; i += stride)
-    mf_store_f32(out, i, dtype, mf_dequantize_one(code_s, codes[i], absmax[i / block_size]));
+    mf_store_f32(out, i, dtype, mf_dequantize_one(code_s, codes[i], absmax[i >> block_shift]));
 }
 
 }  // namespace
@@ -92,10 +94,15 @@ extern "C" mf_status mf_cuda_dequantize_blockwise(const mf_tensor *codes,
                                                   int64_t block_size, void *stream) {
   MfDeviceGuard guard(out->device_id);
   if (guard.err != cudaSuccess) return mf_cuda_status(guard.err, "dequantize_blockwise");
+  int shift = 0;
+  while (((int64_t)1 << shift) < block_size) shift++;
+  if (((int64_t)1 << shift) != block_size)
+    return mf_error(MF_ERR_INTERNAL, "dequantize_blockwise: block_size %lld is not a power of two",
+                    (long long)block_size);
   const int threads = 256;
   dequantize_blockwise_kernel<<<mf_grid_for(out->numel, threads), threads, 0,
                                 (cudaStream_t)stream>>>(
       (const uint8_t *)codes->data, (const float *)absmax->data, (const float *)code->data,
-      out->data, out->dtype, out->numel, block_size);
+      out->data, out->dtype, out->numel, shift);
   return mf_cuda_status(cudaGetLastError(), "dequantize_blockwise");
 }
