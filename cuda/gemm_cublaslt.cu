@@ -24,11 +24,20 @@
  * (cublaslt_abi.h, checked against NVIDIA's header by a test), and is never unloaded.
  *
  * Per device: one cuBLASLt handle and, per stream that calls us, one workspace
- * (cudaMalloc'd once and kept for the life of the process: 32 MiB on sm_90 and newer,
- * 4 MiB before, as NVIDIA's cuBLAS documentation recommends); a workspace is never
- * shared between streams, so concurrent streams cannot race on it. Past 16 streams
- * on one device, products run with no workspace (cuBLASLt then picks algorithms that
- * need none). Heuristic results are not cached here: cuBLASLt caches them itself.
+ * (cudaMalloc'd on the stream's first product and kept until the process exits, when
+ * an atexit handler frees it: 32 MiB on sm_90 and newer, 4 MiB before, as NVIDIA's
+ * cuBLAS documentation recommends; outside torch's caching allocator); a workspace is
+ * never shared between streams, so concurrent streams cannot race on it. Past 16
+ * streams on one device, products run with no workspace (cuBLASLt then picks
+ * algorithms that need none). Heuristic results are not cached here: cuBLASLt caches
+ * them itself.
+ *
+ * CUDA graphs. A cudaMalloc while the stream is being captured would invalidate the
+ * capture, so a stream under capture never allocates: it uses the workspace it got
+ * before the capture (run one product before capturing, as torch's warm-up does) or
+ * runs without one. Nothing is remembered from a product under capture, so a later
+ * product outside capture still gets its workspace; a failed cudaMalloc (out of
+ * memory) is not remembered either.
  *
  * Layout. memfit's matrices are row-major, cuBLASLt's column-major. A row-major C[m,n]
  * is a column-major C^T[n,m], and C^T = op(B)^T op(A)^T, so we ask cuBLASLt for
@@ -299,20 +308,45 @@ mflt_handle device_handle_locked(int device, const char **why) {
   return d.handle;
 }
 
-// This stream's workspace on the device (allocated on first use); size 0 when none
-// can be had. The caller holds g_dev_mutex.
+// Frees every workspace (registered with atexit after the first cudaMalloc, so it
+// runs before the CUDA runtime's own exit handler, which the runtime registered when
+// it initialised). Errors are ignored: the process is ending.
+void free_workspaces() {
+  std::lock_guard<std::mutex> lock(g_dev_mutex);
+  for (DeviceState &d : g_dev) {
+    for (int i = 0; i < d.nws; i++) cudaFree(d.ws[i].ptr);
+    d.nws = 0;
+  }
+}
+
+// Whether the stream is being captured into a CUDA graph. An error (the legacy default
+// stream while another stream captures, cudaErrorStreamCaptureImplicit) counts as
+// capturing: the safe answer, since it only costs the workspace of this one product.
+bool capturing(void *stream) {
+  cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
+  if (cudaStreamIsCapturing((cudaStream_t)stream, &status) != cudaSuccess) {
+    cudaGetLastError();
+    return true;
+  }
+  return status != cudaStreamCaptureStatusNone;
+}
+
+// This stream's workspace on the device (allocated on first use outside graph capture);
+// size 0 when none can be had now. The caller holds g_dev_mutex.
 Workspace workspace_locked(int device, void *stream) {
   DeviceState &d = g_dev[device];
   for (int i = 0; i < d.nws; i++)
     if (d.ws[i].stream == stream) return d.ws[i];
   Workspace w = {stream, nullptr, 0};
-  if (d.nws == kMaxStreams) return w;  // not remembered: no workspace for this stream
-  if (cudaMalloc(&w.ptr, d.ws_size) == cudaSuccess) {
-    w.size = d.ws_size;
-  } else {
-    cudaGetLastError();  // out of memory is not sticky: run without a workspace
+  if (d.nws == kMaxStreams || capturing(stream)) return w;  // not remembered
+  if (cudaMalloc(&w.ptr, d.ws_size) != cudaSuccess) {
+    cudaGetLastError();  // out of memory is not sticky: run without, try again next time
     w.ptr = nullptr;
+    return w;
   }
+  static bool registered = false;
+  if (!registered) registered = atexit(free_workspaces) == 0;
+  w.size = d.ws_size;
   d.ws[d.nws++] = w;
   return w;
 }
