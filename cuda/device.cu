@@ -1,5 +1,10 @@
 /* Runtime queries used by memfit.doctor() and the bindings. A machine with no GPU or
- * no driver reports zero devices instead of failing. */
+ * no usable driver reports zero devices instead of failing; mf_cuda_unavailable says
+ * why, so `memfit doctor` can show the cause (a driver too old for this build's CUDA is
+ * the common one: a CUDA 13 build needs driver >= 580). Only CUDA 12.0+ runtime API
+ * here, so CUDA 12.x toolkits build it. */
+#include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "cuda_util.cuh"
@@ -37,4 +42,33 @@ extern "C" mf_status mf_cuda_versions(int *driver, int *runtime) {
   *runtime = 0;
   cudaDriverGetVersion(driver); /* 0 when no driver is installed */
   return mf_cuda_status(cudaRuntimeGetVersion(runtime), "cudaRuntimeGetVersion");
+}
+
+extern "C" mf_status mf_cuda_unavailable(char *why, size_t why_len) {
+  if (why_len == 0) return MF_OK;
+  why[0] = '\0';
+  int count = 0, driver = 0;
+  const cudaError_t err = cudaGetDeviceCount(&count);
+  if (err == cudaSuccess && count > 0) return MF_OK;
+  cudaGetLastError();
+  cudaDriverGetVersion(&driver); /* 0 when no driver is installed */
+  const int rt = CUDART_VERSION;
+  if (err == cudaErrorInsufficientDriver && driver == 0) {
+    snprintf(why, why_len, "no NVIDIA driver is installed (libcuda.so.1 not found)");
+  } else if (err == cudaErrorInsufficientDriver) {
+    snprintf(why, why_len,
+             "the NVIDIA driver supports CUDA %d.%d, older than the CUDA %d.%d this memfit was "
+             "built with: update the driver (CUDA 13 needs >= 580, CUDA 12 >= 525) or build "
+             "memfit with a CUDA toolkit no newer than %d.%d",
+             driver / 1000, driver % 1000 / 10, rt / 1000, rt % 1000 / 10, driver / 1000,
+             driver % 1000 / 10);
+  } else if (err == cudaSuccess || err == cudaErrorNoDevice) {
+    const char *vis = getenv("CUDA_VISIBLE_DEVICES");
+    snprintf(why, why_len, "no CUDA device is visible%s%s%s", vis ? " (CUDA_VISIBLE_DEVICES=" : "",
+             vis ? vis : "", vis ? ")" : "");
+  } else {
+    snprintf(why, why_len, "cudaGetDeviceCount failed: %s (%s)", cudaGetErrorName(err),
+             cudaGetErrorString(err));
+  }
+  return MF_OK;
 }

@@ -69,6 +69,21 @@ static PyObject *py_cuda_device_count(PyObject *self, PyObject *noargs) {
 #endif
 }
 
+/* Why CUDA is unusable here, or None (doctor shows it: a driver too old for the build) */
+static PyObject *py_cuda_unavailable(PyObject *self, PyObject *noargs) {
+  (void)self;
+  (void)noargs;
+#ifdef MEMFIT_WITH_CUDA
+  char why[512];
+  mf_status st = mf_cuda_unavailable(why, sizeof why);
+  if (st) return mf_py_raise(st);
+  if (why[0]) return PyUnicode_FromString(why);
+  Py_RETURN_NONE;
+#else
+  return PyUnicode_FromString("this memfit was built without CUDA support");
+#endif
+}
+
 static PyObject *py_cuda_device_info(PyObject *self, PyObject *arg) {
   (void)self;
   long dev = PyLong_AsLong(arg);
@@ -97,6 +112,7 @@ static PyMethodDef core_methods[] = {
     {"cpu_kernels", py_cpu_kernels, METH_NOARGS, "Vector form of the CPU kernels in use."},
     {"cuda_device_count", py_cuda_device_count, METH_NOARGS, "Visible CUDA devices (0 without)."},
     {"cuda_device_info", py_cuda_device_info, METH_O, "Name, capability and memory of a GPU."},
+    {"cuda_unavailable", py_cuda_unavailable, METH_NOARGS, "Why no GPU is usable, or None."},
     {NULL, NULL, 0, NULL}};
 
 /* Every capability's table; module init adds them all. */

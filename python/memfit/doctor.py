@@ -33,6 +33,7 @@ def report() -> dict:
         "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
         "gpus": gpus,
         "cuda_usable": bool(gpus) and info["build"]["cuda"],
+        "cuda_unavailable": _C.cuda_unavailable(),  # why not, e.g. a driver too old
         # what runs CUDA matrix products (loads cuBLASLt to say so; runs nothing)
         "gemm": gemm_backend("cuda:0") if info["build"]["cuda"] else gemm_backend("cpu"),
     }
@@ -67,7 +68,8 @@ def format_report(info: dict) -> str:
                 f"{g['total_memory_gb']} GB, bf16 {'native' if g['bf16_native'] else 'not native (use fp16 + GradScaler)'}"
             )
     elif b["cuda"]:
-        lines.append("  GPU          : none visible (CUDA kernels built; CPU kernels in use)")
+        lines.append("  GPU          : none usable (CUDA kernels built; CPU kernels in use): "
+                     + (r["cuda_unavailable"] or "none visible"))
     else:
         lines.append("  GPU          : not used (CPU-only build)")
     g = r["gemm"]

@@ -23,6 +23,9 @@ mf_status mf_cuda_device_count(int *count);
 mf_status mf_cuda_device_info(int device, char *name, size_t name_len, int *major,
                               int *minor, int64_t *total_memory);
 mf_status mf_cuda_versions(int *driver, int *runtime);
+/* Why no CUDA device can be used (no driver, a driver older than this build's CUDA,
+ * no visible device, ...) into `why`; empty when one can. */
+mf_status mf_cuda_unavailable(char *why, size_t why_len);
 
 /* cuda/quant.cu */
 mf_status mf_cuda_quantize_blockwise(const mf_tensor *x, const mf_tensor *code,
