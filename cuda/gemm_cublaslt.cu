@@ -67,6 +67,12 @@
  *     pre-activation, and any fused case whose epilogue cuBLASLt declines.
  *   (memfit.nn's relu saves its output, not the pre-activation: relu'(pre) is
  *     relu'(output), so the fused RELU_BIAS epilogue serves training too.)
+ *   The two-pass form rounds the pre-activation to D's dtype before the activation;
+ *   every other path applies it to the float32 sum. Relu gives the same bits either
+ *   way; gelu/gelu_tanh with a half-precision D can differ by about one unit in the last
+ *   place (bound in gemm.h's mf_gemm comment). Agreeing would take a float32 copy of
+ *   D (m*n*4 bytes this library would have to allocate behind the caller's allocator),
+ *   so the difference is documented instead; a float32 pre avoids it.
  *
  * Fallback. The portable kernel runs instead, and mf_gemm_last_backend() says why,
  * when: the backend is set to "portable"; the library is absent or lacks a function;

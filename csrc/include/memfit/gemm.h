@@ -74,7 +74,20 @@ static inline MF_HD float mf_act_grad(float x, mf_activation act) {
 }
 
 /* bias and pre may be NULL. pre (same shape as C) receives the value before the
- * activation, which the backward pass needs. */
+ * activation, which the backward pass needs.
+ *
+ * Rounding. The CPU and portable CUDA kernels, and cuBLASLt's fused epilogues (bias,
+ * relu, gelu_tanh), apply the activation to the float32 value s = acc + bias and round
+ * once: C = round_C(act(s)). cuBLASLt's two-pass form (exact gelu; relu or gelu_tanh
+ * with a pre the fused GELU_AUX epilogue cannot take: see cuda/gemm_cublaslt.cu) first
+ * stores D = round_D(s), D being pre (or C when none is saved), then C = round_C(act(D)),
+ * which is what torch computes for F.gelu(F.linear(...)) in half precision. The two
+ * agree exactly when D is float32, and for relu in every dtype (rounding is monotone
+ * and keeps zero and the sign). For gelu and gelu_tanh with a float16/bfloat16 D they
+ * can differ by |act'(s)| (at most 1.13) times half a unit in the last place of D's
+ * dtype at |s|, plus C's own rounding: about one unit in the last place of C where
+ * |act(s)| is close to |s| (s > 0), relatively more where gelu is small (s < -2).
+ * A float32 pre gives the single rounding on every backend. */
 mf_status mf_gemm(const mf_tensor *a, int trans_a, const mf_tensor *b, int trans_b, mf_tensor *c,
                   int64_t m, int64_t n, int64_t k, const mf_tensor *bias, mf_activation act,
                   mf_tensor *pre, void *stream);
