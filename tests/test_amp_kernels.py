@@ -408,6 +408,32 @@ def test_cuda_unscale_and_norm_across_launch_boundaries(dtype):
         assert out.item() == pytest.approx(ref_norm(ours, p), rel=2e-6)
 
 
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_cuda_p_norm_large_p_agrees_with_cpu(dtype):
+    """|x|^p summed in float64 on both devices: v = 10, p = 40 (10^40 overflows float32,
+    which made the GPU norm inf and clipping zero every gradient)."""
+    grads = [torch.full((n,), 10.0, dtype=dtype) for n in (3, CHUNK + 5)]
+    exact = ref_norm(grads, 40.0)
+    assert 10.0 < exact < 11.0
+    norms = {}
+    for device in ("cpu", "cuda"):
+        gs = [g.to(device) for g in grads]
+        out = torch.empty((), device=device)
+        ws = torch.empty(_C.mt_num_chunks([g.numel() for g in gs]), device=device) if device == "cuda" else None
+        _C.grad_norm(gs, 40.0, ws, out, 0)
+        norms[device] = out.item()
+        ps = [torch.nn.Parameter(torch.zeros_like(g)) for g in gs]
+        for p, g in zip(ps, gs):
+            p.grad = g.clone()
+        amp.clip_grad_norm_(ps, 1.0, 40.0)
+        coef = 1.0 / (exact + 1e-6)
+        for p in ps:  # clipped to about 10 / 10.x, not zeroed
+            assert torch.allclose(p.grad.float().cpu(), torch.full(p.shape, 10.0 * coef), rtol=1e-2)
+    assert norms["cpu"] == pytest.approx(exact, rel=1e-6)
+    assert norms["cuda"] == pytest.approx(norms["cpu"], rel=1e-6)
+
+
 def test_unscale_then_clip_with_scaler_only_does_not_unscale_twice():
     torch.manual_seed(10)
     ref = torch.nn.Linear(4, 3)

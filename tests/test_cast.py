@@ -152,6 +152,29 @@ def test_out_argument_and_errors():
 
 
 @pytest.mark.cuda
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
+def test_cuda_same_dtype_cast_keeps_nan_payloads(dtype):
+    """A same-dtype cast is a byte copy on both devices (cudaMemcpyAsync on the GPU), so
+    NaN payloads and signs survive bit for bit, as on the CPU; in place is a no-op."""
+    tdt = getattr(torch, dtype)
+    bits = {"float32": [0x7FC00001, 0xFFBFFFFF, 0x7F800001, 0x7F800000, 0x3F800000, 0x80000000],
+            "float16": [0x7E01, 0xFDFF, 0x7C01, 0x7C00, 0x3C00, 0x8000],
+            "bfloat16": [0x7FC1, 0xFFBF, 0x7F81, 0x7F80, 0x3F80, 0x8000]}[dtype]
+    itype = torch.int32 if dtype == "float32" else torch.int16
+    raw = torch.tensor([b - (1 << 32) if itype == torch.int32 and b >= 1 << 31
+                        else b - (1 << 16) if itype == torch.int16 and b >= 1 << 15 else b
+                        for b in bits], dtype=itype)
+    x = raw.view(tdt).repeat(1000)
+    cpu = memfit.cast(x, tdt)
+    gpu = memfit.cast(x.cuda(), tdt)
+    assert torch.equal(cpu.view(itype), x.view(itype))
+    assert torch.equal(gpu.cpu().view(itype), x.view(itype))
+    xc = x.cuda()
+    memfit.cast(xc, tdt, out=xc)
+    assert torch.equal(xc.cpu().view(itype), x.view(itype))
+
+
+@pytest.mark.cuda
 @pytest.mark.parametrize("target", ["bfloat16", "float16"])
 @pytest.mark.parametrize("rounding", ["nearest", "stochastic"])
 def test_cuda_matches_cpu(target, rounding):

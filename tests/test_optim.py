@@ -520,6 +520,34 @@ def test_cpu_cuda_agree_bitwise(cls, dtype, kahan):
 
 
 @pytest.mark.cuda
+@pytest.mark.parametrize("cls,bs", [(mo.AdamW8bit, 64), (mo.AdamW4bit, 64), (mo.AdamW8bit, 4096),
+                                    (mo.RMSprop8bit, 128), (mo.Lion8bit, 256)])
+def test_cpu_cuda_agree_bitwise_many_tensors_scaled(cls, bs):
+    """The GPU computes the per-tensor constants once per thread block and reduces absmax
+    with warp shuffles: still the CPU's bits, with 45 tensors (more than one launch
+    holds), odd sizes, block sizes 64 to 4096, and a grad_scale read on the device."""
+    gen = torch.Generator().manual_seed(18)
+    sizes = [int(s) for s in torch.randint(1, 3000, (44,), generator=gen)] + [3 * 4096 + 65]
+    cpu = [torch.nn.Parameter(torch.randn(n, generator=gen) * 0.1) for n in sizes]
+    gpu = [torch.nn.Parameter(p.detach().cuda()) for p in cpu]
+    oc = make(cls, cpu, lr=1e-2, min_8bit_size=1, block_size=bs)
+    og = make(cls, gpu, lr=1e-2, min_8bit_size=1, block_size=bs)
+    scale = 1024.0
+    for _ in range(3):
+        for pc, pg in zip(cpu, gpu):
+            g = torch.randn(pc.shape, generator=gen) * 0.01 * scale
+            pc.grad, pg.grad = g, g.cuda()
+        for opt, dev in ((oc, "cpu"), (og, "cuda")):  # as torch.amp.GradScaler hands them over
+            opt.grad_scale = torch.full((), scale, device=dev)
+            opt.found_inf = torch.zeros((), device=dev)
+            opt.step()
+    for pc, pg in zip(cpu, gpu):
+        assert torch.equal(pc.detach(), pg.detach().cpu())
+        for k, v in oc.state[pc].items():
+            assert torch.equal(v, og.state[pg][k].cpu()), k
+
+
+@pytest.mark.cuda
 def test_cuda_grad_scaler_skip_without_sync():
     m = model().cuda()
     opt = mo.AdamW8bit(m.parameters(), min_8bit_size=1000)
