@@ -1,17 +1,28 @@
-"""Builds the C core's own tests (tests/c/test_*.c, no Python involved) with CMake
-under AddressSanitizer + UndefinedBehaviorSanitizer and runs them with ctest.
+"""Builds the C core's own tests (tests/c/test_*.c, no Python involved) and the C
+optimizer benchmark ONCE with CMake, under AddressSanitizer + UndefinedBehaviorSanitizer,
+and runs the tests with ctest for every CPU kernel variant, and the benchmark tooling
+at tiny sizes against that same build.
 
 The core is compiled CPU-only here: the sanitizers instrument C code; the CUDA
 kernels are covered by the `cuda`-marked tests on a GPU machine."""
 
+import json
 import os
 import shutil
+import statistics
 import subprocess
 from pathlib import Path
 
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
+
+# The CPU kernel variants MEMFIT_CPU_ISA selects (the ones this CPU lacks fall back to
+# the widest it has): the C tests run once per variant, so the table search is checked
+# against the binary search in each of its vector forms.
+CPU_VARIANTS = ("avx512vbmi", "avx512", "avx2", "generic")
+
+pytestmark = pytest.mark.skipif(not (ROOT / "CMakeLists.txt").exists(), reason="needs the source tree")
 
 
 def _tool(name):
@@ -23,64 +34,61 @@ def _tool(name):
     return path
 
 
-@pytest.mark.skipif(not (ROOT / "CMakeLists.txt").exists(), reason="needs the source tree")
-def test_c_core_under_sanitizers(tmp_path):
-    cmake, ctest = _tool("cmake"), _tool("ctest")
-    configure = [cmake, "-S", str(ROOT), "-B", str(tmp_path), "-DMEMFIT_PYTHON=OFF",
-                 "-DMEMFIT_CUDA=OFF", "-DMEMFIT_BUILD_TESTS=ON", "-DMEMFIT_SANITIZE=ON",
-                 "-DCMAKE_BUILD_TYPE=Debug"]
-    if shutil.which("ninja"):
-        configure += ["-G", "Ninja"]
-    subprocess.run(configure, check=True, capture_output=True, text=True)
-    build = subprocess.run([cmake, "--build", str(tmp_path), "-j2"], capture_output=True, text=True)
-    assert build.returncode == 0, build.stdout + build.stderr
-    # once per CPU variant (the ones this CPU lacks fall back to the widest it has): the
-    # table search is checked against the binary search in each of its vector forms
-    for isa in ("avx512vbmi", "avx512", "avx2", "generic"):
-        env = dict(os.environ, ASAN_OPTIONS="detect_leaks=1:abort_on_error=0",
-                   UBSAN_OPTIONS="print_stacktrace=1:halt_on_error=1", OMP_NUM_THREADS="2",
-                   MEMFIT_CPU_ISA=isa)
-        run = subprocess.run([ctest, "--output-on-failure"], cwd=tmp_path, capture_output=True,
-                             text=True, env=env)
-        assert run.returncode == 0, f"MEMFIT_CPU_ISA={isa}\n" + run.stdout + run.stderr
-        assert "tests passed" in run.stdout
-
-
-@pytest.mark.skipif(not (ROOT / "CMakeLists.txt").exists(), reason="needs the source tree")
-def test_c_optimizer_benchmark_builds_and_runs(tmp_path):
-    """benchmarks/c/bench_optim_step.c (driven by benchmarks/bench_optim_core.py) builds
-    against the core and reports sane timings for 8- and 4-bit states; bad arguments
-    get a usage error, not a crash."""
-    import json
-
+@pytest.fixture(scope="module")
+def core_build(tmp_path_factory):
+    """One sanitized Debug build of the core, its C tests and its C benchmark."""
     cmake = _tool("cmake")
-    configure = [cmake, "-S", str(ROOT), "-B", str(tmp_path), "-DMEMFIT_PYTHON=OFF",
-                 "-DMEMFIT_CUDA=OFF", "-DMEMFIT_BUILD_BENCHMARKS=ON", "-DCMAKE_BUILD_TYPE=Release"]
+    out = tmp_path_factory.mktemp("core_build")
+    configure = [cmake, "-S", str(ROOT), "-B", str(out), "-DMEMFIT_PYTHON=OFF",
+                 "-DMEMFIT_CUDA=OFF", "-DMEMFIT_BUILD_TESTS=ON", "-DMEMFIT_BUILD_BENCHMARKS=ON",
+                 "-DMEMFIT_SANITIZE=ON", "-DCMAKE_BUILD_TYPE=Debug"]
     if shutil.which("ninja"):
         configure += ["-G", "Ninja"]
     subprocess.run(configure, check=True, capture_output=True, text=True)
-    build = subprocess.run([cmake, "--build", str(tmp_path), "--target", "bench_optim_step", "-j2"],
-                           capture_output=True, text=True)
+    build = subprocess.run([cmake, "--build", str(out), "-j2"], capture_output=True, text=True)
     assert build.returncode == 0, build.stdout + build.stderr
-    exe = str(tmp_path / "bench_optim_step")
+    return out
+
+
+SANITIZER_ENV = {"ASAN_OPTIONS": "detect_leaks=1:abort_on_error=0",
+                 "UBSAN_OPTIONS": "print_stacktrace=1:halt_on_error=1"}
+
+
+@pytest.mark.parametrize("isa", CPU_VARIANTS)
+def test_c_core_under_sanitizers(core_build, isa):
+    ctest = _tool("ctest")
+    env = dict(os.environ, **SANITIZER_ENV, OMP_NUM_THREADS="2", MEMFIT_CPU_ISA=isa)
+    run = subprocess.run([ctest, "--output-on-failure"], cwd=core_build, capture_output=True,
+                         text=True, env=env)
+    assert run.returncode == 0, f"MEMFIT_CPU_ISA={isa}\n" + run.stdout + run.stderr
+    assert "100% tests passed" in run.stdout
+
+
+def test_c_optimizer_benchmark_builds_and_runs(core_build):
+    """benchmarks/c/bench_optim_step.c (driven by benchmarks/bench_optim_core.py) builds
+    against the core and reports consistent timings for 8- and 4-bit states; bad
+    arguments get a usage error, not a crash."""
+    exe = str(core_build / "bench_optim_step")
+    env = dict(os.environ, **SANITIZER_ENV)
     for bits in (8, 4):
-        out = subprocess.run([exe, "70000", "2", "2", "3", str(bits)], capture_output=True,
-                             text=True, check=True).stdout
+        out = subprocess.run([exe, "9000", "2", "2", "3", str(bits)], capture_output=True,
+                             text=True, check=True, env=env).stdout
         r = json.loads(out)
-        assert (r["numel"], r["threads"], r["bits"]) == (70000, 2, bits)
+        assert (r["numel"], r["threads"], r["bits"]) == (9000, 2, bits)
         assert 0 < r["best_ms"] <= r["median_ms"]
-    bad = subprocess.run([exe, "70000", "2", "2", "3", "5"], capture_output=True, text=True)
+    bad = subprocess.run([exe, "9000", "2", "2", "3", "5"], capture_output=True, text=True, env=env)
     assert bad.returncode == 2 and "BITS 8 or 4" in bad.stderr
-    assert subprocess.run([exe], capture_output=True, text=True).returncode == 2
+    assert subprocess.run([exe], capture_output=True, text=True, env=env).returncode == 2
 
 
-def test_c_optimizer_benchmark_against_a_revision(tmp_path, monkeypatch):
-    """bench_optim_core.py --against REV builds the core of REV too and compares the two
-    round by round: here REV is HEAD, so both builds run and REV's own ratio is 1; a
-    name that is not a commit is refused before anything is built."""
-    import json
-
-    _tool("cmake")
+def test_c_optimizer_benchmark_against_a_revision(core_build, tmp_path, monkeypatch):
+    """bench_optim_core.py --against REV exports REV's tree with this tree's benchmark
+    driver in it, runs both builds round by round and reports, per build, the median
+    over rounds of its best time over REV's best in the same round. The CMake build of
+    each tree is replaced by the one shared build here (tests/test_c_core.py builds it;
+    the tool's own build is the same CMake call); REV is HEAD. A name that is not a
+    commit is refused before anything is built."""
+    monkeypatch.setenv("ASAN_OPTIONS", SANITIZER_ENV["ASAN_OPTIONS"])
     if shutil.which("git") is None or subprocess.run(
             ["git", "-C", str(ROOT), "rev-parse", "HEAD"], capture_output=True).returncode:
         pytest.skip("not a git checkout")
@@ -88,17 +96,36 @@ def test_c_optimizer_benchmark_against_a_revision(tmp_path, monkeypatch):
     import _common
     import bench_optim_core
 
+    built = []
+
+    def shared_build(src=ROOT, out=None):
+        built.append(Path(src))
+        return core_build / "bench_optim_step"
+
     monkeypatch.setattr(_common, "OUT_DIR", tmp_path)
     monkeypatch.setattr(bench_optim_core, "OUT_DIR", tmp_path)
+    monkeypatch.setattr(bench_optim_core, "build", shared_build)
+    monkeypatch.setattr(bench_optim_core, "core_speeds", lambda exe: {})
     with pytest.raises(SystemExit, match="not a commit"):
         bench_optim_core.main(["--against", "no-such-revision-7f3e"])
-    bench_optim_core.main(["--against", "HEAD", "--numel", "70000", "--threads", "1",
-                           "--rounds", "2", "--reps", "1", "--steps", "2"])
+    assert built == []
+    bench_optim_core.main(["--against", "HEAD", "--numel", "5000", "--threads", "1",
+                           "--rounds", "3", "--reps", "1", "--steps", "2"])
+    # this tree, then REV's exported tree, which carries this tree's benchmark driver
+    assert built[0] == ROOT and len(built) == 2
+    assert (built[1] / "CMakeLists.txt").exists()
+    assert ((built[1] / "benchmarks" / "c" / "bench_optim_step.c").read_bytes()
+            == (ROOT / "benchmarks" / "c" / "bench_optim_step.c").read_bytes())
     builds = json.loads((tmp_path / "bench_optim_core.json").read_text())["builds"]
     assert len(builds) == 2
     (this,) = [v for k, v in builds.items() if k.startswith("this tree")]
     (rev,) = [v for k, v in builds.items() if not k.startswith("this tree")]
     assert rev["ratio_vs_against"] == {"median": 1.0, "q1": 1.0, "q3": 1.0}
-    assert 0 < this["ratio_vs_against"]["median"] < 100
+    # the ratio pairs the two builds' runs of the same round
+    ratios = [a["best_ms"] / b["best_ms"] for a, b in zip(this["rounds"], rev["rounds"])]
+    assert this["ratio_vs_against"]["median"] == statistics.median(ratios)
+    q = statistics.quantiles(ratios, n=4)
+    assert (this["ratio_vs_against"]["q1"], this["ratio_vs_against"]["q3"]) == (q[0], q[2])
     for b in (this, rev):
-        assert len(b["rounds"]) == 2 and 0 < b["best_ms"] <= b["median_of_medians_ms"]
+        assert len(b["rounds"]) == 3 and 0 < b["best_ms"] <= b["median_of_medians_ms"]
+        assert b["best_ms"] == min(r["best_ms"] for r in b["rounds"])
