@@ -460,6 +460,26 @@ static int better(double c1, int64_t m1, double c2, int64_t m2, double tol) {
   return m1 < m2;
 }
 
+/* The best plan so far; its segments live in the caller's output arrays. */
+typedef struct {
+  int64_t *end;
+  uint8_t *ckpt;
+  int64_t ns, mem;
+  double cost;
+} best_plan;
+
+/* Takes the candidate (ns segments in end/ckpt, memory mem, cost c) if it beats the
+ * best so far; the caller has checked that it fits the budget. */
+static void keep_if_better(best_plan *best, int64_t ns, const int64_t *end, const uint8_t *ckpt,
+                           int64_t mem, double c, double tol) {
+  if (!better(c, mem, best->cost, best->mem, tol)) return;
+  memcpy(best->end, end, sizeof(int64_t) * (size_t)ns);
+  memcpy(best->ckpt, ckpt, (size_t)ns);
+  best->ns = ns;
+  best->mem = mem;
+  best->cost = c;
+}
+
 /* The cap loop over a filled cost_ws (a, b, pre, B set): writes the least-cost
  * plan for the slot sizes and returns its segment count, or 0 when none fits.
  * is_cap and G are scratch of B + 1 entries. */
@@ -550,11 +570,9 @@ mf_status mf_plan_budget(int64_t n, const int64_t *input_bytes,
                   (long long)budget_bytes, (long long)min_mem);
     goto finish;
   }
-  int64_t best_ns = plan_from_minmem(&mw, seg_end, seg_ckpt);
-  int64_t best_mem;
-  double best_cost;
-  evaluate(n, input_bytes, saved_bytes, forward_cost, best_ns, seg_end, seg_ckpt,
-           &best_mem, &best_cost);
+  best_plan best = {seg_end, seg_ckpt, plan_from_minmem(&mw, seg_end, seg_ckpt), 0, 0.0};
+  evaluate(n, input_bytes, saved_bytes, forward_cost, best.ns, seg_end, seg_ckpt, &best.mem,
+           &best.cost);
 
   P[0] = 0.0;
   for (int64_t i = 0; i < n; i++) P[i + 1] = P[i] + forward_cost[i];
@@ -580,13 +598,7 @@ mf_status mf_plan_budget(int64_t n, const int64_t *input_bytes,
       ns = sqrt_plan(n, tmp_end, tmp_ckpt);
     }
     evaluate(n, input_bytes, saved_bytes, forward_cost, ns, tmp_end, tmp_ckpt, &mem, &c);
-    if (mem <= budget_bytes && better(c, mem, best_cost, best_mem, tol)) {
-      memcpy(seg_end, tmp_end, sizeof(int64_t) * (size_t)ns);
-      memcpy(seg_ckpt, tmp_ckpt, (size_t)ns);
-      best_ns = ns;
-      best_mem = mem;
-      best_cost = c;
-    }
+    if (mem <= budget_bytes) keep_if_better(&best, ns, tmp_end, tmp_ckpt, mem, c, tol);
   }
 
   /* 3. The slot DP. Budgets above "store everything" change nothing. */
@@ -654,13 +666,7 @@ mf_status mf_plan_budget(int64_t n, const int64_t *input_bytes,
                     (long long)mem, (long long)budget_bytes);
       goto finish;
     }
-    if (better(c, mem, best_cost, best_mem, tol)) {
-      memcpy(seg_end, tmp_end, sizeof(int64_t) * (size_t)ns);
-      memcpy(seg_ckpt, tmp_ckpt, (size_t)ns);
-      best_ns = ns;
-      best_mem = mem;
-      best_cost = c;
-    }
+    keep_if_better(&best, ns, tmp_end, tmp_ckpt, mem, c, tol);
   }
   if (!exact) {
     /* Rounding every size up overstates a plan's memory by up to one unit per
@@ -681,21 +687,15 @@ mf_status mf_plan_budget(int64_t n, const int64_t *input_bytes,
       double c;
       evaluate(n, input_bytes, saved_bytes, forward_cost, ns, tmp_end, tmp_ckpt, &mem, &c);
       if (mem <= budget_bytes) {
-        if (better(c, mem, best_cost, best_mem, tol)) {
-          memcpy(seg_end, tmp_end, sizeof(int64_t) * (size_t)ns);
-          memcpy(seg_ckpt, tmp_ckpt, (size_t)ns);
-          best_ns = ns;
-          best_mem = mem;
-          best_cost = c;
-        }
+        keep_if_better(&best, ns, tmp_end, tmp_ckpt, mem, c, tol);
         break;
       }
       bt -= ceil_div(mem - budget_bytes, unit);
     }
   }
-  info->n_segments = best_ns;
-  info->memory_bytes = best_mem;
-  info->recompute_cost = best_cost;
+  info->n_segments = best.ns;
+  info->memory_bytes = best.mem;
+  info->recompute_cost = best.cost;
   info->unit_bytes = unit;
   info->exact = exact;
   st = MF_OK;
