@@ -59,13 +59,18 @@ static mf_status check_scalar(const mf_tensor *s, const char *name, const mf_ten
   return MF_OK;
 }
 
-#ifndef MEMFIT_WITH_CUDA
+/* `call` (a CUDA launcher) in a CUDA build; in a CPU-only build, where the launchers
+ * are not declared, the error that says so instead. */
+#ifdef MEMFIT_WITH_CUDA
+#define ON_CUDA(what, stream, call) (call)
+#else
 static mf_status no_cuda(const char *what) {
   return mf_error(MF_ERR_NO_CUDA,
                   "%s: got CUDA arrays, but this memfit was built without CUDA support "
                   "(rebuild where nvcc is installed, or with -C cmake.define.MEMFIT_CUDA=ON)",
                   what);
 }
+#define ON_CUDA(what, stream, call) ((void)(stream), no_cuda(what))
 #endif
 
 /* Chunk c of the concatenation -> (tensor, first element, length). `starts` holds
@@ -186,14 +191,8 @@ mf_status mf_unscale_grads(mf_tensor *grads, int64_t n, const mf_tensor *scale,
   if ((st = check_scalar(found_inf, "found_inf", grads, n))) return st;
   if (scale && (st = check_scalar(scale, "scale", grads, n))) return st;
   if (scale && (st = mf_check_same_device(found_inf, "found_inf", scale, "scale"))) return st;
-  if (found_inf->device == MF_CUDA) {
-#ifdef MEMFIT_WITH_CUDA
-    return mf_cuda_unscale_grads(grads, n, scale, found_inf, stream);
-#else
-    (void)stream;
-    return no_cuda("unscale_grads");
-#endif
-  }
+  if (found_inf->device == MF_CUDA)
+    return ON_CUDA("unscale_grads", stream, mf_cuda_unscale_grads(grads, n, scale, found_inf, stream));
   /* torch multiplies by inv only when it is not 1 (x * 1.0f is x anyway, except that
    * it would rewrite NaN payloads), so a scale of 1 is a check-only pass */
   float inv = 1.0f;
@@ -335,18 +334,14 @@ mf_status mf_grad_norm(const mf_tensor *grads, int64_t n, double norm_type,
   if ((st = check_tensors(grads, n, "grads"))) return st;
   if ((st = check_scalar(out, "out", grads, n))) return st;
   if (out->device == MF_CUDA) {
-#ifdef MEMFIT_WITH_CUDA
+    /* the workspace is checked even in a CPU-only build: the same message either way */
     if ((st = mf_check_dtype(workspace, "workspace", MF_FLOAT32))) return st;
     if ((st = mf_check_same_device(out, "out", workspace, "workspace"))) return st;
     if (workspace->numel < mf_mt_num_chunks(grads, n))
       return mf_error(MF_ERR_VALUE, "workspace: needs %lld float32 elements, got %lld",
                       (long long)mf_mt_num_chunks(grads, n), (long long)workspace->numel);
-    return mf_cuda_grad_norm(grads, n, norm_type, workspace, out, stream);
-#else
-    (void)stream;
-    (void)workspace;
-    return no_cuda("grad_norm");
-#endif
+    return ON_CUDA("grad_norm", stream,
+                   mf_cuda_grad_norm(grads, n, norm_type, workspace, out, stream));
   }
   return grad_norm_cpu(grads, n, norm_type, (float *)out->data);
 }
@@ -369,14 +364,8 @@ mf_status mf_clip_grads(mf_tensor *grads, int64_t n, const mf_tensor *norm, floa
   mf_status st;
   if ((st = check_tensors(grads, n, "grads"))) return st;
   if ((st = check_scalar(norm, "norm", grads, n))) return st;
-  if (norm->device == MF_CUDA) {
-#ifdef MEMFIT_WITH_CUDA
-    return mf_cuda_clip_grads(grads, n, norm, max_norm, stream);
-#else
-    (void)stream;
-    return no_cuda("clip_grads");
-#endif
-  }
+  if (norm->device == MF_CUDA)
+    return ON_CUDA("clip_grads", stream, mf_cuda_clip_grads(grads, n, norm, max_norm, stream));
   const float coef = clip_coef(*(const float *)norm->data, max_norm);
   if (coef == 1.0f) return MF_OK; /* x * 1 is x: nothing to write */
   chunk_table ct;
