@@ -2,9 +2,9 @@
  * Optimizer steps on the GPU: multi-tensor apply over all parameters of a call.
  *
  * The host packs up to kMaxTensors tensors (pointers, sizes and the prefix sum of their
- * work items) into a kernel argument (< 4 KB, so no host-to-device copy and no sync);
- * thread block b finds its tensor in that prefix sum and updates one item of kItem
- * elements. A model with hundreds of small parameters costs a handful of launches, not
+ * work items: mf_mt_pack_next, memfit/multi_tensor.h) into a kernel argument (< 4 KB,
+ * so no host-to-device copy and no sync); thread block b finds its tensor in that
+ * prefix sum and updates one item of kItem elements. A model with hundreds of small parameters costs a handful of launches, not
  * one per parameter (the apex / torch._foreach pattern), and a 1B-parameter tensor is
  * one launch of 250k blocks. All launches go to the caller's stream.
  *
@@ -39,6 +39,7 @@
  */
 #include "cuda_util.cuh"
 #include "memfit/cuda_launch.h"
+#include "memfit/multi_tensor.h"
 #include "memfit/numeric.h"
 #include "memfit/optim.h"
 #include "memfit/quant.h"
@@ -64,10 +65,10 @@ struct TensorSlot {
 };
 
 /* Up to kMaxTensors tensors; thread block b works on tensor i with
- * item_start[i] <= b < item_start[i + 1], item b - item_start[i] of it. */
+ * start[i] <= b < start[i + 1], item b - start[i] of it. */
 struct LaunchList {
   TensorSlot t[kMaxTensors];
-  int64_t item_start[kMaxTensors + 1];
+  int64_t start[kMaxTensors + 1];
   int n;
 };
 static_assert(sizeof(LaunchList) + sizeof(mf_optim_hparams) + 64 <= 4096,
@@ -76,9 +77,8 @@ static_assert(sizeof(LaunchList) + sizeof(mf_optim_hparams) + 64 <= 4096,
 /* The tensor of this thread block and the first element of its item. */
 __device__ __forceinline__ const TensorSlot &locate(const LaunchList &L, int64_t *start) {
   const int64_t b = blockIdx.x;
-  int i = 0;
-  while (i + 1 < L.n && L.item_start[i + 1] <= b) i++;
-  *start = (b - L.item_start[i]) * kItem;
+  const int64_t i = mf_mt_tensor_of(L.start, L.n, b);
+  *start = (b - L.start[i]) * kItem;
   return L.t[i];
 }
 
@@ -257,7 +257,7 @@ __global__ void optim_count_kernel(StepList S, const float *found_inf) {
 mf_status launch(const LaunchList &L, const mf_optim_hparams *h, mf_state_format fmt,
                  int64_t bs, const float *code1, const float *code2, const float *scale,
                  const float *inf, cudaStream_t stream) {
-  const int64_t items = L.item_start[L.n];
+  const int64_t items = L.start[L.n];
   if (L.n == 0 || items == 0) return MF_OK;
   const dim3 grid((unsigned)items), block(kThreads);
   if (fmt == MF_STATE_FP32) {
@@ -301,37 +301,33 @@ extern "C" mf_status mf_cuda_optim_step(const mf_optim_hparams *h, mf_state_form
   const float *c2 = code2 ? (const float *)code2->data : nullptr;
 
   /* pack tensors kMaxTensors at a time; a launch also stops before its grid would
-   * exceed 2^31 - 1 blocks (a single larger tensor is refused by the check below) */
-  LaunchList L;
-  L.n = 0;
-  L.item_start[0] = 0;
-  mf_status st;
-  for (int64_t i = 0; i < n; i++) {
-    const mf_optim_tensor &x = ts[i];
-    const int64_t items = (x.param.numel + kItem - 1) / kItem;
-    if (items == 0) continue;
-    if (items > 0x7fffffffLL)
+   * exceed 2^31 - 1 blocks (a single larger tensor is refused first, before any launch) */
+  for (int64_t i = 0; i < n; i++)
+    if (mf_mt_items(ts[i].param.numel, kItem) > MF_MT_MAX_GRID)
       return mf_error(MF_ERR_VALUE, "params[%lld]: too many elements for one launch", (long long)i);
-    if (L.n == kMaxTensors || L.item_start[L.n] + items > 0x7fffffffLL) {
-      if ((st = launch(L, h, fmt, block_size, c1, c2, scale, inf, stream))) return st;
-      L.n = 0;
+  mf_mt_packer pk;
+  mf_mt_pack_begin(&pk, &ts[0].param.numel, sizeof *ts, n, kItem);
+  LaunchList L;
+  int64_t first;
+  mf_status st;
+  while ((L.n = (int)mf_mt_pack_next(&pk, kMaxTensors, MF_MT_MAX_GRID, L.start, &first)) > 0) {
+    for (int k = 0; k < L.n; k++) {
+      const mf_optim_tensor &x = ts[first + k];
+      TensorSlot &s = L.t[k];
+      s.p = x.param.data;
+      s.g = x.grad.data;
+      s.s1 = x.state1.data;
+      s.s2 = x.state2.data;
+      s.c = x.comp.data;
+      s.a1 = (float *)x.absmax1.data;
+      s.a2 = (float *)x.absmax2.data;
+      s.step = (const float *)x.step.data;
+      s.numel = x.param.numel;
+      s.dtype = (int)x.param.dtype;
+      s.sr_stream = x.sr_stream;
     }
-    TensorSlot &s = L.t[L.n];
-    s.p = x.param.data;
-    s.g = x.grad.data;
-    s.s1 = x.state1.data;
-    s.s2 = x.state2.data;
-    s.c = x.comp.data;
-    s.a1 = (float *)x.absmax1.data;
-    s.a2 = (float *)x.absmax2.data;
-    s.step = (const float *)x.step.data;
-    s.numel = x.param.numel;
-    s.dtype = (int)x.param.dtype;
-    s.sr_stream = x.sr_stream;
-    L.item_start[L.n + 1] = L.item_start[L.n] + items;
-    L.n++;
+    if ((st = launch(L, h, fmt, block_size, c1, c2, scale, inf, stream))) return st;
   }
-  if ((st = launch(L, h, fmt, block_size, c1, c2, scale, inf, stream))) return st;
 
   /* the step counters move only after every chunk of every tensor has read them */
   StepList S;

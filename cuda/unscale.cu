@@ -1,13 +1,13 @@
 /*
  * Multi-tensor gradient kernels: unscale + non-finite check, global norm, clip.
  *
- * Many gradients, few launches (apex / PyTorch multi_tensor_apply): mf_mt_next()
+ * Many gradients, few launches (apex / PyTorch multi_tensor_apply): mf_mt_pack_next()
  * (memfit/multi_tensor.h, plain C, tested on the CPU by tests/c/test_scaler.c) packs up
- * to 96 tensor pointers and 320 (tensor, chunk) pairs into an mf_mt_args passed by
- * value (under the classic 4 KB kernel-parameter limit, so any driver takes it); one
- * thread block handles one chunk of MF_MT_CHUNK elements. A model with 500 small
- * gradients costs 6 launches, not 500, and nothing syncs with the host: the scale,
- * found_inf and the norm stay on the device.
+ * to 96 tensors, with the prefix sum of their chunks, into an MtArgs passed by value
+ * (under the classic 4 KB kernel-parameter limit, so any driver takes it); one thread
+ * block handles one chunk of MF_MT_CHUNK elements and finds its tensor in the prefix
+ * sum. A model with 500 small gradients costs 6 launches, not 500, and nothing syncs
+ * with the host: the scale, found_inf and the norm stay on the device.
  *
  * unscale_grads_kernel: every thread checks and rescales a strided slice of its
  *   block's chunk; __syncthreads_or() folds the non-finite flags, thread 0 sets
@@ -30,7 +30,18 @@
 namespace {
 
 constexpr int kThreads = 512;
-typedef mf_mt_args MtArgs;
+
+/* One launch: tensors 0 .. ntensors-1; block b works on chunk b - start[t] of tensor
+ * t = mf_mt_tensor_of(start, ntensors, b). */
+struct MtArgs {
+  void *ptr[MF_MT_MAX_TENSORS];
+  int64_t numel[MF_MT_MAX_TENSORS];
+  int64_t start[MF_MT_MAX_TENSORS + 1];
+  uint8_t dtype[MF_MT_MAX_TENSORS];
+  int32_t ntensors;
+  uint32_t nblocks; /* start[ntensors] */
+  int64_t base;     /* global chunk index of block 0 (grad_norm's workspace slot) */
+};
 static_assert(sizeof(MtArgs) <= 4000, "multi-tensor arguments must fit the 4 KB parameter limit");
 
 enum { kNormL2 = 0, kNormL1 = 1, kNormInf = 2, kNormP = 3 };
@@ -43,11 +54,11 @@ struct Chunk {
 };
 
 __device__ __forceinline__ Chunk my_chunk(const MtArgs &a) {
-  const int t = a.block_tensor[blockIdx.x];
+  const int64_t t = mf_mt_tensor_of(a.start, a.ntensors, blockIdx.x);
   Chunk c;
   c.ptr = a.ptr[t];
   c.dtype = (mf_dtype)a.dtype[t];
-  c.first = (int64_t)a.block_chunk[blockIdx.x] * MF_MT_CHUNK;
+  c.first = ((int64_t)blockIdx.x - a.start[t]) * MF_MT_CHUNK;
   const int64_t rest = a.numel[t] - c.first;
   c.len = rest < MF_MT_CHUNK ? rest : MF_MT_CHUNK;
   return c;
@@ -163,21 +174,31 @@ __global__ void __launch_bounds__(kThreads)
     mf_store_f32(c.ptr, i, c.dtype, mf_load_f32(c.ptr, i, c.dtype) * coef);
 }
 
-/* Calls launch(args) for each launch mf_mt_next() packs. */
+/* Calls launch(args) for each launch mf_mt_pack_next() packs. */
 template <class Launch>
 mf_status for_each_launch(const mf_tensor *t, int64_t n, Launch launch) {
   for (int64_t i = 0; i < n; i++)
-    if ((t[i].numel + MF_MT_CHUNK - 1) / MF_MT_CHUNK > 0x7fffffffLL)
+    if (mf_mt_items(t[i].numel, MF_MT_CHUNK) > MF_MT_MAX_GRID)
       return mf_error(MF_ERR_VALUE, "grads[%lld]: too large (%lld elements)", (long long)i,
                       (long long)t[i].numel);
-  mf_mt_iter it;
-  mf_mt_begin(&it, t, n);
+  mf_mt_packer pk;
+  mf_mt_pack_begin(&pk, n > 0 ? &t[0].numel : nullptr, sizeof *t, n, MF_MT_CHUNK);
   MtArgs a;
-  while (mf_mt_next(&it, &a) > 0) {
+  for (;;) {
+    a.base = pk.base;
+    int64_t first;
+    const int64_t count = mf_mt_pack_next(&pk, MF_MT_MAX_TENSORS, MF_MT_MAX_GRID, a.start, &first);
+    if (count == 0) return MF_OK;
+    for (int64_t k = 0; k < count; k++) {
+      a.ptr[k] = t[first + k].data;
+      a.numel[k] = t[first + k].numel;
+      a.dtype[k] = (uint8_t)t[first + k].dtype;
+    }
+    a.ntensors = (int32_t)count;
+    a.nblocks = (uint32_t)a.start[count];
     mf_status st = launch(a);
     if (st) return st;
   }
-  return MF_OK;
 }
 
 }  // namespace

@@ -33,6 +33,7 @@
 #include <string.h>
 
 #include "optim_cpu.h"
+#include "memfit/multi_tensor.h"
 #ifdef MEMFIT_WITH_CUDA
 #include "memfit/cuda_launch.h"
 #endif
@@ -389,18 +390,6 @@ static fused_fn pick_fused(const mf_optim_hparams *h, mf_state_format fmt, int n
 }
 #endif
 
-/* The tensor that work item w belongs to: the i with start[i] <= w < start[i + 1]
- * (tensors without items have start[i] == start[i + 1] and are never returned). */
-static int64_t tensor_of_item(const int64_t *start, int64_t n, int64_t w) {
-  int64_t lo = 0, hi = n - 1; /* start[lo] <= w < start[hi + 1] */
-  while (lo < hi) {
-    const int64_t mid = lo + (hi - lo + 1) / 2;
-    if (start[mid] <= w) lo = mid;
-    else hi = mid - 1;
-  }
-  return lo;
-}
-
 static mf_status step_cpu(const mf_optim_hparams *h, mf_state_format fmt, int64_t bs,
                           const mf_tensor *code1, const mf_tensor *code2,
                           const mf_optim_tensor *ts, int64_t n, const mf_tensor *grad_scale,
@@ -433,9 +422,7 @@ static mf_status step_cpu(const mf_optim_hparams *h, mf_state_format fmt, int64_
    * one. */
   int64_t *start = (int64_t *)malloc((size_t)(n + 1) * sizeof *start);
   if (!start) return mf_error(MF_ERR_NOMEM, "optimizer step: out of host memory");
-  start[0] = 0;
-  for (int64_t i = 0; i < n; i++) start[i + 1] = start[i] + mf_quant_num_blocks(ts[i].param.numel, chunk);
-  const int64_t total_items = start[n];
+  const int64_t total_items = mf_mt_prefix(&ts[0].param.numel, sizeof *ts, n, chunk, start);
   const int grab = chunk >= GRAB_ELEMS ? 1 : (int)(GRAB_ELEMS / chunk);
 
   int failed = 0;
@@ -465,7 +452,7 @@ static mf_status step_cpu(const mf_optim_hparams *h, mf_state_format fmt, int64_
 #pragma omp for schedule(dynamic, grab)
     for (int64_t w = 0; w < total_items; w++) {
       if (!mem || !qmem) continue;
-      const int64_t i = tensor_of_item(start, n, w);
+      const int64_t i = mf_mt_tensor_of(start, n, w);
       const mf_optim_tensor *t = &ts[i];
       if (i != cur) {
         c = mf_optim_prepare(h, *(const float *)t->step.data + 1.0f, inv_scale);

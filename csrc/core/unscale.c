@@ -23,7 +23,7 @@
 
 int64_t mf_mt_num_chunks(const mf_tensor *t, int64_t n) {
   int64_t c = 0;
-  for (int64_t i = 0; i < n; i++) c += (t[i].numel + MF_MT_CHUNK - 1) / MF_MT_CHUNK;
+  for (int64_t i = 0; i < n; i++) c += mf_mt_items(t[i].numel, MF_MT_CHUNK);
   return c;
 }
 
@@ -73,8 +73,8 @@ static mf_status no_cuda(const char *what) {
 #define ON_CUDA(what, stream, call) ((void)(stream), no_cuda(what))
 #endif
 
-/* Chunk c of the concatenation -> (tensor, first element, length). `starts` holds
- * each tensor's first chunk (n + 1 entries). */
+/* The chunks (work items of MF_MT_CHUNK elements, multi_tensor.h) of all tensors:
+ * `starts` holds each tensor's first chunk (n + 1 entries). */
 typedef struct {
   int64_t *starts;
   int64_t total;
@@ -83,29 +83,17 @@ typedef struct {
 static mf_status chunk_table_make(const mf_tensor *t, int64_t n, chunk_table *ct) {
   ct->starts = (int64_t *)malloc((size_t)(n + 1) * sizeof(int64_t));
   if (!ct->starts) return mf_error(MF_ERR_NOMEM, "grads: out of host memory");
-  int64_t c = 0;
-  for (int64_t i = 0; i < n; i++) {
-    ct->starts[i] = c;
-    c += (t[i].numel + MF_MT_CHUNK - 1) / MF_MT_CHUNK;
-  }
-  ct->starts[n] = c;
-  ct->total = c;
+  ct->total = mf_mt_prefix(n > 0 ? &t[0].numel : NULL, sizeof *t, n, MF_MT_CHUNK, ct->starts);
   return MF_OK;
 }
 
+/* Chunk c of the concatenation -> (tensor, first element, length). */
 static void chunk_locate(const chunk_table *ct, int64_t n, int64_t c, const mf_tensor *t,
                          int64_t *tensor, int64_t *first, int64_t *len) {
-  int64_t lo = 0, hi = n - 1; /* last tensor whose first chunk is <= c */
-  while (lo < hi) {
-    int64_t mid = (lo + hi + 1) / 2;
-    if (ct->starts[mid] <= c) lo = mid;
-    else hi = mid - 1;
-  }
-  /* skip empty tensors that share the start */
-  while (lo + 1 < n && ct->starts[lo + 1] <= c) lo++;
-  *tensor = lo;
-  *first = (c - ct->starts[lo]) * MF_MT_CHUNK;
-  int64_t rest = t[lo].numel - *first;
+  const int64_t i = mf_mt_tensor_of(ct->starts, n, c);
+  *tensor = i;
+  *first = (c - ct->starts[i]) * MF_MT_CHUNK;
+  int64_t rest = t[i].numel - *first;
   *len = rest < MF_MT_CHUNK ? rest : MF_MT_CHUNK;
 }
 

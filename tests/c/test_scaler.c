@@ -161,8 +161,46 @@ static void test_unscale_and_norm_cpu(void) {
 #endif
 }
 
-/* The packing the CUDA launchers use: every (tensor, chunk) exactly once, in order,
- * block b of a launch is global chunk base + b, and the limits hold. */
+/* The packing every multi-tensor loop uses (multi_tensor.h): each item of each tensor
+ * exactly once, in order; block b of a launch is global item base + b and belongs to
+ * tensor mf_mt_tensor_of(start, count, b); the limits hold; the CPU's prefix sum
+ * numbers the items the same way. Checked for the gradient passes' item size and
+ * limits, and for small limits that split the same tensors into many launches. */
+static void check_packing(const mf_tensor *t, int64_t n, int64_t item, int64_t cap,
+                          int64_t max_items) {
+  static int64_t prefix[1001], start[1001];
+  const int64_t total = mf_mt_prefix(&t[0].numel, sizeof *t, n, item, prefix);
+  mf_mt_packer pk;
+  mf_mt_pack_begin(&pk, &t[0].numel, sizeof *t, n, item);
+  int64_t global = 0, next = 0, first, count;
+  int launches = 0, ok = 1;
+  for (;;) {
+    const int64_t base = pk.base;
+    if ((count = mf_mt_pack_next(&pk, cap, max_items, start, &first)) == 0) break;
+    launches++;
+    ok &= count <= cap && start[0] == 0 && start[count] >= 1 && base == global;
+    ok &= count == 1 || start[count] <= max_items;
+    while (next < n && t[next].numel == 0) next++; /* skipped before a launch */
+    ok &= first == next;
+    for (int64_t b = 0; b < start[count]; b++, global++) {
+      const int64_t k = mf_mt_tensor_of(start, count, b);
+      const int64_t i = first + k, w = global;
+      ok &= k < count && t[i].numel > 0;
+      ok &= (b - start[k]) * item < t[i].numel; /* a real item of that tensor */
+      ok &= mf_mt_tensor_of(prefix, n, w) == i && w - prefix[i] == b - start[k];
+    }
+    next = first + count;
+  }
+  CHECK(ok);
+  CHECK(global == total);
+  while (next < n && t[next].numel == 0) next++;
+  CHECK(next == n);
+  int64_t nonempty = 0;
+  for (int64_t i = 0; i < n; i++) nonempty += t[i].numel > 0;
+  CHECK(launches >= (nonempty + cap - 1) / cap);
+  CHECK(mf_mt_pack_next(&pk, cap, max_items, start, &first) == 0); /* stays done */
+}
+
 static void test_multi_tensor_packing(void) {
   enum { N = 700 };
   static mf_tensor t[N];
@@ -176,38 +214,16 @@ static void test_multi_tensor_packing(void) {
     expected_chunks += (numel + MF_MT_CHUNK - 1) / MF_MT_CHUNK;
   }
   CHECK(mf_mt_num_chunks(t, N) == expected_chunks);
-  mf_mt_iter it;
-  mf_mt_begin(&it, t, N);
-  static mf_mt_args a;
-  int64_t next_tensor = 0, next_chunk = 0, global = 0;
-  int launches = 0, ok = 1;
-  while (mf_mt_next(&it, &a) > 0) {
-    launches++;
-    ok &= a.nblocks <= MF_MT_MAX_BLOCKS && a.ntensors <= MF_MT_MAX_TENSORS && a.ntensors > 0;
-    ok &= a.base == global;
-    for (int b = 0; b < a.nblocks; b++, global++) {
-      while (next_tensor < N && t[next_tensor].numel == 0) next_tensor++;
-      int ti = a.block_tensor[b];
-      ok &= ti < a.ntensors;
-      ok &= a.ptr[ti] == t[next_tensor].data && a.numel[ti] == t[next_tensor].numel;
-      ok &= a.block_chunk[b] == next_chunk;
-      if (++next_chunk * MF_MT_CHUNK >= t[next_tensor].numel) {
-        next_tensor++;
-        next_chunk = 0;
-      }
-    }
-  }
-  CHECK(ok);
-  CHECK(global == expected_chunks);
-  while (next_tensor < N && t[next_tensor].numel == 0) next_tensor++;
-  CHECK(next_tensor == N);
-  CHECK(launches >= (int)(expected_chunks / MF_MT_MAX_BLOCKS));
-  CHECK(mf_mt_next(&it, &a) == 0); /* stays done */
+  check_packing(t, N, MF_MT_CHUNK, MF_MT_MAX_TENSORS, MF_MT_MAX_GRID);
+  check_packing(t, N, 4096, 40, 1000); /* the optimizer's item, a small grid limit */
+  check_packing(t, N, 1, 3, 5000);     /* item 1: huge tensors alone in their launch */
   /* nothing at all, or only empty tensors: no launch */
-  mf_mt_begin(&it, t, 1);
-  CHECK(t[0].numel == 0 && mf_mt_next(&it, &a) == 0);
-  mf_mt_begin(&it, t, 0);
-  CHECK(mf_mt_next(&it, &a) == 0);
+  mf_mt_packer pk;
+  int64_t start[4], first;
+  mf_mt_pack_begin(&pk, &t[0].numel, sizeof *t, 1, MF_MT_CHUNK);
+  CHECK(t[0].numel == 0 && mf_mt_pack_next(&pk, 3, MF_MT_MAX_GRID, start, &first) == 0);
+  mf_mt_pack_begin(&pk, &t[0].numel, sizeof *t, 0, MF_MT_CHUNK);
+  CHECK(mf_mt_pack_next(&pk, 3, MF_MT_MAX_GRID, start, &first) == 0);
 }
 
 int main(void) {

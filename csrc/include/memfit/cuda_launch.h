@@ -67,8 +67,8 @@ mf_status mf_cuda_scaler_update(mf_tensor *state, const mf_tensor *found_infs, i
                                 const mf_tensor *loss_flag, const mf_scaler_config *cfg,
                                 void *stream);
 
-/* cuda/unscale.cu: multi-tensor kernels (one launch covers up to 96 tensors or 320
- * chunks of MF_MT_CHUNK elements, whichever fills first) */
+/* cuda/unscale.cu: multi-tensor kernels (one launch covers up to MF_MT_MAX_TENSORS
+ * tensors, one thread block per chunk of MF_MT_CHUNK elements; multi_tensor.h) */
 mf_status mf_cuda_unscale_grads(mf_tensor *grads, int64_t n, const mf_tensor *scale,
                                 mf_tensor *found_inf, void *stream);
 mf_status mf_cuda_grad_norm(const mf_tensor *grads, int64_t n, double norm_type,
