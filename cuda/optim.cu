@@ -4,9 +4,10 @@
  * The host packs up to kMaxTensors tensors (pointers, sizes and the prefix sum of their
  * work items: mf_mt_pack_next, memfit/multi_tensor.h) into a kernel argument (< 4 KB,
  * so no host-to-device copy and no sync); thread block b finds its tensor in that
- * prefix sum and updates one item of kItem elements. A model with hundreds of small parameters costs a handful of launches, not
- * one per parameter (the apex / torch._foreach pattern), and a 1B-parameter tensor is
- * one launch of 250k blocks. All launches go to the caller's stream.
+ * prefix sum and updates one item of kItem elements. A model with hundreds of small
+ * parameters costs a handful of launches, not one per parameter (the apex /
+ * torch._foreach pattern), and a 1B-parameter tensor is one launch of 250k blocks. All
+ * launches go to the caller's stream.
  *
  * optim_quant_kernel<BS, BITS>: quantized states (8-bit: one code per byte; 4-bit: two
  * per byte). A tile of max(BS, 256) elements is spread over the 256 threads, so each
