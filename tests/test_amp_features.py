@@ -242,7 +242,7 @@ def test_autocast_cpu_reusable_and_nested():
 
 
 def test_setup_bf16_disables_scaler_and_says_so_once(monkeypatch):
-    monkeypatch.setattr(amp, "_bf16_notice_given", False)
+    monkeypatch.setattr(amp.mixed_precision, "_bf16_notice_given", False)
     model = torch.nn.Linear(4, 4)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     with pytest.warns(amp.ScalerWarning, match="no loss scaling is needed"):

@@ -1,35 +1,8 @@
-"""Mixed precision for PyTorch: a GradScaler that explains itself, fused gradient
-passes, and autocast helpers.
+"""memfit.amp.GradScaler: dynamic loss scaling, a drop-in for torch.amp.GradScaler.
 
-``memfit.amp.GradScaler`` takes torch's constructor, methods and semantics (it is a
-drop-in for ``torch.amp.GradScaler``) and keeps its state machine and update rule in
-memfit's C core. On CUDA the scale, the growth tracker and the step statistics live
-on the device and ``update()`` is one kernel launch with no host sync; on the CPU the
-same rule (one C function, see ``csrc/include/memfit/scaler.h``) runs on host memory.
-
-Beyond torch (all optional):
-
-* ``hysteresis=N``: back off only after N consecutive non-finite steps.
-* ``min_scale`` / ``max_scale``: bounds on the scale.
-* ``stats()``: skipped steps, backoffs, growths and the recent scale history.
-* warnings that say what happened: many steps in a row skipped, the scale stuck at
-  ``min_scale`` (or below 1), a loss that was already NaN/Inf before backward.
-* ``nonfinite_loss="warn" | "skip" | "raise"``: what to do with such a loss.
-
-The classic loop::
-
-    import memfit.amp as amp
-    autocast, scaler = amp.setup(model, optimizer)        # bf16 or fp16, scaler if fp16
-    for x, y in loader:
-        with autocast:
-            loss = loss_fn(model(x), y)
-        scaler.scale(loss).backward()
-        amp.clip_grad_norm_(model.parameters(), 1.0, scaler=scaler, optimizer=optimizer)
-        scaler.step(optimizer)
-        scaler.update()
-        optimizer.zero_grad(set_to_none=True)
-
-This module imports torch.
+The update rule and the device-side found_inf live in memfit's C core (one C function,
+``csrc/include/memfit/scaler.h``, on host memory or in one CUDA launch); the per-optimizer
+stage check (READY -> UNSCALED -> STEPPED) is plain Python, as in torch.
 """
 
 from __future__ import annotations
@@ -38,45 +11,21 @@ import inspect
 import math
 import warnings
 from collections import abc, defaultdict
-from contextlib import nullcontext
 from enum import Enum
 from typing import Any
 
 import numpy as np
 import torch
 
-from memfit._cast import cast  # re-exported: casts with stochastic rounding
-from memfit._matmul import gemm_backend, matmul, set_gemm_backend  # re-exported (matrix products)
-
 from memfit import _C
 from memfit._C import MemfitTypeError, MemfitValueError
-
-__all__ = [
-    "AutocastContext",
-    "GradAccumulator",
-    "GradScaler",
-    "OptState",
-    "Precision",
-    "ScalerConfigError",
-    "ScalerWarning",
-    "autocast",
-    "cast",
-    "clip_grad_norm_",
-    "gemm_backend",
-    "matmul",
-    "precision",
-    "set_gemm_backend",
-    "setup",
-]
+from memfit.amp._grads import (_BF16, _F16, _F32, _FUSED_DTYPES, _Replicator, _as_float, _as_int,
+                               _prepare, _stream)
 
 _LAYOUT = _C.scaler_layout()
 _WORDS = _LAYOUT["words"]
 _HEAD = _LAYOUT["history"]  # the counters live in the first _HEAD words
 _ONE_BITS = 0x3F800000  # 1.0f
-
-_FUSED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-_F32, _F16, _BF16 = _FUSED_DTYPES
-_is_contiguous = torch.Tensor.is_contiguous
 
 
 class ScalerConfigError(MemfitValueError, AssertionError):
@@ -89,84 +38,17 @@ class ScalerWarning(UserWarning):
 
 
 class OptState(Enum):
+    """Where an optimizer is in the current iteration (torch's OptState): unscale_ moves
+    READY to UNSCALED, step moves READY or UNSCALED to STEPPED, update returns every
+    optimizer to READY. Anything else is misuse, and raises what torch raises."""
+
     READY = 0
     UNSCALED = 1
     STEPPED = 2
 
 
-_EVENT_UNSCALE, _EVENT_STEP = 0, 1
-
-
 def _refresh_per_optimizer_state() -> dict:
     return {"stage": OptState.READY, "found_inf_per_device": {}}
-
-
-def _stream(device: torch.device) -> int:
-    if device.type == "cuda":
-        return int(torch.cuda.current_stream(device).cuda_stream)
-    return 0
-
-
-def _flat_view(g: torch.Tensor):
-    """A contiguous 1-d view of g's memory when g is dense in some order (contiguous,
-    transposed, permuted: an element-wise pass may then walk its memory in storage
-    order); None when g has gaps (a slice) or overlaps (an expanded tensor)."""
-    if g.is_contiguous():
-        return g
-    sizes, strides = g.shape, g.stride()
-    order = sorted(range(g.dim()), key=lambda d: strides[d])
-    expected = 1
-    for d in order:
-        if sizes[d] == 1:
-            continue
-        if strides[d] != expected:
-            return None
-        expected *= sizes[d]
-    return g.as_strided((g.numel(),), (1,))
-
-
-def _prepare(grads: list, write: bool):
-    """Views the kernels can take, plus (original, copy) pairs to write back for
-    gradients with gaps. The common case (all contiguous) returns the list as is."""
-    if all(map(_is_contiguous, grads)):
-        return grads, ()
-    views, fixups = [], []
-    for g in grads:
-        v = _flat_view(g)
-        if v is None:
-            v = g.contiguous()
-            if write:
-                fixups.append((g, v))
-        views.append(v)
-    return views, fixups
-
-
-class _Replicator:
-    """One tensor, copied lazily to each device that asks (torch's _MultiDeviceReplicator)."""
-
-    def __init__(self, master: torch.Tensor):
-        self.master = master
-        self.per_device: dict = {}
-
-    def get(self, device: torch.device) -> torch.Tensor:
-        t = self.per_device.get(device)
-        if t is None:
-            t = self.master if self.master.device == device else self.master.to(
-                device=device, non_blocking=True, copy=True)
-            self.per_device[device] = t
-        return t
-
-
-def _as_float(v, name: str) -> float:
-    if isinstance(v, bool) or not isinstance(v, (int, float, np.floating, np.integer)):
-        raise MemfitTypeError(f"{name}: expected a number, got {type(v).__name__}")
-    return float(v)
-
-
-def _as_int(v, name: str) -> int:
-    if isinstance(v, bool) or not isinstance(v, (int, np.integer)):
-        raise MemfitTypeError(f"{name}: expected an int, got {type(v).__name__}")
-    return int(v)
 
 
 class GradScaler:
@@ -481,9 +363,36 @@ class GradScaler:
                 self._unscaled_lists.append((grads, found[device]))
         return found
 
-    def _unscale_for_clip_(self, grads: list) -> None:
-        """clip_grad_norm_(..., scaler=) without the optimizer: unscale what unscale_ has
-        not, and record it so that step()/unscale_() skip it but keep its inf/NaN."""
+    # ---- the protocol clip_grad_norm_(..., scaler=self) uses -------------------------------
+    #
+    # clip_grad_norm_ needs the true (unscaled) norm, so before it measures, the scaler
+    # must unscale the gradients it is given, once per iteration, and remember that it
+    # did: step() then neither unscales them twice nor forgets their inf/NaN. That is
+    # the one call below; clip_grad_norm_ touches nothing else of the scaler's.
+
+    def _unscale_for_clip(self, params: list, optimizer=None) -> None:
+        """Leaves the gradients of ``params`` unscaled for clipping (enabled scalers only).
+
+        With ``optimizer``: ``unscale_(optimizer)`` unless it already ran this iteration.
+        Without: unscales the gradients not yet unscaled this iteration and records them
+        (sparse and float16 gradients raise, as unscale_ would)."""
+        if optimizer is not None:
+            if self._per_optimizer_states[id(optimizer)]["stage"] is OptState.READY:
+                self.unscale_(optimizer)
+            return
+        self._check_scale_growth_tracker("clip_grad_norm_")
+        pending = [p.grad for p in params if p.grad is not None]
+        if any(g.is_sparse for g in pending):
+            raise MemfitValueError(
+                "parameters: sparse gradients with scaler= need optimizer=... (the scaler "
+                "tracks their unscaling per optimizer)")
+        if any(g.dtype is torch.float16 for g in pending):
+            raise ValueError("Attempting to unscale FP16 gradients.")
+        self._unscale_untracked_(pending)
+
+    def _unscale_untracked_(self, grads: list) -> None:
+        """Unscales what unscale_ has not, and records it so that step()/unscale_() skip
+        it but keep its inf/NaN."""
         skip = dict(self._clip_unscaled)
         for lst, fi in self._unscaled_lists:
             for g in lst:
@@ -501,9 +410,13 @@ class GradScaler:
             return
         self._check_scale_growth_tracker("unscale_")
         opt_state = self._per_optimizer_states[id(optimizer)]
-        nxt = _C.scaler_stage_next(opt_state["stage"].value, _EVENT_UNSCALE)
+        if opt_state["stage"] is OptState.UNSCALED:
+            raise RuntimeError(
+                "unscale_() has already been called on this optimizer since the last update().")
+        if opt_state["stage"] is OptState.STEPPED:
+            raise RuntimeError("unscale_() is being called after step().")
         opt_state["found_inf_per_device"] = self._unscale_grads_(optimizer, self._scale, None, False)
-        opt_state["stage"] = OptState(nxt)
+        opt_state["stage"] = OptState.UNSCALED
 
     def _check_inf_per_device(self, optimizer) -> dict:
         self._check_scale_growth_tracker("_check_inf_per_device")
@@ -532,7 +445,8 @@ class GradScaler:
             raise RuntimeError("Closure use is not currently supported if GradScaler is enabled.")
         self._check_scale_growth_tracker("step")
         opt_state = self._per_optimizer_states[id(optimizer)]
-        nxt = _C.scaler_stage_next(opt_state["stage"].value, _EVENT_STEP)
+        if opt_state["stage"] is OptState.STEPPED:
+            raise RuntimeError("step() has already been called since the last update().")
 
         if getattr(optimizer, "_step_supports_amp_scaling", False):
             kwargs_ = kwargs
@@ -569,7 +483,7 @@ class GradScaler:
                                         else scale * getattr(optimizer, "grad_scale", 1))
                 optimizer.found_inf = found_inf
             retval = optimizer.step(*args, **kwargs_)
-            opt_state["stage"] = OptState(nxt)
+            opt_state["stage"] = OptState.STEPPED
             if not has_grad_scaler_kwarg:
                 del optimizer.grad_scale
                 del optimizer.found_inf
@@ -585,7 +499,7 @@ class GradScaler:
         retval = None
         if not skip:
             retval = optimizer.step(*args, **kwargs)
-        opt_state["stage"] = OptState(nxt)
+        opt_state["stage"] = OptState.STEPPED
         return retval
 
     # ---- update ------------------------------------------------------------------------
@@ -796,345 +710,3 @@ class GradScaler:
     def __setstate__(self, state: dict) -> None:
         self.__dict__.update(state)
         self._per_optimizer_states = defaultdict(_refresh_per_optimizer_state)
-
-
-# ---- clipping ---------------------------------------------------------------------------
-
-
-def clip_grad_norm_(parameters, max_norm: float, norm_type: float = 2.0,
-                    error_if_nonfinite: bool = False, foreach: bool | None = None, *,
-                    scaler: GradScaler | None = None, optimizer=None) -> torch.Tensor:
-    """Clips the gradients' global norm to ``max_norm`` in place and returns the norm
-    (a float32 0-d tensor), like ``torch.nn.utils.clip_grad_norm_``, in one fused pass
-    per device for the norm and one for the clip, with no host sync.
-
-    With ``scaler=`` (enabled), the gradients are unscaled first, so the norm is the
-    true one: through ``scaler.unscale_(optimizer)`` when ``optimizer=`` is given (or
-    the optimizer is passed as ``parameters``), else directly; either way the scaler
-    records which gradients it unscaled this iteration, so ``scaler.step`` neither
-    unscales them twice nor forgets their inf/NaN.
-
-    ``foreach`` is accepted for signature compatibility and ignored. Float64 or
-    sparse gradients, and norm types other than p > 0 / inf, are handed to torch's
-    own function.
-    """
-    if isinstance(parameters, torch.optim.Optimizer):
-        optimizer = parameters if optimizer is None else optimizer
-        parameters = [p for g in parameters.param_groups for p in g["params"]]
-    elif isinstance(parameters, torch.Tensor):
-        parameters = [parameters]
-    params = list(parameters)
-    if scaler is not None and scaler.is_enabled():
-        if optimizer is not None:
-            if scaler._per_optimizer_states[id(optimizer)]["stage"] is OptState.READY:
-                scaler.unscale_(optimizer)
-        else:
-            # unscale these gradients now; the scaler records them, so step()/unscale_()
-            # will not unscale them again and will still skip on their inf/NaN
-            scaler._check_scale_growth_tracker("clip_grad_norm_")
-            pending = [p.grad for p in params if p.grad is not None]
-            if any(g.is_sparse for g in pending):
-                raise MemfitValueError(
-                    "parameters: sparse gradients with scaler= need optimizer=... (the scaler "
-                    "tracks their unscaling per optimizer)")
-            if any(g.dtype is torch.float16 for g in pending):
-                raise ValueError("Attempting to unscale FP16 gradients.")
-            scaler._unscale_for_clip_(pending)
-    max_norm = _as_float(max_norm, "max_norm")
-    norm_type = _as_float(norm_type, "norm_type")
-    grads = [p.grad for p in params if p.grad is not None]
-    if len(grads) == 0:
-        return torch.tensor(0.0)
-    if (not (norm_type > 0) or any(g.is_sparse or g.dtype not in _FUSED_DTYPES for g in grads)):
-        return torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type,
-                                              error_if_nonfinite=error_if_nonfinite)
-    per_device: dict = defaultdict(list)
-    for g in grads:
-        per_device[g.device].append(g)
-    norms = []
-    with torch.no_grad():
-        for device, gs in per_device.items():
-            views, _ = _prepare(gs, write=False)
-            out = torch.empty((), dtype=torch.float32, device=device)
-            ws = None
-            if device.type == "cuda":
-                ws = torch.empty(max(1, _C.mt_num_chunks([v.numel() for v in views])),
-                                 dtype=torch.float32, device=device)
-            _C.grad_norm(views, norm_type, ws, out, _stream(device))
-            norms.append(out)
-        first = grads[0].device
-        if len(norms) == 1:
-            total = norms[0]
-        elif math.isinf(norm_type):
-            total = torch.stack([n.to(first) for n in norms]).max()
-        else:
-            total = torch.stack([n.to(first).double() for n in norms]).pow(norm_type).sum().pow(
-                1.0 / norm_type).float()
-        if error_if_nonfinite and bool(torch.logical_or(total.isnan(), total.isinf())):
-            raise RuntimeError(
-                f"The total norm of order {norm_type} for gradients from `parameters` is "
-                "non-finite, so it cannot be clipped. To disable this error and scale the "
-                "gradients by the non-finite norm anyway, set `error_if_nonfinite=False`")
-        for device, gs in per_device.items():
-            views, fixups = _prepare(gs, write=True)
-            _C.clip_grads(views, total.to(device, non_blocking=True), max_norm, _stream(device))
-            for g, c in fixups:
-                g.copy_(c)
-    return total
-
-
-# ---- precision and autocast -----------------------------------------------------------------
-
-_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
-
-
-class Precision(str):
-    """``"bf16"``, ``"fp16"`` or ``"fp32"`` (compares equal to the string), with
-    ``.dtype``, ``.device`` and ``.reason``."""
-
-    dtype: torch.dtype
-    device: str
-    reason: str
-
-    def __new__(cls, name: str, device: str, reason: str):
-        self = super().__new__(cls, name)
-        self.dtype = _DTYPES[name]
-        self.device = device
-        self.reason = reason
-        return self
-
-    def __repr__(self) -> str:
-        return f"Precision({str(self)!r}, device={self.device!r}, reason={self.reason!r})"
-
-
-def _default_device() -> str:
-    return "cuda" if torch.cuda.is_available() else "cpu"
-
-
-def precision(device=None) -> Precision:
-    """The best autocast precision for ``device`` (default: the current CUDA device if
-    there is one, else the CPU), with the reason:
-
-    * ``"bf16"`` on GPUs of compute capability >= 8.0 (A100, RTX 30xx/40xx, H100) and
-      on the CPU: bfloat16 has float32's range, so no loss scaling is needed;
-    * ``"fp16"`` on GPUs with float16 tensor cores but no native bfloat16 (T4, V100,
-      RTX 20xx: capability 7.x) and on P100 (6.0): use a GradScaler;
-    * ``"fp32"`` where neither is faster (older GPUs, other devices).
-
-    >>> str(precision("cpu"))
-    'bf16'
-    """
-    if device is None:
-        device = _default_device()
-    dev = torch.device(device) if not isinstance(device, torch.device) else device
-    if dev.type == "cpu":
-        return Precision("bf16", "cpu", "the CPU autocasts to bfloat16 natively (fast with "
-                         "AVX512-BF16 or AMX); bfloat16 has float32's range, so no GradScaler "
-                         "is needed")
-    if dev.type == "cuda":
-        if not torch.cuda.is_available():
-            return Precision("fp32", str(dev), "CUDA is not available")
-        major, minor = torch.cuda.get_device_capability(dev)
-        name = torch.cuda.get_device_name(dev)
-        cap = f"{name}, compute capability {major}.{minor}"
-        if major >= 8:
-            return Precision("bf16", str(dev), f"{cap}: native bfloat16 tensor cores; bfloat16 "
-                             "has float32's range, so no GradScaler is needed")
-        if major == 7 or (major, minor) == (6, 0):
-            return Precision("fp16", str(dev), f"{cap}: float16 tensor cores but no native "
-                             "bfloat16; use float16 with a GradScaler")
-        return Precision("fp32", str(dev), f"{cap}: no fast float16 or bfloat16 arithmetic")
-    if dev.type == "mps":
-        return Precision("fp16", "mps", "Apple GPUs run float16 natively; use a GradScaler")
-    return Precision("fp32", str(dev), f"no mixed-precision recommendation for {dev.type}")
-
-
-class AutocastContext:
-    """A reusable, re-entrant ``torch.autocast``: each ``with`` opens a fresh one.
-    ``enabled`` is False for fp32 (autocast then does nothing)."""
-
-    def __init__(self, device_type: str, dtype: torch.dtype, enabled: bool = True,
-                 cache_enabled: bool | None = None):
-        self.device_type, self.dtype, self.enabled = device_type, dtype, enabled
-        self.cache_enabled = cache_enabled
-        self._stack: list = []
-
-    def _make(self):
-        if not self.enabled:
-            return nullcontext()
-        kw = {} if self.cache_enabled is None else {"cache_enabled": self.cache_enabled}
-        return torch.autocast(device_type=self.device_type, dtype=self.dtype, **kw)
-
-    def __enter__(self):
-        ctx = self._make()
-        self._stack.append(ctx)
-        return ctx.__enter__()
-
-    def __exit__(self, *exc):
-        return self._stack.pop().__exit__(*exc)
-
-    def __repr__(self) -> str:
-        return (f"AutocastContext(device_type={self.device_type!r}, dtype={self.dtype}, "
-                f"enabled={self.enabled})")
-
-
-def _dtype_of(p) -> torch.dtype:
-    if isinstance(p, torch.dtype):
-        return p
-    name = {"bfloat16": "bf16", "float16": "fp16", "half": "fp16", "float32": "fp32"}.get(p, p)
-    if name not in _DTYPES:
-        raise MemfitValueError(f"precision: expected 'auto', 'bf16', 'fp16', 'fp32' or a torch "
-                               f"dtype, got {p!r}")
-    return _DTYPES[name]
-
-
-def autocast(device_type: str | None = None, dtype: torch.dtype | str | None = None,
-             enabled: bool = True, cache_enabled: bool | None = None) -> AutocastContext:
-    """``torch.autocast`` with the dtype :func:`precision` picks for the device
-    (``device_type`` default: ``"cuda"`` when available, else ``"cpu"``). For fp32 the
-    context is disabled (autocast has nothing to do)."""
-    if device_type is None:
-        device_type = _default_device()
-    if dtype is None:
-        dt = precision(device_type).dtype
-    else:
-        dt = _dtype_of(dtype)
-    return AutocastContext(device_type, dt, enabled and dt != torch.float32, cache_enabled)
-
-
-_bf16_notice_given = False
-
-
-def setup(model, optimizer=None, precision: str | torch.dtype = "auto", *,
-          init_scale: float | None = None, device: str | None = None, **scaler_kwargs):
-    """The autocast context and a GradScaler for ``model``'s device.
-
-    ``precision="auto"`` asks :func:`memfit.amp.precision`. The scaler is enabled
-    only for fp16, with ``init_scale=2**10`` unless given (a 2**16 start costs a few
-    skipped steps while the scale calibrates; 2**10 rarely overflows and grows to
-    where it should). For bf16 and fp32 the scaler is disabled (every method passes
-    through, so the same loop works), and the first time this says why.
-
-    ``optimizer`` is accepted so the call reads as the loop does; it is not modified.
-    Extra keyword arguments go to :class:`GradScaler` (``hysteresis``, ``min_scale``,
-    ...). Returns ``(autocast_context, scaler)``.
-    """
-    global _bf16_notice_given
-    del optimizer
-    if device is None:
-        p = next(iter(model.parameters()), None) if hasattr(model, "parameters") else None
-        device = p.device.type if p is not None else _default_device()
-    device = torch.device(device).type
-    if isinstance(precision, str) and precision == "auto":
-        choice = globals()["precision"](device)
-        dt = choice.dtype
-    else:
-        dt = _dtype_of(precision)
-    ctx = AutocastContext(device, dt, dt != torch.float32)
-    if dt == torch.float16:
-        scaler = GradScaler(device=device, init_scale=2.0**10 if init_scale is None else init_scale,
-                            **scaler_kwargs)
-    else:
-        scaler = GradScaler(device=device, enabled=False, **scaler_kwargs)
-        if dt == torch.bfloat16 and not _bf16_notice_given:
-            _bf16_notice_given = True
-            warnings.warn("memfit.amp.setup: bfloat16 autocast has float32's exponent range, so "
-                          "gradients do not overflow and no loss scaling is needed; the "
-                          "GradScaler is disabled (its methods pass through).", ScalerWarning,
-                          stacklevel=2)
-    return ctx, scaler
-
-
-# ---- gradient accumulation ---------------------------------------------------------------------
-
-
-class GradAccumulator:
-    """Gradient accumulation over ``steps`` micro-batches, with the details right:
-
-    * each micro-batch loss is divided by ``steps`` before backward, so the summed
-      gradient is the mean over the whole batch;
-    * the optimizer only steps at the boundary: (with a scaler) unscale, optional
-      clipping to ``max_grad_norm``, ``scaler.step``, ``scaler.update``; then
-      ``optimizer.zero_grad(set_to_none=True)``;
-    * :meth:`sync_context` skips DDP's gradient all-reduce on non-boundary micro-batches
-      (``model.no_sync()``) when given a DDP model;
-    * :meth:`flush` steps on a partial accumulation at the end of an epoch, rescaling
-      the gradients by ``steps / micro_batches_seen`` so it is still a mean.
-
-    Works with a scaler (enabled or disabled) or without one::
-
-        acc = GradAccumulator(optimizer, steps=4, scaler=scaler, max_grad_norm=1.0)
-        for x, y in loader:
-            with acc.sync_context(model), autocast:
-                loss = loss_fn(model(x), y)
-            acc.backward(loss)     # steps on every 4th call
-        acc.flush()
-    """
-
-    def __init__(self, optimizer, steps: int, scaler: GradScaler | None = None, *,
-                 max_grad_norm: float | None = None, norm_type: float = 2.0):
-        self.optimizer = optimizer
-        self.steps = _as_int(steps, "steps")
-        if self.steps < 1:
-            raise MemfitValueError(f"steps: must be >= 1, got {steps}")
-        self.scaler = scaler
-        self.max_grad_norm = None if max_grad_norm is None else _as_float(max_grad_norm, "max_grad_norm")
-        self.norm_type = norm_type
-        self.micro = 0
-        self.optimizer_steps = 0
-        self.last_grad_norm: torch.Tensor | None = None
-
-    @property
-    def at_boundary(self) -> bool:
-        """True when the next :meth:`backward` completes an accumulation."""
-        return self.micro + 1 >= self.steps
-
-    def sync_context(self, model):
-        """``model.no_sync()`` unless the next backward is a boundary (DDP); a null
-        context for models without ``no_sync``."""
-        if not self.at_boundary and hasattr(model, "no_sync"):
-            return model.no_sync()
-        return nullcontext()
-
-    def backward(self, loss: torch.Tensor, **backward_kwargs) -> bool:
-        """Backward of ``loss / steps`` (scaled when there is a scaler); steps at the
-        boundary. Returns True when the optimizer was stepped (or its step skipped by
-        the scaler) on this call."""
-        loss = loss / self.steps
-        if self.scaler is not None:
-            loss = self.scaler.scale(loss)
-        loss.backward(**backward_kwargs)
-        self.micro += 1
-        if self.micro >= self.steps:
-            self._step()
-            return True
-        return False
-
-    def flush(self) -> bool:
-        """Steps on a partial accumulation (rescaled to a mean); False if there was none."""
-        if self.micro == 0:
-            return False
-        if self.micro != self.steps:
-            factor = self.steps / self.micro
-            with torch.no_grad():
-                for group in self.optimizer.param_groups:
-                    for p in group["params"]:
-                        if p.grad is not None:
-                            p.grad.mul_(factor)
-        self._step()
-        return True
-
-    def _step(self) -> None:
-        opt, scaler = self.optimizer, self.scaler
-        if self.max_grad_norm is not None:
-            params = [p for g in opt.param_groups for p in g["params"]]
-            self.last_grad_norm = clip_grad_norm_(params, self.max_grad_norm, self.norm_type,
-                                                  scaler=scaler, optimizer=opt)
-        if scaler is not None:
-            scaler.step(opt)
-            scaler.update()
-        else:
-            opt.step()
-        opt.zero_grad(set_to_none=True)
-        self.micro = 0
-        self.optimizer_steps += 1
