@@ -40,12 +40,14 @@ This package imports torch.
 """
 
 from memfit._cast import cast  # re-exported: casts with stochastic rounding
-from memfit._matmul import gemm_backend, matmul, set_gemm_backend  # old names: see memfit.nn
-from memfit.amp._grads import _stream
+from memfit.nn.gemm import gemm_backend, matmul, set_gemm_backend  # old names: see memfit.nn
+from memfit.amp import _grads
 from memfit.amp.accumulate import GradAccumulator
 from memfit.amp.clip import clip_grad_norm_
 from memfit.amp.mixed_precision import AutocastContext, Precision, autocast, precision, setup
 from memfit.amp.scaler import GradScaler, OptState, ScalerConfigError, ScalerWarning
+
+_stream = _grads._stream  # the CUDA stream helper benchmarks/bench_amp.py uses
 
 __all__ = [
     "AutocastContext",
