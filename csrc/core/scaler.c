@@ -1,5 +1,5 @@
 /*
- * Gradient scaler: state block, configuration checks, the stage machine, and the
+ * Gradient scaler: state block, configuration checks and the
  * update dispatch (host rule for CPU state, one kernel for CUDA state). The update
  * rule itself is mf_scaler_update_rule() in scaler.h, shared with cuda/scaler.cu.
  */

@@ -50,6 +50,17 @@ def state_bytes(optimizer) -> int:
     return total
 
 
+def _backward_and_step(loss, optimizer, scaler) -> None:
+    """One training step's backward and optimizer step, through the scaler if there is one."""
+    if scaler is not None:
+        scaler.scale(loss).backward()
+        scaler.step(optimizer)
+        scaler.update()
+    else:
+        loss.backward()
+        optimizer.step()
+
+
 # The one saved-tensor meter lives in memfit.checkpoint (it also counts checkpoint
 # boundaries and recomputes); this name is kept for code that imported it from here.
 SavedTensorMeter = ActivationMeter
@@ -82,13 +93,7 @@ def profile_steps(model, optimizer, batches, loss_fn, steps: int = 3, autocast_d
         with meter, ctx:
             loss = loss_fn(model, x, y)
         saved = max(saved, meter.saved_bytes)
-        if scaler is not None:
-            scaler.scale(loss).backward()
-            scaler.step(optimizer)
-            scaler.update()
-        else:
-            loss.backward()
-            optimizer.step()
+        _backward_and_step(loss, optimizer, scaler)
         grad_bytes = sum(tensor_bytes(p.grad) for p in params if p.grad is not None)
         optimizer.zero_grad(set_to_none=True)
         if cuda:
@@ -181,13 +186,7 @@ def run_config(name: str, model, batches, loss_fn, steps: int, *, lr: float = 3e
         meter = ActivationMeter(exclude=model) if step == measure_at else None
         with (meter or nullcontext()), autocast:
             loss = loss_fn(model, x, y)
-        if scaler is not None:
-            scaler.scale(loss).backward()
-            scaler.step(opt)
-            scaler.update()
-        else:
-            loss.backward()
-            opt.step()
+        _backward_and_step(loss, opt, scaler)
         if meter is not None:
             act_bytes = meter.total_bytes  # after backward: includes the recompute peak
             grad_bytes = sum(tensor_bytes(p.grad) for p in params if p.grad is not None)
