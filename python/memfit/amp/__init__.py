@@ -29,9 +29,10 @@ The classic loop::
         scaler.update()
         optimizer.zero_grad(set_to_none=True)
 
-One capability per file: ``scaler.py`` (GradScaler, OptState, ScalerConfigError,
-ScalerWarning), ``clip.py`` (clip_grad_norm_), ``mixed_precision.py`` (precision,
-Precision, autocast, AutocastContext, setup), ``accumulate.py`` (GradAccumulator).
+One capability per file: ``scaler.py`` (GradScaler, OptState, ScalerConfigError),
+``report.py`` (ScalerWarning, the scaler's warnings and stats()), ``clip.py``
+(clip_grad_norm_), ``mixed_precision.py`` (precision, Precision, autocast,
+AutocastContext, setup), ``accumulate.py`` (GradAccumulator).
 ``cast`` and the matrix products (``matmul``, ``gemm_backend``, ``set_gemm_backend``)
 are re-exported here under their old names; they live in ``memfit.cast`` and
 ``memfit.nn``.
@@ -45,7 +46,8 @@ from memfit.amp import _grads
 from memfit.amp.accumulate import GradAccumulator
 from memfit.amp.clip import clip_grad_norm_
 from memfit.amp.mixed_precision import AutocastContext, Precision, autocast, precision, setup
-from memfit.amp.scaler import GradScaler, OptState, ScalerConfigError, ScalerWarning
+from memfit.amp.report import ScalerWarning
+from memfit.amp.scaler import GradScaler, OptState, ScalerConfigError
 
 _stream = _grads._stream  # the CUDA stream helper benchmarks/bench_amp.py uses
 

@@ -9,7 +9,8 @@ from contextlib import nullcontext
 import torch
 
 from memfit._C import MemfitValueError
-from memfit.amp.scaler import GradScaler, ScalerWarning
+from memfit.amp.report import ScalerWarning
+from memfit.amp.scaler import GradScaler
 
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
