@@ -242,7 +242,7 @@ def test_autocast_cpu_reusable_and_nested():
 
 
 def test_setup_bf16_disables_scaler_and_says_so_once(monkeypatch):
-    monkeypatch.setattr(amp, "_bf16_notice_given", False)
+    monkeypatch.setattr(amp.mixed_precision, "_bf16_notice_given", False)
     model = torch.nn.Linear(4, 4)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     with pytest.warns(amp.ScalerWarning, match="no loss scaling is needed"):
@@ -374,3 +374,21 @@ def test_cuda_scaler_matches_cpu_scaler():
         st = L.s.stats()
         results.append((scales, {k: v for k, v in st.items() if k != "history"}, st["history"]))
     assert results[0] == results[1]
+
+
+def test_old_import_paths_are_the_same_objects():
+    # amp.py became a package and the matrix products moved under memfit.nn; every old
+    # name must still be the very object the new home defines.
+    import memfit._matmul
+    import memfit.nn
+    import memfit.nn.gemm
+    from memfit.amp import clip, mixed_precision, scaler
+
+    assert memfit._matmul is memfit.nn.gemm
+    for name in ("matmul", "gemm_backend", "set_gemm_backend"):
+        assert getattr(amp, name) is getattr(memfit.nn, name) is getattr(memfit.nn.gemm, name)
+    assert amp.GradScaler is scaler.GradScaler and amp.OptState is scaler.OptState
+    assert amp.clip_grad_norm_ is clip.clip_grad_norm_
+    assert amp.precision is mixed_precision.precision and amp.setup is mixed_precision.setup
+    for name in amp.__all__:
+        assert getattr(amp, name) is not None

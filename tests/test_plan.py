@@ -221,3 +221,23 @@ def test_rounded_plans_still_fit_and_say_so():
     assert fine.memory_bytes <= budget and want <= fine.recompute_cost <= coarse.recompute_cost
 
 
+
+
+def test_planner_imports_and_plans_without_torch():
+    # The planner is meant for machines (and `memfit estimate`) without torch: run it in
+    # a fresh interpreter where `import torch` fails, and check the plan it makes.
+    import subprocess
+    import sys
+
+    code = (
+        "import sys\n"
+        "sys.modules['torch'] = None  # any `import torch` now raises ImportError\n"
+        "from memfit.checkpoint.planner import plan, min_budget\n"
+        "import memfit.checkpoint as mc\n"
+        "p = plan([10, 10, 10, 10], [100, 100, 100, 100], [1, 1, 1, 1], '140B')\n"
+        "print(min_budget([10] * 4, [100] * 4), p.memory_bytes, p.recompute_cost,\n"
+        "      mc.parse_bytes('1KiB'), 'torch' in sys.modules and sys.modules['torch'] is not None)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["140", "140", "4.0", "1024", "False"]

@@ -1,20 +1,117 @@
-"""Every Python example in README.md runs as written (on the CPU here)."""
+"""Every Python example in README.md runs as written (on the CPU here), and gives what
+its comments and the text around it say it gives."""
 
+import ast
+import math
 import re
 from pathlib import Path
 
 import pytest
 
-pytest.importorskip("torch")
+torch = pytest.importorskip("torch")
 
 README = Path(__file__).resolve().parents[1] / "README.md"
 BLOCKS = re.findall(r"```python\n(.*?)```", README.read_text(), flags=re.S)
+
+
+def run_block(code: str):
+    """Runs a README block statement by statement, as a reader pasting it would, and
+    returns its namespace and the value of each bare expression (the lines whose
+    result the README shows in a comment), keyed by the expression's source text."""
+    ns = {"__name__": "__readme__"}
+    shown = {}
+    for stmt in ast.parse(code).body:
+        if isinstance(stmt, ast.Expr):
+            text = ast.get_source_segment(code, stmt)
+            shown[text] = eval(compile(ast.Expression(stmt.value), "README.md", "eval"), ns)
+        else:
+            exec(compile(ast.Module([stmt], []), "README.md", "exec"), ns)
+    return ns, shown
+
+
+def check_quickstart(ns, shown):
+    # "budget='50%'": half of the store-everything memory, and the blocks it recomputes
+    plan = ns["plan"]
+    assert plan.memory_bytes <= 0.5 * plan.full_memory_bytes
+    assert 0 < len(plan.checkpointed_stages) < plan.n_stages
+    assert type(ns["opt"]).__name__ == "AdamW8bit"
+    assert math.isfinite(ns["loss"].item())
+    assert ns["opt"].state  # the optimizer stepped (its 8-bit states exist)
+
+
+def check_quant(ns, shown):
+    import memfit.quant as q
+
+    assert shown["state.codes.dtype, state.absmax.shape"] == (torch.uint8, torch.Size([16384]))
+    y = ns["y"]
+    assert y.dtype == torch.float32 and tuple(y.shape) == (4096, 1024)
+    err = shown["(x - y).abs().mean()"].item()
+    assert err == pytest.approx(0.0085, rel=0.1)  # "about 0.0085 for standard normal data"
+    st = shown['q.quantize_blockwise(x, rounding="stochastic", seed=0)']
+    assert st.codes.dtype == torch.uint8
+    assert (q.dequantize_blockwise(st) - ns["x"]).abs().mean().item() < 2 * err
+    unsigned = shown["q.dynamic_map(signed=False)"]
+    assert len(unsigned) == 256 and min(unsigned) >= 0 and max(unsigned) == 1.0
+
+
+def check_cast(ns, shown):
+    nearest = shown["memfit.cast(w, torch.bfloat16)"]
+    assert nearest.dtype == torch.bfloat16
+    assert torch.equal(nearest, ns["w"].to(torch.bfloat16))  # "bit-identical to .to()"
+    assert bool((nearest == 1.0).all())  # "all 1.0, update lost"
+    sr = shown['memfit.cast(w, torch.bfloat16, rounding="stochastic", seed=0)']
+    # "mean stays 1.0001": the mean of 10**6 draws has a standard deviation near 1e-6
+    assert sr.double().mean().item() == pytest.approx(1.0001, abs=1e-5)
+
+
+def check_linear(ns, shown):
+    layer, y = ns["layer"], ns["y"]
+    assert isinstance(layer, torch.nn.Linear) and tuple(y.shape) == (8, 128, 3072)
+    x = torch.randn(4, 768)
+    ref = torch.nn.functional.gelu(torch.nn.functional.linear(x, layer.weight, layer.bias))
+    torch.testing.assert_close(layer(x), ref, rtol=1e-4, atol=1e-4)
+    assert layer.weight.grad is not None and layer.weight.grad.shape == layer.weight.shape
+
+
+def check_gemm_backend(ns, shown):
+    import memfit
+
+    info = ns["info"]
+    cuda = memfit.cuda_device_count() > 0
+    assert info["device"] == ("cuda" if cuda else "cpu")  # "cuda when a GPU is visible"
+    assert info["backend"] in ("cpu", "portable", "cublaslt")
+    assert isinstance(info["reason"], str) and "version" in info["cublaslt"]
+    assert set(info["last"]) >= {"backend", "reason"}
+
+
+# Each block is recognised by a line it must contain, so a block added to the README
+# without a check here fails test_every_block_is_checked.
+CHECKS = {
+    "plan = memfit.checkpoint.auto(": check_quickstart,
+    "state = q.quantize_blockwise(x, block_size=256)": check_quant,
+    "w = torch.ones(1_000_000) + 1e-4": check_cast,
+    'layer = memfit.nn.Linear(768, 3072, activation="gelu")': check_linear,
+    "info = memfit.nn.gemm_backend()": check_gemm_backend,
+}
+
+
+def check_for(code):
+    found = [fn for key, fn in CHECKS.items() if key in code]
+    assert len(found) == 1, f"README block without exactly one check:\n{code}"
+    return found[0]
 
 
 def test_readme_has_examples():
     assert len(BLOCKS) >= 4
 
 
+def test_every_block_is_checked():
+    assert sorted(check_for(b).__name__ for b in BLOCKS) == sorted(f.__name__ for f in CHECKS.values())
+
+
 @pytest.mark.parametrize("code", BLOCKS, ids=[f"block{i}" for i in range(len(BLOCKS))])
-def test_readme_example_runs(code):
-    exec(compile(code, "README.md", "exec"), {"__name__": "__readme__"})
+def test_readme_example_gives_what_it_says(code):
+    check = check_for(code)
+    torch.manual_seed(0)
+    ns, shown = run_block(code)
+    check(ns, shown)

@@ -1,5 +1,5 @@
 /*
- * Gradient scaler: state block, configuration checks, the stage machine, and the
+ * Gradient scaler: state block, configuration checks and the
  * update dispatch (host rule for CPU state, one kernel for CUDA state). The update
  * rule itself is mf_scaler_update_rule() in scaler.h, shared with cuda/scaler.cu.
  */
@@ -53,29 +53,6 @@ mf_status mf_scaler_config_check(const mf_scaler_config *c) {
     return mf_error(MF_ERR_VALUE, "min_scale: %g is larger than max_scale %g",
                     (double)c->min_scale, (double)c->max_scale);
   return MF_OK;
-}
-
-mf_status mf_scaler_stage_next(int stage, int event, int *next) {
-  switch (event) {
-    case MF_EVENT_UNSCALE:
-      if (stage == MF_STAGE_UNSCALED)
-        return mf_error(MF_ERR_VALUE, "unscale_() has already been called on this optimizer "
-                                      "since the last update().");
-      if (stage == MF_STAGE_STEPPED)
-        return mf_error(MF_ERR_VALUE, "unscale_() is being called after step().");
-      if (stage != MF_STAGE_READY) break;
-      *next = MF_STAGE_UNSCALED;
-      return MF_OK;
-    case MF_EVENT_STEP:
-      if (stage == MF_STAGE_STEPPED)
-        return mf_error(MF_ERR_VALUE, "step() has already been called since the last update().");
-      if (stage != MF_STAGE_READY && stage != MF_STAGE_UNSCALED) break;
-      *next = MF_STAGE_STEPPED;
-      return MF_OK;
-    default:
-      return mf_error(MF_ERR_VALUE, "event: unknown scaler event %d", event);
-  }
-  return mf_error(MF_ERR_VALUE, "stage: unknown optimizer stage %d", stage);
 }
 
 static mf_status check_state(const mf_tensor *state) {

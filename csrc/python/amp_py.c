@@ -286,19 +286,6 @@ finish:
   return result;
 }
 
-/* scaler_stage_next(stage, event) -> stage; RuntimeError on misuse (as torch). */
-static PyObject *py_scaler_stage_next(PyObject *self, PyObject *args) {
-  (void)self;
-  int stage, event, next = 0;
-  if (!PyArg_ParseTuple(args, "ii", &stage, &event)) return NULL;
-  mf_status st = mf_scaler_stage_next(stage, event, &next);
-  if (st) {
-    PyErr_SetString(PyExc_RuntimeError, mf_last_error());
-    return NULL;
-  }
-  return PyLong_FromLong(next);
-}
-
 /* ---- fused gradient passes --------------------------------------------------------------- */
 
 /* unscale_grads(grads, scale_or_None, found_inf, stream) */
@@ -426,7 +413,6 @@ PyMethodDef mf_amp_methods[] = {
      "min_scale, max_scale, loss_skip))"},
     {"scaler_update", py_scaler_update, METH_VARARGS,
      "scaler_update(state, found_infs, loss_flag_or_None, config, stream)"},
-    {"scaler_stage_next", py_scaler_stage_next, METH_VARARGS, "scaler_stage_next(stage, event)"},
     {"unscale_grads", py_unscale_grads, METH_VARARGS,
      "unscale_grads(grads, scale_or_None, found_inf, stream)"},
     {"grad_norm", py_grad_norm, METH_VARARGS,

@@ -21,28 +21,46 @@ def _png(width: int, height: int, rows: list) -> bytes:
     return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", header) + chunk(b"IDAT", zlib.compress(raw, 9)) + chunk(b"IEND", b"")
 
 
+class _Canvas:
+    """A white RGB image with what both charts draw the same way: the plot area's two
+    axes, the legend's swatches (one row per series or part) and the PNG file."""
+
+    def __init__(self, width: int, height: int):
+        self.width, self.height = width, height
+        self.img = [[255] * (3 * width) for _ in range(height)]
+        self.left, self.right, self.top, self.bottom = 50, width - 20, 20, height - 40
+        for x in range(self.left, self.right + 1):
+            self.put(x, self.bottom, (0, 0, 0))
+        for y in range(self.top, self.bottom + 1):
+            self.put(self.left, y, (0, 0, 0))
+
+    def put(self, x: int, y: int, c) -> None:
+        if 0 <= x < self.width and 0 <= y < self.height:
+            self.img[y][3 * x:3 * x + 3] = c
+
+    def swatch(self, k: int, c) -> None:
+        for dx in range(12):
+            for dy in range(6):
+                self.put(self.right - 20 + dx, self.top + 12 * k + dy, c)
+
+    def save(self, path) -> None:
+        with open(path, "wb") as f:
+            f.write(_png(self.width, self.height, self.img))
+
+
 def line_chart(series: dict, path, width: int = 640, height: int = 400) -> dict:
     """Draws each ``name -> list of y values`` (x = index) and writes a PNG.
 
     Returns the axis ranges and the colour of each series (for a caption)."""
     if not series or not any(series.values()):
         raise ValueError("series: nothing to plot")
-    img = [[255] * (3 * width) for _ in range(height)]
-
-    def put(x, y, c):
-        if 0 <= x < width and 0 <= y < height:
-            img[y][3 * x:3 * x + 3] = c
-
-    left, right, top, bottom = 50, width - 20, 20, height - 40
+    canvas = _Canvas(width, height)
+    put, left, right, top, bottom = canvas.put, canvas.left, canvas.right, canvas.top, canvas.bottom
     ys = [v for vals in series.values() for v in vals]
     y0, y1 = min(ys), max(ys)
     if y1 == y0:
         y1 = y0 + 1.0
     xmax = max(len(v) for v in series.values()) - 1 or 1
-    for x in range(left, right + 1):
-        put(x, bottom, (0, 0, 0))
-    for y in range(top, bottom + 1):
-        put(left, y, (0, 0, 0))
     for i in range(6):  # tick marks
         tx = left + (right - left) * i // 5
         ty = bottom - (bottom - top) * i // 5
@@ -66,11 +84,8 @@ def line_chart(series: dict, path, width: int = 640, height: int = 400) -> dict:
                 for dx in (0, 1):
                     put(x + dx, y, c)
                     put(x, y + dx, c)
-        for dx in range(12):  # legend swatch
-            for dy in range(6):
-                put(right - 20 + dx - 0, top + 12 * k + dy, c)
-    with open(path, "wb") as f:
-        f.write(_png(width, height, img))
+        canvas.swatch(k, c)
+    canvas.save(path)
     return {"x": (0, xmax), "y": (y0, y1), "colours": colours}
 
 
@@ -79,18 +94,9 @@ def stacked_bars(bars: dict, parts: list, path, width: int = 640, height: int = 
     (bottom first), one colour per part. Writes a PNG; returns the colours."""
     if not bars:
         raise ValueError("bars: nothing to plot")
-    img = [[255] * (3 * width) for _ in range(height)]
-
-    def put(x, y, c):
-        if 0 <= x < width and 0 <= y < height:
-            img[y][3 * x:3 * x + 3] = c
-
-    left, right, top, bottom = 50, width - 20, 20, height - 40
+    canvas = _Canvas(width, height)
+    put, left, right, top, bottom = canvas.put, canvas.left, canvas.right, canvas.top, canvas.bottom
     top_value = max(sum(v.get(p, 0) for p in parts) for v in bars.values()) or 1
-    for x in range(left, right + 1):
-        put(x, bottom, (0, 0, 0))
-    for y in range(top, bottom + 1):
-        put(left, y, (0, 0, 0))
     colours = {p: PALETTE[i % len(PALETTE)] for i, p in enumerate(parts)}
     slot = (right - left) // len(bars)
     for i, values in enumerate(bars.values()):
@@ -104,12 +110,9 @@ def stacked_bars(bars: dict, parts: list, path, width: int = 640, height: int = 
             for y in range(yb, ya):
                 for x in range(x0, x1):
                     put(x, y, colours[p])
-    for k, p in enumerate(parts):  # legend swatches
-        for dx in range(12):
-            for dy in range(6):
-                put(right - 20 + dx, top + 12 * k + dy, colours[p])
-    with open(path, "wb") as f:
-        f.write(_png(width, height, img))
+    for k, p in enumerate(parts):
+        canvas.swatch(k, colours[p])
+    canvas.save(path)
     return {"colours": colours, "max": top_value}
 
 

@@ -22,7 +22,7 @@ def report() -> dict:
         d["bf16_native"] = major >= 8
         d["total_memory_gb"] = round(d.pop("total_memory") / 2**30, 2)
         gpus.append(d)
-    from memfit._matmul import gemm_backend
+    from memfit.nn.gemm import gemm_backend
 
     info["runtime"] = {
         "python": platform.python_version(),

@@ -17,6 +17,8 @@ from contextlib import nullcontext
 
 import torch
 
+from memfit.checkpoint.meter import ActivationMeter
+
 
 def tensor_bytes(t) -> int:
     return t.numel() * t.element_size()
@@ -48,33 +50,20 @@ def state_bytes(optimizer) -> int:
     return total
 
 
-class SavedTensorMeter:
-    """Context manager counting the bytes autograd saves for backward: each storage
-    once, parameters (which exist anyway) excluded."""
+def _backward_and_step(loss, optimizer, scaler) -> None:
+    """One training step's backward and optimizer step, through the scaler if there is one."""
+    if scaler is not None:
+        scaler.scale(loss).backward()
+        scaler.step(optimizer)
+        scaler.update()
+    else:
+        loss.backward()
+        optimizer.step()
 
-    def __init__(self, params=()):
-        self.param_ptrs = {p.untyped_storage().data_ptr() for p in params}
-        self.storages = {}
-        self._ctx = None
 
-    def _pack(self, t):
-        st = t.untyped_storage()
-        ptr = st.data_ptr()
-        if ptr not in self.param_ptrs and ptr != 0:
-            self.storages[(ptr, t.device)] = st.nbytes()
-        return t
-
-    def __enter__(self):
-        self._ctx = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
-        self._ctx.__enter__()
-        return self
-
-    def __exit__(self, *exc):
-        return self._ctx.__exit__(*exc)
-
-    @property
-    def bytes(self) -> int:
-        return sum(self.storages.values())
+# The one saved-tensor meter lives in memfit.checkpoint (it also counts checkpoint
+# boundaries and recomputes); this name is kept for code that imported it from here.
+SavedTensorMeter = ActivationMeter
 
 
 def profile_steps(model, optimizer, batches, loss_fn, steps: int = 3, autocast_dtype=None,
@@ -100,17 +89,11 @@ def profile_steps(model, optimizer, batches, loss_fn, steps: int = 3, autocast_d
         x, y = batches()
         t0 = time.perf_counter()
         ctx = torch.autocast(device.type, dtype=autocast_dtype) if autocast_dtype else nullcontext()
-        meter = SavedTensorMeter(params)
+        meter = ActivationMeter(exclude=params)
         with meter, ctx:
             loss = loss_fn(model, x, y)
-        saved = max(saved, meter.bytes)
-        if scaler is not None:
-            scaler.scale(loss).backward()
-            scaler.step(optimizer)
-            scaler.update()
-        else:
-            loss.backward()
-            optimizer.step()
+        saved = max(saved, meter.saved_bytes)
+        _backward_and_step(loss, optimizer, scaler)
         grad_bytes = sum(tensor_bytes(p.grad) for p in params if p.grad is not None)
         optimizer.zero_grad(set_to_none=True)
         if cuda:
@@ -157,7 +140,7 @@ def run_config(name: str, model, batches, loss_fn, steps: int, *, lr: float = 3e
     weights); build a fresh one per configuration.
 
     Returns a dict with the configuration, bytes of params / gradients / optimizer
-    states / activations (memfit.checkpoint.ActivationMeter: saved tensors,
+    states / activations (ActivationMeter: saved tensors,
     checkpoint boundaries and the largest recompute), peak CUDA bytes, median step
     time and the loss of every step."""
     import warnings
@@ -200,16 +183,10 @@ def run_config(name: str, model, batches, loss_fn, steps: int, *, lr: float = 3e
     for step in range(steps):
         x, y = batches()
         t0 = time.perf_counter()
-        meter = mck.ActivationMeter(exclude=model) if step == measure_at else None
+        meter = ActivationMeter(exclude=model) if step == measure_at else None
         with (meter or nullcontext()), autocast:
             loss = loss_fn(model, x, y)
-        if scaler is not None:
-            scaler.scale(loss).backward()
-            scaler.step(opt)
-            scaler.update()
-        else:
-            loss.backward()
-            opt.step()
+        _backward_and_step(loss, opt, scaler)
         if meter is not None:
             act_bytes = meter.total_bytes  # after backward: includes the recompute peak
             grad_bytes = sum(tensor_bytes(p.grad) for p in params if p.grad is not None)

@@ -108,19 +108,6 @@ static void test_config_and_state_checks(void) {
   CHECK(mf_scaler_update(&short_state, flags, 1, NULL, &ok, NULL) == MF_ERR_VALUE);
 }
 
-static void test_stage_machine(void) {
-  int next = -1;
-  CHECK(mf_scaler_stage_next(MF_STAGE_READY, MF_EVENT_UNSCALE, &next) == MF_OK && next == MF_STAGE_UNSCALED);
-  CHECK(mf_scaler_stage_next(MF_STAGE_UNSCALED, MF_EVENT_STEP, &next) == MF_OK && next == MF_STAGE_STEPPED);
-  CHECK(mf_scaler_stage_next(MF_STAGE_READY, MF_EVENT_STEP, &next) == MF_OK && next == MF_STAGE_STEPPED);
-  CHECK(mf_scaler_stage_next(MF_STAGE_UNSCALED, MF_EVENT_UNSCALE, &next) == MF_ERR_VALUE);
-  CHECK(strstr(mf_last_error(), "already been called") != NULL);
-  CHECK(mf_scaler_stage_next(MF_STAGE_STEPPED, MF_EVENT_UNSCALE, &next) == MF_ERR_VALUE);
-  CHECK(mf_scaler_stage_next(MF_STAGE_STEPPED, MF_EVENT_STEP, &next) == MF_ERR_VALUE);
-  CHECK(mf_scaler_stage_next(7, MF_EVENT_STEP, &next) == MF_ERR_VALUE);
-  CHECK(mf_scaler_stage_next(MF_STAGE_READY, 9, &next) == MF_ERR_VALUE);
-}
-
 static void test_unscale_and_norm_cpu(void) {
   enum { N = 70000 };
   static float a[N];
@@ -230,7 +217,6 @@ int main(void) {
   test_rule_matches_torch();
   test_hysteresis_and_bounds();
   test_config_and_state_checks();
-  test_stage_machine();
   test_unscale_and_norm_cpu();
   test_multi_tensor_packing();
   return check_exit("test_scaler");

@@ -22,10 +22,6 @@
  *    growth_interval (torch tests ==), so lowering growth_interval below the current
  *    tracker with set_growth_interval() grows at the next finite step instead of never.
  *
- * 3. The per-optimizer stage machine READY -> UNSCALED -> STEPPED (torch's OptState):
- *    mf_scaler_stage_next() says whether an event is legal in a stage and gives the
- *    next stage, with torch's messages for the misuse torch rejects.
- *
  * The fused kernels that feed the scaler (unscale + non-finite check over many
  * tensors, the global gradient norm and the clip) are declared here too and live in
  * csrc/core/unscale.c and cuda/unscale.cu.
@@ -157,15 +153,6 @@ mf_status mf_scaler_update(mf_tensor *state, const mf_tensor *found_infs, int64_
 
 /* Most found_inf flags one update() combines (one per optimizer and device). */
 #define MF_SCALER_MAX_FLAGS 32
-
-/* Per-optimizer stages and the events that move them. */
-typedef enum { MF_STAGE_READY = 0, MF_STAGE_UNSCALED = 1, MF_STAGE_STEPPED = 2 } mf_scaler_stage;
-typedef enum { MF_EVENT_UNSCALE = 0, MF_EVENT_STEP = 1 } mf_scaler_event;
-
-/* Legal: UNSCALE from READY (-> UNSCALED); STEP from READY or UNSCALED (-> STEPPED).
- * update() returns every optimizer to READY. Anything else is MF_ERR_VALUE with the
- * message torch uses (the bindings raise RuntimeError, as torch does). */
-mf_status mf_scaler_stage_next(int stage, int event, int *next);
 
 /* ---- fused gradient kernels (csrc/core/unscale.c, cuda/unscale.cu) ----------------- */
 

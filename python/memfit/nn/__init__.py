@@ -1,34 +1,29 @@
-"""memfit.nn: drop-in torch modules backed by memfit's kernels (imports torch)."""
+"""memfit.nn: matrix products and the torch modules built on them.
 
-import torch
+* :func:`matmul`, :func:`gemm_backend`, :func:`set_gemm_backend` (``gemm.py``): products
+  with float32 accumulation on torch, NumPy, CuPy or JAX arrays, and which CUDA backend
+  runs them. Also importable under their old names ``memfit.amp.matmul`` (etc.) and
+  ``memfit._matmul``.
+* :mod:`memfit.nn.functional`: ``linear`` with a fused activation, differentiable.
+* :class:`Linear` (``linear.py``): a drop-in ``torch.nn.Linear`` on those kernels.
+
+Only ``Linear`` (loaded on first use) and ``functional.linear`` import torch, so the
+products work for NumPy, CuPy and JAX users without it.
+"""
 
 from memfit.nn import functional
+from memfit.nn.gemm import gemm_backend, matmul, set_gemm_backend
 
-__all__ = ["Linear", "functional"]
+__all__ = ["Linear", "functional", "gemm_backend", "matmul", "set_gemm_backend"]
 
 
-class Linear(torch.nn.Linear):
-    """Drop-in for ``torch.nn.Linear`` (same arguments, parameters and state_dict keys)
-    whose forward and backward run in memfit's matrix kernels, optionally with a
-    fused activation: None, "relu", "gelu" (exact) or "gelu_tanh" (see
-    :func:`memfit.nn.functional.linear`).
+def __getattr__(name):
+    if name == "Linear":  # a torch.nn.Module subclass: importing it imports torch
+        from memfit.nn.linear import Linear
 
-    >>> layer = Linear(64, 256, activation="gelu")
-    >>> layer(torch.randn(8, 64)).shape
-    torch.Size([8, 256])
-    """
+        return Linear
+    raise AttributeError(f"module 'memfit.nn' has no attribute {name!r}")
 
-    def __init__(self, in_features, out_features, bias=True, device=None, dtype=None, activation=None):
-        super().__init__(in_features, out_features, bias=bias, device=device, dtype=dtype)
-        from memfit._matmul import activation_code
 
-        activation_code(activation)
-        self.activation = activation
-
-    def forward(self, x):
-        return functional.linear(x, self.weight, self.bias, self.activation)
-
-    def extra_repr(self):
-        base = super().extra_repr()
-        return base + (f", activation={self.activation!r}" if self.activation else "")
-
+def __dir__():
+    return sorted(set(globals()) | {"Linear"})

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from memfit import _matmul
+from memfit.nn import gemm
 
 __all__ = ["linear"]
 
@@ -19,7 +19,7 @@ def _linear_function():
         def forward(ctx, x, w, b, activation):
             x2 = x.contiguous()
             relu = activation == "relu"
-            y, pre = _matmul.gemm(x2, w.contiguous(), trans_b=True, bias=b, activation=activation,
+            y, pre = gemm.gemm(x2, w.contiguous(), trans_b=True, bias=b, activation=activation,
                                   save_pre=not relu)
             ctx.activation = activation
             ctx.has_bias = b is not None
@@ -30,15 +30,15 @@ def _linear_function():
         def backward(ctx, dy):
             x, w, pre = ctx.saved_tensors
             dy = dy.contiguous()
-            dpre = dy if pre is None else _matmul.activation_backward(dy, pre, ctx.activation)
+            dpre = dy if pre is None else gemm.activation_backward(dy, pre, ctx.activation)
             k = x.shape[-1]
             x2 = x.reshape(-1, k)
             d2 = dpre.reshape(-1, dpre.shape[-1])
             dx = dw = db = None
             if ctx.needs_input_grad[0]:
-                dx = _matmul.gemm(d2, w.contiguous(), out_dtype=x.dtype)[0].reshape(x.shape)
+                dx = gemm.gemm(d2, w.contiguous(), out_dtype=x.dtype)[0].reshape(x.shape)
             if ctx.needs_input_grad[1]:
-                dw = _matmul.gemm(d2, x2, trans_a=True, out_dtype=w.dtype)[0]
+                dw = gemm.gemm(d2, x2, trans_a=True, out_dtype=w.dtype)[0]
             if ctx.has_bias and ctx.needs_input_grad[2]:
                 db = d2.float().sum(0).to(dy.dtype)
             return dx, dw, db, None
@@ -75,7 +75,7 @@ def linear(x, w, b=None, activation=None):
     global _LINEAR
     if _LINEAR is None:
         _LINEAR = _linear_function()
-    _matmul.activation_code(activation)
+    gemm.activation_code(activation)
     dev = x.device.type
     if torch.is_autocast_enabled(dev):
         dt = torch.get_autocast_dtype(dev)
