@@ -32,18 +32,15 @@ extern "C" {
 #endif
 
 typedef int mflt_status; /* cublasStatus_t */
-enum {
-  MFLT_STATUS_SUCCESS = 0,
-  MFLT_STATUS_NOT_INITIALIZED = 1,
-  MFLT_STATUS_ALLOC_FAILED = 3,
-  MFLT_STATUS_INVALID_VALUE = 7,
-  MFLT_STATUS_ARCH_MISMATCH = 8,
-  MFLT_STATUS_MAPPING_ERROR = 11,
-  MFLT_STATUS_EXECUTION_FAILED = 13,
-  MFLT_STATUS_INTERNAL_ERROR = 14,
-  MFLT_STATUS_NOT_SUPPORTED = 15,
-  MFLT_STATUS_LICENSE_ERROR = 16
-};
+/* Its values, listed once: X(name, value) gives MFLT_STATUS_<name> = value here, and
+ * the names gemm_cublaslt.cu prints when the library has no cublasLtGetStatusName. */
+#define MFLT_STATUS_LIST(X)                                                            \
+  X(SUCCESS, 0) X(NOT_INITIALIZED, 1) X(ALLOC_FAILED, 3) X(INVALID_VALUE, 7)          \
+  X(ARCH_MISMATCH, 8) X(MAPPING_ERROR, 11) X(EXECUTION_FAILED, 13) X(INTERNAL_ERROR, 14) \
+  X(NOT_SUPPORTED, 15) X(LICENSE_ERROR, 16)
+#define MFLT_STATUS_ENUM(name, value) MFLT_STATUS_##name = value,
+enum { MFLT_STATUS_LIST(MFLT_STATUS_ENUM) };
+#undef MFLT_STATUS_ENUM
 
 /* cudaDataType_t (library_types.h) */
 enum { MFLT_R_32F = 0, MFLT_R_16F = 2, MFLT_R_16BF = 14 };

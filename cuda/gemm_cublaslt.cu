@@ -247,18 +247,10 @@ const char *status_name(mflt_status s) {
     const char *name = g_lt.status_name(s);
     if (name) return name;
   }
-  switch (s) {
-    case MFLT_STATUS_SUCCESS: return "CUBLAS_STATUS_SUCCESS";
-    case MFLT_STATUS_NOT_INITIALIZED: return "CUBLAS_STATUS_NOT_INITIALIZED";
-    case MFLT_STATUS_ALLOC_FAILED: return "CUBLAS_STATUS_ALLOC_FAILED";
-    case MFLT_STATUS_INVALID_VALUE: return "CUBLAS_STATUS_INVALID_VALUE";
-    case MFLT_STATUS_ARCH_MISMATCH: return "CUBLAS_STATUS_ARCH_MISMATCH";
-    case MFLT_STATUS_MAPPING_ERROR: return "CUBLAS_STATUS_MAPPING_ERROR";
-    case MFLT_STATUS_EXECUTION_FAILED: return "CUBLAS_STATUS_EXECUTION_FAILED";
-    case MFLT_STATUS_INTERNAL_ERROR: return "CUBLAS_STATUS_INTERNAL_ERROR";
-    case MFLT_STATUS_NOT_SUPPORTED: return "CUBLAS_STATUS_NOT_SUPPORTED";
-    case MFLT_STATUS_LICENSE_ERROR: return "CUBLAS_STATUS_LICENSE_ERROR";
-  }
+#define MFLT_STATUS_CASE(name, value) \
+  case MFLT_STATUS_##name: return "CUBLAS_STATUS_" #name;
+  switch (s) { MFLT_STATUS_LIST(MFLT_STATUS_CASE) }
+#undef MFLT_STATUS_CASE
   return "unknown cuBLAS status";
 }
 

@@ -390,7 +390,7 @@ def test_clip_with_scaler_only_then_fused_step_without_unscale(fused):
 @pytest.mark.cuda
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_cuda_unscale_and_norm_across_launch_boundaries(dtype):
-    # 300 tensors (> 96 per launch) and one of 400 chunks (> 320 blocks per launch)
+    # 300 tensors (> 96 per launch), then one of 400 chunks in the last launch
     gen = torch.Generator().manual_seed(9)
     sizes = [int(s) for s in torch.randint(1, 5000, (300,), generator=gen)] + [400 * CHUNK - 7]
     ours = random_grads(sizes, dtype, "cuda", gen)

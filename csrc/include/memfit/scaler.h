@@ -170,7 +170,8 @@ mf_status mf_unscale_grads(mf_tensor *grads, int64_t n, const mf_tensor *scale,
 
 /* Global norm of all tensors together, as if concatenated: norm_type 2, 1, any p > 0,
  * or INFINITY (max |x|). The CPU sums float32 lanes over 1024 elements, then float64;
- * CUDA sums float32 per chunk, then float64 across chunks. `workspace` is float32 with at least
+ * CUDA sums float32 per chunk, then float64 across chunks. A general p sums |x|^p in
+ * float64 on both (|x|^p overflows float32 long before the norm does). `workspace` is float32 with at least
  * mf_mt_num_chunks() elements on the tensors' device (unused on the CPU); the result
  * goes to the one-element float32 `out` on that device. NaN anywhere gives NaN. */
 mf_status mf_grad_norm(const mf_tensor *grads, int64_t n, double norm_type,
