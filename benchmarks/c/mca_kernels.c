@@ -1,0 +1,62 @@
+/*
+ * Loops for benchmarks/mca_model.py to model with llvm-mca. Benchmark-only: the
+ * product code carries no markers. Each function wraps one hot loop of the core
+ * between LLVM-MCA-BEGIN/END comments (see mca_model.py for the spec syntax), calling
+ * the same inline helpers the core's kernels call, so the modelled instructions are
+ * the shipped ones. Only whole vectors are processed (the tails are not hot).
+ */
+#include "code_lut_avx2.h"
+#include "code_lut_avx512.h"
+#include "memfit/quant.h"
+
+#define MCA_BEGIN(spec) __asm__ volatile("# LLVM-MCA-BEGIN " spec ::: "memory")
+#define MCA_END() __asm__ volatile("# LLVM-MCA-END" ::: "memory")
+
+/* quantize_blockwise, nearest rounding, with the exact lookup table (8-lane gather). */
+MF_TARGET_AVX2 __attribute__((noinline)) int mca_quant_lut_avx2(const mf_code_lut *t,
+                                                                const float *x, float inv,
+                                                                int64_t n, uint8_t *q) {
+  const __m256 vinv = _mm256_set1_ps(inv);
+  __m256i slow = _mm256_setzero_si256();
+  MCA_BEGIN("quant_lut_avx2 elems=8 isa=avx2");
+  for (int64_t i = 0; i + 8 <= n; i += 8)
+    _mm_storel_epi64((__m128i *)(q + i),
+                     mf_code_lut_quantize8(t, _mm256_loadu_ps(x + i), vinv, &slow, 1));
+  MCA_END();
+  return _mm256_movemask_ps(_mm256_castsi256_ps(slow));
+}
+
+/* The same with the 16-lane AVX-512 gather. */
+MF_TARGET_AVX512 __attribute__((noinline)) int mca_quant_lut_avx512(const mf_code_lut *t,
+                                                                    const float *x, float inv,
+                                                                    int64_t n, uint8_t *q) {
+  const __m512 vinv = _mm512_set1_ps(inv);
+  __m512i slow = _mm512_setzero_si512();
+  MCA_BEGIN("quant_lut_avx512 elems=16 isa=avx512");
+  for (int64_t i = 0; i + 16 <= n; i += 16)
+    _mm_storeu_si128((__m128i *)(q + i),
+                     mf_code_lut_quantize16(t, _mm512_loadu_ps(x + i), vinv, &slow, 1));
+  MCA_END();
+  return _mm512_reduce_or_epi32(slow);
+}
+
+/* dequantize_blockwise to float32 as a plain table lookup, compiled for plain x86-64
+ * (one scalar load per element) and for AVX2 (gcc's own 8-lane gathers). */
+__attribute__((noinline)) void mca_dequant_table_generic(const float *code, const uint8_t *c,
+                                                         float a, int64_t n, float *o) {
+  MCA_BEGIN("dequant_table_generic elems=1 isa=generic");
+  for (int64_t i = 0; i < n; i++) o[i] = mf_dequantize_one(code, c[i], a);
+  MCA_END();
+}
+
+MF_TARGET_AVX2 __attribute__((noinline)) void mca_dequant_gather_avx2(const float *code,
+                                                                      const uint8_t *c, float a,
+                                                                      int64_t n, float *o) {
+  const __m256 va = _mm256_set1_ps(a);
+  MCA_BEGIN("dequant_gather_avx2 elems=8 isa=avx2");
+  for (int64_t i = 0; i + 8 <= n; i += 8) {
+    const __m256i idx = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(c + i)));
+    _mm256_storeu_ps(o + i, _mm256_mul_ps(_mm256_i32gather_ps(code, idx, 4), va));
+  }
+  MCA_END();
+}
