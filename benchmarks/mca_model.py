@@ -1,7 +1,9 @@
 """Model hot loops per microarchitecture with llvm-mca: cycles per loop iteration and per
 8 / 16 elements on Zen 2/3/4, Skylake-SP, Ice Lake-SP and Sapphire Rapids.
 
-A C source marks each loop to model with an inline-asm comment on either side of it:
+A C source marks each loop to model with an inline-asm comment on either side of it
+(the core's sources do it with MF_MCA_BEGIN/END of csrc/core/mca_mark.h, which expand
+to nothing unless -DMEMFIT_MCA, so the library carries no markers):
 
     __asm__ volatile("# LLVM-MCA-BEGIN quant_lut_avx2 elems=8 isa=avx2" ::: "memory");
     for (...) { ... }                       // one loop: the region's hot loop
@@ -16,7 +18,7 @@ feeds it to llvm-mca for each CPU. The number reported is llvm-mca's steady stat
 total cycles / iterations, which assumes every load hits L1 and every branch is
 predicted: a model of the core, not of memory.
 
-    python benchmarks/mca_model.py                                # benchmarks/c/mca_kernels.c
+    python benchmarks/mca_model.py               # mca_*.c here and the marked core loops
     python benchmarks/mca_model.py --source my.c --cflags "-mavx2 -mfma" --cpus znver3
     python benchmarks/mca_model.py --regions quant_lut_avx2 --show-asm
 
@@ -39,7 +41,6 @@ import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-DEFAULT_SOURCE = ROOT / "benchmarks" / "c" / "mca_kernels.c"
 DEFAULT_CFLAGS = "-O3 -ffp-contract=off -fno-math-errno -fno-asynchronous-unwind-tables"
 INCLUDE_DIRS = [ROOT / "csrc" / "include", ROOT / "csrc" / "core"]
 
@@ -59,6 +60,14 @@ BEGIN_RE = re.compile(r"#\s*LLVM-MCA-BEGIN\s+(.*\S)")
 END_RE = re.compile(r"#\s*LLVM-MCA-END")
 LABEL_RE = re.compile(r"^\s*([.\w$]+):")
 JUMP_RE = re.compile(r"^\s*j[a-z]+\s+([.\w$]+)\s*$")
+
+
+def default_sources() -> list:
+    """benchmarks/c/mca_*.c (loops kept for comparison) and every core source that marks
+    a loop with MF_MCA_BEGIN (csrc/core/mca_mark.h: the shipped loops themselves)."""
+    core = [p for p in sorted((ROOT / "csrc" / "core").glob("*.c"))
+            if "MF_MCA_BEGIN(" in p.read_text()]
+    return sorted((ROOT / "benchmarks" / "c").glob("mca_*.c")) + core
 
 
 def find_llvm_mca(explicit: str | None = None) -> str | None:
@@ -185,16 +194,22 @@ def run_mca(mca: str, cpu: str, loop: list, iterations: int) -> dict:
             "uops_per_iter": (num("Total uOps") or 0) / iters, "ipc": num("IPC")}
 
 
-def model(source: Path, cflags: str, cpus: list, regions: list | None, iterations: int,
+def model(sources: list, cflags: str, cpus: list, regions: list | None, iterations: int,
           mca: str) -> dict:
-    found = extract_regions(compile_to_asm(source, cflags))
+    found = []
+    for src in sources:
+        for reg in extract_regions(compile_to_asm(src, cflags)):
+            if any(r["name"] == reg["name"] for r in found):
+                raise SystemExit(f"mca_model: region {reg['name']} is marked twice ({src})")
+            found.append(dict(reg, source=str(Path(src).resolve().relative_to(ROOT))
+                              if Path(src).resolve().is_relative_to(ROOT) else str(src)))
     if regions:
         missing = set(regions) - {r["name"] for r in found}
         if missing:
-            raise SystemExit(f"mca_model: no region named {sorted(missing)} in {source}")
+            raise SystemExit(f"mca_model: no region named {sorted(missing)} in {sources}")
         found = [r for r in found if r["name"] in regions]
     if not found:
-        raise SystemExit(f"mca_model: no LLVM-MCA-BEGIN/END regions in {source}")
+        raise SystemExit(f"mca_model: no LLVM-MCA-BEGIN/END regions in {sources}")
     for reg in found:
         reg["results"] = {}
         for cpu in cpus:
@@ -202,7 +217,7 @@ def model(source: Path, cflags: str, cpus: list, regions: list | None, iteration
                 reg["results"][cpu] = {"skipped": f"{cpu} has no {reg['isa']}"}
             else:
                 reg["results"][cpu] = run_mca(mca, cpu, reg["loop"], iterations)
-    return {"source": str(source), "cflags": cflags, "llvm_mca": mca,
+    return {"sources": [str(s) for s in sources], "cflags": cflags, "llvm_mca": mca,
             "llvm_version": llvm_mca_version(mca), "iterations": iterations, "regions": found}
 
 
@@ -228,7 +243,8 @@ def table(result: dict, cpus: list, per: int | None) -> str:
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--source", type=Path, default=DEFAULT_SOURCE)
+    p.add_argument("--source", type=Path, nargs="+", default=None,
+                   help="C files (default: benchmarks/c/mca_*.c and the marked csrc/core/*.c)")
     p.add_argument("--cflags", default="", help=f"added to the defaults: {DEFAULT_CFLAGS}")
     p.add_argument("--cpus", nargs="+", default=list(CPU_ISAS))
     p.add_argument("--regions", nargs="+", default=None, help="only these regions")
@@ -244,10 +260,11 @@ def main(argv=None):
     if not mca:
         raise SystemExit("mca_model: llvm-mca not found (Debian/Ubuntu: apt-get install llvm)")
     cflags = f"{DEFAULT_CFLAGS} {args.cflags}".strip()
-    result = model(args.source, cflags, args.cpus, args.regions, args.iterations, mca)
+    sources = args.source or default_sources()
+    result = model(sources, cflags, args.cpus, args.regions, args.iterations, mca)
     result["cpus"] = args.cpus
 
-    print(f"llvm-mca {result['llvm_version']} ({mca}); gcc {cflags}; source {args.source}")
+    print(f"llvm-mca {result['llvm_version']} ({mca}); gcc {cflags}; sources {' '.join(str(s) for s in sources)}")
     print("modelled, not measured: steady-state cycles of the loop with every load in L1; "
           "'-' = CPU lacks the region's ISA, n/a = llvm-mca error (see JSON)")
     if args.show_asm:

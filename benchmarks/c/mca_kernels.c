@@ -12,36 +12,35 @@
 #define MCA_BEGIN(spec) __asm__ volatile("# LLVM-MCA-BEGIN " spec ::: "memory")
 #define MCA_END() __asm__ volatile("# LLVM-MCA-END" ::: "memory")
 
-/* quantize_blockwise, nearest rounding, with the exact lookup table (8-lane gather). */
+/* The code-LUT search of code_lut_avx2.h / code_lut_avx512.h (8- and 16-lane gathers),
+ * as the AVX-512 quantize_blockwise and the optimizer kernels run it. */
 MF_TARGET_AVX2 __attribute__((noinline)) int mca_quant_lut_avx2(const mf_code_lut *t,
                                                                 const float *x, float inv,
                                                                 int64_t n, uint8_t *q) {
-  const __m256 vinv = _mm256_set1_ps(inv);
   __m256i slow = _mm256_setzero_si256();
   MCA_BEGIN("quant_lut_avx2 elems=8 isa=avx2");
   for (int64_t i = 0; i + 8 <= n; i += 8)
-    _mm_storel_epi64((__m128i *)(q + i),
-                     mf_code_lut_quantize8(t, _mm256_loadu_ps(x + i), vinv, &slow, 1));
+    _mm_storel_epi64((__m128i *)(q + i), mf_code_lut_quantize8(t, _mm256_loadu_ps(x + i),
+                                                               _mm256_set1_ps(inv), &slow, 1));
   MCA_END();
   return _mm256_movemask_ps(_mm256_castsi256_ps(slow));
 }
 
-/* The same with the 16-lane AVX-512 gather. */
 MF_TARGET_AVX512 __attribute__((noinline)) int mca_quant_lut_avx512(const mf_code_lut *t,
                                                                     const float *x, float inv,
                                                                     int64_t n, uint8_t *q) {
-  const __m512 vinv = _mm512_set1_ps(inv);
   __m512i slow = _mm512_setzero_si512();
   MCA_BEGIN("quant_lut_avx512 elems=16 isa=avx512");
-  for (int64_t i = 0; i + 16 <= n; i += 16)
-    _mm_storeu_si128((__m128i *)(q + i),
-                     mf_code_lut_quantize16(t, _mm512_loadu_ps(x + i), vinv, &slow, 1));
+  for (int64_t i = 0; i + 16 <= n; i += 16) {
+    const __m128i b = mf_code_lut_quantize16(t, _mm512_loadu_ps(x + i), _mm512_set1_ps(inv), &slow, 1);
+    _mm_storeu_si128((__m128i *)(q + i), b);
+  }
   MCA_END();
   return _mm512_reduce_or_epi32(slow);
 }
 
-/* dequantize_blockwise to float32 as a plain table lookup, compiled for plain x86-64
- * (one scalar load per element) and for AVX2 (gcc's own 8-lane gathers). */
+/* dequantize_blockwise to float32 as a plain table lookup (the generic loop of
+ * quant.c), and with an 8-lane gather for comparison with quant.c's AVX2 loop. */
 __attribute__((noinline)) void mca_dequant_table_generic(const float *code, const uint8_t *c,
                                                          float a, int64_t n, float *o) {
   MCA_BEGIN("dequant_table_generic elems=1 isa=generic");
