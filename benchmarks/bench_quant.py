@@ -127,7 +127,8 @@ def main(argv=None):
           f"{r['memfit_gbps_moved']:.2f}", f"{r['pct_of_floor']:.0f}%", r["peer"],
           f"{r['speedup_vs_peer']:.2f}", f"{r['speedup_vs_torch']:.2f}"] for r in all_rows])
     for dev, m in meta.items():
-        print(f"{dev}: {m.get('gpu', m['cpu'])}, copy {m['copy_bandwidth_gbps']:.1f} GB/s (read+write), "
+        print(f"{dev}: {m.get('gpu', m['cpu_model'])}, memfit CPU kernels {m['memfit_cpu_kernels']}, "
+              f"copy {m['copy_bandwidth_gbps']:.1f} GB/s (read+write), "
               f"memfit {m['memfit']} @ {m['commit']}, torch {m.get('torch')}, "
               f"bitsandbytes {m.get('bitsandbytes', 'not installed')}, {m['date']}, "
               f"threads memfit={m['memfit_threads']} torch={m.get('torch_threads')}, median of {m['reps']}")

@@ -8,7 +8,6 @@
  * the binary search, several times faster).
  */
 #include <stdlib.h>
-#include <string.h>
 
 #include "memfit/quant.h"
 #include "code_lut.h"
@@ -132,12 +131,8 @@ MF_TARGET_AVX2 static void quantize_lut_avx2(const mf_code_lut *t, const float *
 
 /* code[c[0..7]] as a vector, by scalar loads. */
 MF_TARGET_AVX2 static inline __m256 code_lookup8(const float *code, const uint8_t *c) {
-  uint64_t w;
-  memcpy(&w, c, 8);
-  const __m128 lo = _mm_setr_ps(code[w & 0xff], code[(w >> 8) & 0xff], code[(w >> 16) & 0xff],
-                                code[(w >> 24) & 0xff]);
-  const __m128 hi = _mm_setr_ps(code[(w >> 32) & 0xff], code[(w >> 40) & 0xff],
-                                code[(w >> 48) & 0xff], code[w >> 56]);
+  const __m128 lo = _mm_setr_ps(code[c[0]], code[c[1]], code[c[2]], code[c[3]]);
+  const __m128 hi = _mm_setr_ps(code[c[4]], code[c[5]], code[c[6]], code[c[7]]);
   return _mm256_insertf128_ps(_mm256_castps128_ps256(lo), hi, 1);
 }
 
