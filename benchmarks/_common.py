@@ -106,8 +106,11 @@ def per_core_line(before: dict, after: dict) -> str:
             f"after {fmt(after)}")
 
 
-def make_timer(device: str):
-    """Returns time_once(fn) -> seconds for one call, synchronised properly."""
+def make_timer(device: str, clock: str = "wall"):
+    """Returns time_once(fn) -> seconds for one call, synchronised properly. On the CPU,
+    clock="cpu" counts this process's CPU time instead of wall time: on a machine shared
+    with other jobs it leaves out the time the scheduler gave to them (threads that
+    spin-wait still count)."""
     if device == "cuda":
         import torch
 
@@ -121,18 +124,21 @@ def make_timer(device: str):
 
         return time_once
 
+    now = time.process_time if clock == "cpu" else time.perf_counter
+
     def time_once(fn):
-        t0 = time.perf_counter()
+        t0 = now()
         fn()
-        return time.perf_counter() - t0
+        return now() - t0
 
     return time_once
 
 
-def interleaved_medians(fns: dict, reps: int, device: str, warmup: int = 2) -> dict:
+def interleaved_medians(fns: dict, reps: int, device: str, warmup: int = 2,
+                        clock: str = "wall") -> dict:
     """Median seconds per call for each named function, calling them in turn
     (A B C A B C ...) so machine noise hits all of them alike."""
-    time_once = make_timer(device)
+    time_once = make_timer(device, clock)
     for fn in fns.values():
         for _ in range(warmup):
             fn()

@@ -48,6 +48,13 @@ __attribute__((noinline)) void mca_dequant_table_generic(const float *code, cons
   MCA_END();
 }
 
+__attribute__((noinline)) void mca_dequant_bf16_table_generic(const float *code, const uint8_t *c,
+                                                              float a, int64_t n, uint16_t *o) {
+  MCA_BEGIN("dequant_bf16_table_generic elems=1 isa=generic");
+  for (int64_t i = 0; i < n; i++) o[i] = mf_f32_to_bf16(mf_dequantize_one(code, c[i], a));
+  MCA_END();
+}
+
 MF_TARGET_AVX2 __attribute__((noinline)) void mca_dequant_gather_avx2(const float *code,
                                                                       const uint8_t *c, float a,
                                                                       int64_t n, float *o) {
