@@ -36,7 +36,9 @@ out = []
 for numel in (40001, 65536 + 7):                  # >= 32768: the lookup-table path; odd tails
     x = (rng.standard_normal(numel) * 2).astype(np.float32)
     x[1000:1064] = 0.0                           # an all-zero block (at block size 64)
-    x[5000] = np.nan; x[9000] = np.inf; x[13000] = -np.inf   # non-finite blocks
+    # non-finite blocks: in either 8-lane half of the 16-element absmax step, and in
+    # the tail of the last (partial) block
+    x[5000] = np.nan; x[6500] = np.nan; x[9000] = np.inf; x[13000] = -np.inf; x[-1] = np.inf
     # one 4096-block near the cluster of clustered_code(), every 64-block's absmax 1
     x[24576:28672] = np.float32(0.3) + rng.uniform(-1e-4, 1e-4, 4096).astype(np.float32)
     x[24576:28672:64] = 1.0

@@ -96,6 +96,32 @@ MF_TARGET_AVX2 static inline __m128i byte2_of_8(__m256i v) {
   return _mm_unpacklo_epi32(_mm256_castsi256_si128(b), _mm256_extracti128_si256(b, 1));
 }
 
+/* block_absmax_cpu 16 lanes at a time (two chains of vmaxps to hide its latency): the
+ * same value, as max is exact in any order and a non-finite element makes it NaN. */
+MF_TARGET_AVX2 static float block_absmax_avx2(const float *x, int64_t n) {
+  const __m256 abs = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+  const __m256 big = _mm256_set1_ps(3.402823466e38f);
+  __m256 m0 = _mm256_setzero_ps(), m1 = m0, bad = m0;
+  int64_t i = 0;
+  MF_MCA_BEGIN("absmax_avx2 elems=16 isa=avx2");
+  for (; i + 16 <= n; i += 16) {
+    const __m256 a = _mm256_and_ps(_mm256_loadu_ps(x + i), abs);
+    const __m256 b = _mm256_and_ps(_mm256_loadu_ps(x + i + 8), abs);
+    m0 = _mm256_max_ps(a, m0);
+    m1 = _mm256_max_ps(b, m1);
+    /* (vmaxps drops a NaN operand, so non-finite lanes are flagged on their own) */
+    bad = _mm256_or_ps(bad, _mm256_or_ps(_mm256_cmp_ps(a, big, _CMP_NLE_UQ),
+                                         _mm256_cmp_ps(b, big, _CMP_NLE_UQ)));
+  }
+  MF_MCA_END();
+  float lanes[8], m = 0.0f;
+  _mm256_storeu_ps(lanes, _mm256_max_ps(m0, m1));
+  for (int j = 0; j < 8; j++) m = lanes[j] > m ? lanes[j] : m;
+  const float rest = block_absmax_cpu(x + i, n - i);
+  if (_mm256_movemask_ps(bad) || rest != rest) return mf_quiet_nan();
+  return rest > m ? rest : m;
+}
+
 /* q[i] = mf_code_lut_quantize(t, x[i] * inv), 8 at a time: keys and sums in vectors,
  * the 8 table entries by scalar loads through a stack buffer. */
 MF_TARGET_AVX2 static void quantize_lut_avx2(const mf_code_lut *t, const float *x, float inv,
@@ -172,7 +198,11 @@ MF_TARGET_AVX2 static void dequantize_block_avx2(const float *code, const uint8_
 static void quantize_block_cpu(const float *x, int64_t n, int64_t first, const float *code,
                                const mf_code_lut *lut, uint8_t *out, float *absmax,
                                mf_rounding rounding, uint64_t seed) {
+#ifdef MF_X86_SIMD
+  float m = mf_cpu_isa() >= ISA_AVX2 ? block_absmax_avx2(x, n) : block_absmax_cpu(x, n);
+#else
   float m = block_absmax_cpu(x, n);
+#endif
   *absmax = m;
   float inv = mf_absmax_inverse(m);
   if (rounding == MF_ROUND_STOCHASTIC) {
