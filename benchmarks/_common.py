@@ -17,6 +17,26 @@ from pathlib import Path
 OUT_DIR = Path(__file__).resolve().parent / "out"
 
 
+def cpu_model() -> str:
+    """The CPU's marketing name ("AMD EPYC 7R13 48-Core Processor"): /proc/cpuinfo's
+    "model name" (x86) or lscpu's "Model name" (also aarch64), else "unknown"."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.lower().startswith("model name"):
+                    return line.split(":", 1)[1].strip() or "unknown"
+    except OSError:
+        pass
+    try:
+        out = subprocess.run(["lscpu"], capture_output=True, text=True, timeout=10).stdout
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+    for line in out.splitlines():
+        if line.strip().lower().startswith("model name:"):
+            return line.split(":", 1)[1].strip() or "unknown"
+    return "unknown"
+
+
 def metadata(device: str) -> dict:
     import memfit
 
@@ -31,6 +51,7 @@ def metadata(device: str) -> dict:
         "memfit": memfit.__version__,
         "python": platform.python_version(),
         "cpu": platform.processor() or platform.machine(),
+        "cpu_model": cpu_model(),
         "cores": os.cpu_count(),
         "memfit_threads": memfit.get_num_threads(),
         "memfit_cpu_kernels": memfit.cpu_kernels(),
@@ -85,8 +106,11 @@ def per_core_line(before: dict, after: dict) -> str:
             f"after {fmt(after)}")
 
 
-def make_timer(device: str):
-    """Returns time_once(fn) -> seconds for one call, synchronised properly."""
+def make_timer(device: str, clock: str = "wall"):
+    """Returns time_once(fn) -> seconds for one call, synchronised properly. On the CPU,
+    clock="cpu" counts this process's CPU time instead of wall time: on a machine shared
+    with other jobs it leaves out the time the scheduler gave to them (threads that
+    spin-wait still count)."""
     if device == "cuda":
         import torch
 
@@ -100,18 +124,21 @@ def make_timer(device: str):
 
         return time_once
 
+    now = time.process_time if clock == "cpu" else time.perf_counter
+
     def time_once(fn):
-        t0 = time.perf_counter()
+        t0 = now()
         fn()
-        return time.perf_counter() - t0
+        return now() - t0
 
     return time_once
 
 
-def interleaved_medians(fns: dict, reps: int, device: str, warmup: int = 2) -> dict:
+def interleaved_medians(fns: dict, reps: int, device: str, warmup: int = 2,
+                        clock: str = "wall") -> dict:
     """Median seconds per call for each named function, calling them in turn
     (A B C A B C ...) so machine noise hits all of them alike."""
-    time_once = make_timer(device)
+    time_once = make_timer(device, clock)
     for fn in fns.values():
         for _ in range(warmup):
             fn()

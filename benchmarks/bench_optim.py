@@ -274,7 +274,7 @@ def main(argv=None):
         meta = {"cpu": dict(metadata("cpu"), numel=args.numel, reps=args.reps)}
         rows = cpu_isa_bench(caps, args.numel, args.reps, regimes)
         m = meta["cpu"]
-        print(f"cpu: {m['cpu']}, {m['cores']} cores, memfit {m['memfit_threads']} threads, "
+        print(f"cpu: {m['cpu_model']} ({m['cpu']}), {m['cores']} cores, memfit {m['memfit_threads']} threads, "
               f"torch {m.get('torch')}, commit {m['commit']}, {m['date']}")
         print(f"AdamW step over {args.numel} fp32 parameters; each cap in its own process, "
               f"median of {args.reps} steps interleaved with torch fused AdamW\n")
@@ -298,7 +298,8 @@ def main(argv=None):
     speeds_after = core_speeds()
     meta["cpu"]["core_step_ms"] = {"before": speeds, "after": speeds_after}
     m = meta["cpu"]
-    print(f"cpu: {m['cpu']}, {m['cores']} cores, copy {m['copy_bandwidth_gbps']:.1f} GB/s (read+write), "
+    print(f"cpu: {m['cpu_model']} ({m['cpu']}), {m['cores']} cores, memfit CPU kernels "
+          f"{m['memfit_cpu_kernels']}, copy {m['copy_bandwidth_gbps']:.1f} GB/s (read+write), "
           f"memfit {m['memfit_threads']} / torch {m.get('torch_threads')} threads, torch {m.get('torch')}, "
           f"commit {m['commit']}, {m['date']}")
     if speeds:

@@ -63,7 +63,7 @@ def bnb_functions(device: str):
     return F
 
 
-def bench_device(device: str, numel: int, reps: int, dtypes, block_sizes) -> list:
+def bench_device(device: str, numel: int, reps: int, dtypes, block_sizes, clock: str) -> list:
     bw = copy_bandwidth(device)
     F = bnb_functions(device)
     rows = []
@@ -88,7 +88,7 @@ def bench_device(device: str, numel: int, reps: int, dtypes, block_sizes) -> lis
             floats = numel * x.element_size()
             moved = floats + numel + 4 * (-(-numel // bs))  # floats + codes + absmax
             for op, fns in (("quantize", fns_q), ("dequantize", fns_d)):
-                t = interleaved_medians(fns, reps, device)
+                t = interleaved_medians(fns, reps, device, clock=clock if device == "cpu" else "wall")
                 peer = "bitsandbytes" if "bitsandbytes" in t else "torch"
                 rows.append({
                     "device": device, "op": op, "dtype": dtype_name, "block_size": bs, "numel": numel,
@@ -110,6 +110,9 @@ def main(argv=None):
     p.add_argument("--reps", type=int, default=None)
     p.add_argument("--block-sizes", type=int, nargs="+", default=[256, 4096])
     p.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
+    p.add_argument("--clock", choices=["wall", "cpu"], default="wall",
+                   help="CPU timing: wall time, or process CPU time (robust on a shared machine; "
+                        "with OMP_NUM_THREADS=1 it is the single-thread cost)")
     args = p.parse_args(argv)
     devices = ["cpu"] if args.device == "cpu" else ["cuda"] if args.device == "cuda" else (
         ["cpu", "cuda"] if torch.cuda.is_available() and memfit.cuda_device_count() else ["cpu"])
@@ -117,9 +120,10 @@ def main(argv=None):
     for dev in devices:
         numel = args.numel or (16 << 20 if dev == "cpu" else 256 << 20)
         reps = args.reps or (15 if dev == "cpu" else 50)
-        rows, bw = bench_device(dev, numel, reps, args.dtypes, args.block_sizes)
+        rows, bw = bench_device(dev, numel, reps, args.dtypes, args.block_sizes, args.clock)
         all_rows += rows
-        meta[dev] = dict(metadata(dev), copy_bandwidth_gbps=bw / 1e9, reps=reps)
+        meta[dev] = dict(metadata(dev), copy_bandwidth_gbps=bw / 1e9, reps=reps,
+                         clock=args.clock if dev == "cpu" else "wall")
     table = markdown_table(
         ["device", "op", "dtype", "block", "memfit GB/s (floats)", "GB/s moved", "% of copy floor",
          "peer", "x vs peer", "x vs torch ref"],
@@ -127,10 +131,12 @@ def main(argv=None):
           f"{r['memfit_gbps_moved']:.2f}", f"{r['pct_of_floor']:.0f}%", r["peer"],
           f"{r['speedup_vs_peer']:.2f}", f"{r['speedup_vs_torch']:.2f}"] for r in all_rows])
     for dev, m in meta.items():
-        print(f"{dev}: {m.get('gpu', m['cpu'])}, copy {m['copy_bandwidth_gbps']:.1f} GB/s (read+write), "
+        print(f"{dev}: {m.get('gpu', m['cpu_model'])}, memfit CPU kernels {m['memfit_cpu_kernels']}, "
+              f"copy {m['copy_bandwidth_gbps']:.1f} GB/s (read+write), "
               f"memfit {m['memfit']} @ {m['commit']}, torch {m.get('torch')}, "
               f"bitsandbytes {m.get('bitsandbytes', 'not installed')}, {m['date']}, "
-              f"threads memfit={m['memfit_threads']} torch={m.get('torch_threads')}, median of {m['reps']}")
+              f"threads memfit={m['memfit_threads']} torch={m.get('torch_threads')}, median of {m['reps']} "
+              f"({m['clock']} time)")
     print(table)
     path = write_json("bench_quant", {"meta": meta, "rows": all_rows})
     print(f"\nwrote {path}")

@@ -11,6 +11,8 @@
 
 #include "memfit/quant.h"
 #include "code_lut.h"
+#include "cpu_isa.h"
+#include "mca_mark.h"
 #ifdef MEMFIT_WITH_CUDA
 #include "memfit/cuda_launch.h"
 #endif
@@ -77,16 +79,142 @@ static float block_absmax_cpu(const float *x, int64_t n) {
   return bad ? mf_quiet_nan() : m;
 }
 
+#ifdef MF_X86_SIMD
+#include <immintrin.h>
+
+/* The AVX2 loops avoid gathers: an 8-lane vpgatherdd or vgatherdps is microcoded on
+ * Zen 1/2 and costs several times eight scalar loads there (benchmarks/mca_model.py
+ * models both forms on each CPU; RESULTS.md has the table). Table lookups are plain
+ * loads with the indices in general registers, and the arithmetic around them is
+ * vectorised. */
+
+/* Byte 2 of each of 8 dwords, in order, in the low 8 bytes. */
+MF_TARGET_AVX2 static inline __m128i byte2_of_8(__m256i v) {
+  const __m256i pick = _mm256_setr_epi8(2, 6, 10, 14, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1,
+                                        2, 6, 10, 14, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1);
+  const __m256i b = _mm256_shuffle_epi8(v, pick);
+  return _mm_unpacklo_epi32(_mm256_castsi256_si128(b), _mm256_extracti128_si256(b, 1));
+}
+
+/* block_absmax_cpu 16 lanes at a time (two chains of vmaxps to hide its latency): the
+ * same value, as max is exact in any order and a non-finite element makes it NaN. */
+MF_TARGET_AVX2 static float block_absmax_avx2(const float *x, int64_t n) {
+  const __m256 abs = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+  const __m256 big = _mm256_set1_ps(3.402823466e38f);
+  __m256 m0 = _mm256_setzero_ps(), m1 = m0, bad = m0;
+  int64_t i = 0;
+  MF_MCA_BEGIN("absmax_avx2 elems=16 isa=avx2");
+  for (; i + 16 <= n; i += 16) {
+    const __m256 a = _mm256_and_ps(_mm256_loadu_ps(x + i), abs);
+    const __m256 b = _mm256_and_ps(_mm256_loadu_ps(x + i + 8), abs);
+    m0 = _mm256_max_ps(a, m0);
+    m1 = _mm256_max_ps(b, m1);
+    /* (vmaxps drops a NaN operand, so non-finite lanes are flagged on their own) */
+    bad = _mm256_or_ps(bad, _mm256_or_ps(_mm256_cmp_ps(a, big, _CMP_NLE_UQ),
+                                         _mm256_cmp_ps(b, big, _CMP_NLE_UQ)));
+  }
+  MF_MCA_END();
+  float lanes[8], m = 0.0f;
+  _mm256_storeu_ps(lanes, _mm256_max_ps(m0, m1));
+  for (int j = 0; j < 8; j++) m = lanes[j] > m ? lanes[j] : m;
+  const float rest = block_absmax_cpu(x + i, n - i);
+  if (_mm256_movemask_ps(bad) || rest != rest) return mf_quiet_nan();
+  return rest > m ? rest : m;
+}
+
+/* q[i] = mf_code_lut_quantize(t, x[i] * inv), 8 at a time: keys and sums in vectors,
+ * the 8 table entries by scalar loads through a stack buffer. */
+MF_TARGET_AVX2 static void quantize_lut_avx2(const mf_code_lut *t, const float *x, float inv,
+                                             int64_t n, uint8_t *q) {
+  const __m256 vinv = _mm256_set1_ps(inv);
+  const __m256i sign = _mm256_set1_epi32((int)0x80000000u), inf = _mm256_set1_epi32(0x7f800000);
+  const uint32_t *entry = t->entry;
+  __m256i slow = _mm256_setzero_si256();
+  uint16_t half[16] __attribute__((aligned(32))); /* the keys as 16-bit halves */
+  int64_t i = 0;
+  MF_MCA_BEGIN("quant_lut_scalar_avx2 elems=8 isa=avx2");
+  for (; i + 8 <= n; i += 8) {
+    const __m256i u = _mm256_castps_si256(_mm256_mul_ps(_mm256_loadu_ps(x + i), vinv));
+    const __m256i k = _mm256_xor_si256(u, _mm256_or_si256(_mm256_srai_epi32(u, 31), sign));
+    /* Through memory, so the bucket (key >> 16, the upper half) is one 16-bit load:
+     * without the barrier gcc moves each key out with vpextrd, 2 uops each on Zen. */
+    _mm256_store_si256((__m256i *)half, k);
+    __asm__ volatile("" ::: "memory");
+    const __m256i e = _mm256_setr_epi32((int)entry[half[1]], (int)entry[half[3]], (int)entry[half[5]],
+                                        (int)entry[half[7]], (int)entry[half[9]], (int)entry[half[11]],
+                                        (int)entry[half[13]], (int)entry[half[15]]);
+    const __m256i sum = _mm256_add_epi32(e, k);
+    slow = _mm256_or_si256(slow, sum);
+    /* NaN (|bits| above Inf's) -> code 0, as the binary search */
+    const __m256i nan = _mm256_cmpgt_epi32(_mm256_andnot_si256(sign, u), inf);
+    _mm_storel_epi64((__m128i *)(q + i), byte2_of_8(_mm256_andnot_si256(nan, sum)));
+  }
+  MF_MCA_END();
+  for (; i < n; i++) q[i] = mf_code_lut_quantize(t, x[i] * inv);
+  if (_mm256_movemask_ps(_mm256_castsi256_ps(slow)))  /* a bucket needs the search */
+    for (i = 0; i < n; i++) q[i] = mf_code_lut_quantize(t, x[i] * inv);
+}
+
+/* code[c[0..7]] as a vector, by scalar loads. */
+MF_TARGET_AVX2 static inline __m256 code_lookup8(const float *code, const uint8_t *c) {
+  const __m128 lo = _mm_setr_ps(code[c[0]], code[c[1]], code[c[2]], code[c[3]]);
+  const __m128 hi = _mm_setr_ps(code[c[4]], code[c[5]], code[c[6]], code[c[7]]);
+  return _mm256_insertf128_ps(_mm256_castps128_ps256(lo), hi, 1);
+}
+
+/* mf_f32_to_bf16 of 8 floats (round to nearest even, NaN -> 0x7fc0). */
+MF_TARGET_AVX2 static inline __m128i f32_to_bf16_8(__m256 v) {
+  const __m256i u = _mm256_castps_si256(v);
+  const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+  __m256i r = _mm256_srli_epi32(_mm256_add_epi32(u, _mm256_add_epi32(odd, _mm256_set1_epi32(0x7fff))), 16);
+  const __m256i nan = _mm256_cmpgt_epi32(_mm256_and_si256(u, _mm256_set1_epi32(0x7fffffff)),
+                                         _mm256_set1_epi32(0x7f800000));
+  r = _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7fc0), nan);
+  return _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1));
+}
+
+/* out[i] = code[c[i]] * a for one block, as float32 or bfloat16. */
+MF_TARGET_AVX2 static void dequantize_block_avx2(const float *code, const uint8_t *c, float a,
+                                                 int64_t n, void *out, mf_dtype dt) {
+  const __m256 va = _mm256_set1_ps(a);
+  int64_t i = 0;
+  if (dt == MF_FLOAT32) {
+    float *o = (float *)out;
+    MF_MCA_BEGIN("dequant_f32_scalar_avx2 elems=8 isa=avx2");
+    for (; i + 8 <= n; i += 8) _mm256_storeu_ps(o + i, _mm256_mul_ps(code_lookup8(code, c + i), va));
+    MF_MCA_END();
+    for (; i < n; i++) o[i] = mf_dequantize_one(code, c[i], a);
+  } else {
+    uint16_t *o = (uint16_t *)out;
+    MF_MCA_BEGIN("dequant_bf16_scalar_avx2 elems=8 isa=avx2");
+    for (; i + 8 <= n; i += 8)
+      _mm_storeu_si128((__m128i *)(o + i), f32_to_bf16_8(_mm256_mul_ps(code_lookup8(code, c + i), va)));
+    MF_MCA_END();
+    for (; i < n; i++) o[i] = mf_f32_to_bf16(mf_dequantize_one(code, c[i], a));
+  }
+}
+#endif /* MF_X86_SIMD */
+
 static void quantize_block_cpu(const float *x, int64_t n, int64_t first, const float *code,
                                const mf_code_lut *lut, uint8_t *out, float *absmax,
                                mf_rounding rounding, uint64_t seed) {
+#ifdef MF_X86_SIMD
+  float m = mf_cpu_isa() >= ISA_AVX2 ? block_absmax_avx2(x, n) : block_absmax_cpu(x, n);
+#else
   float m = block_absmax_cpu(x, n);
+#endif
   *absmax = m;
   float inv = mf_absmax_inverse(m);
   if (rounding == MF_ROUND_STOCHASTIC) {
     for (int64_t i = 0; i < n; i++)
       out[i] = mf_quantize_stochastic(code, x[i] * inv, mf_uniform(seed, (uint64_t)(first + i)));
   } else if (lut) {
+#ifdef MF_X86_SIMD
+    if (mf_cpu_isa() == ISA_AVX2) {
+      quantize_lut_avx2(lut, x, inv, n, out);
+      return;
+    }
+#endif
     mf_code_lut_quantize_n(lut, x, inv, n, out);
   } else {
     for (int64_t i = 0; i < n; i++) out[i] = mf_quantize_nearest(code, x[i] * inv);
@@ -144,6 +272,27 @@ static mf_status quantize_cpu(const mf_tensor *x, const float *code, uint8_t *co
   return MF_OK;
 }
 
+/* out[first + i] = code[c[i]] * a for one block of n elements, in out's dtype. */
+static void dequantize_block_cpu(const float *code, const uint8_t *c, float a, int64_t n,
+                                 void *out, int64_t first, mf_dtype dt) {
+#ifdef MF_X86_SIMD
+  if (dt != MF_FLOAT16 && mf_cpu_isa() >= ISA_AVX2) {
+    dequantize_block_avx2(code, c, a, n, (char *)out + first * mf_dtype_size(dt), dt);
+    return;
+  }
+#endif
+  if (dt == MF_FLOAT32) {
+    float *o = (float *)out + first;
+    for (int64_t i = 0; i < n; i++) o[i] = mf_dequantize_one(code, c[i], a);
+  } else if (dt == MF_BFLOAT16) {
+    uint16_t *o = (uint16_t *)out + first;
+    for (int64_t i = 0; i < n; i++) o[i] = mf_f32_to_bf16(mf_dequantize_one(code, c[i], a));
+  } else {
+    uint16_t *o = (uint16_t *)out + first;
+    for (int64_t i = 0; i < n; i++) o[i] = mf_f32_to_f16(mf_dequantize_one(code, c[i], a));
+  }
+}
+
 mf_status mf_quantize_blockwise(const mf_tensor *x, const mf_tensor *code, mf_tensor *codes,
                                 mf_tensor *absmax, int64_t block_size, mf_rounding rounding,
                                 uint64_t seed, void *stream) {
@@ -187,17 +336,7 @@ mf_status mf_dequantize_blockwise(const mf_tensor *codes, const mf_tensor *absma
   for (int64_t b = 0; b < nblocks; b++) {
     int64_t first = b * block_size;
     int64_t end = numel - first < block_size ? numel : first + block_size;
-    float a = am[b];
-    if (dt == MF_FLOAT32) {
-      float *o = (float *)dst;
-      for (int64_t i = first; i < end; i++) o[i] = mf_dequantize_one(cd, c[i], a);
-    } else if (dt == MF_BFLOAT16) {
-      uint16_t *o = (uint16_t *)dst;
-      for (int64_t i = first; i < end; i++) o[i] = mf_f32_to_bf16(mf_dequantize_one(cd, c[i], a));
-    } else {
-      uint16_t *o = (uint16_t *)dst;
-      for (int64_t i = first; i < end; i++) o[i] = mf_f32_to_f16(mf_dequantize_one(cd, c[i], a));
-    }
+    dequantize_block_cpu(cd, c + first, am[b], end - first, dst, first, dt);
   }
   return MF_OK;
 }
