@@ -201,7 +201,14 @@ def test_stats_before_use_and_disabled():
 # ---- precision / autocast / setup ----------------------------------------------------------
 
 
-def test_precision_cpu():
+@pytest.fixture
+def cpu_bf16(monkeypatch):
+    """A CPU on which memfit advises bf16 (native bf16 compute; forced here, so these tests
+    run on every CPU: tests/test_hardware.py checks the advice itself)."""
+    monkeypatch.setenv("MEMFIT_CPU_PRECISION", "bf16")
+
+
+def test_precision_cpu(cpu_bf16):
     p = amp.precision("cpu")
     assert p == "bf16" and p.dtype is torch.bfloat16 and "range" in p.reason
 
@@ -217,13 +224,13 @@ def test_precision_cuda_by_capability(monkeypatch, cap, name, expected):
     assert p == expected and name in p.reason and f"{cap[0]}.{cap[1]}" in p.reason
 
 
-def test_precision_cuda_unavailable(monkeypatch):
+def test_precision_cuda_unavailable(monkeypatch, cpu_bf16):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert amp.precision("cuda") == "fp32"
     assert amp.precision() == "bf16"  # default device is then the CPU
 
 
-def test_autocast_cpu_reusable_and_nested():
+def test_autocast_cpu_reusable_and_nested(cpu_bf16):
     ctx = amp.autocast("cpu")
     a, b = torch.randn(4, 4), torch.randn(4, 4)
     for _ in range(2):
@@ -241,7 +248,7 @@ def test_autocast_cpu_reusable_and_nested():
         amp.autocast("cpu", dtype="int8")
 
 
-def test_setup_bf16_disables_scaler_and_says_so_once(monkeypatch):
+def test_setup_bf16_disables_scaler_and_says_so_once(monkeypatch, cpu_bf16):
     monkeypatch.setattr(amp.mixed_precision, "_bf16_notice_given", False)
     model = torch.nn.Linear(4, 4)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)

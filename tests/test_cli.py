@@ -2,6 +2,7 @@
 and answers bad arguments with a usage error (exit 2) that names the problem."""
 
 import json
+import os
 import subprocess
 import sys
 
@@ -10,16 +11,29 @@ import pytest
 pytest.importorskip("torch")
 
 
-def run(*args, cwd=None):
-    return subprocess.run([sys.executable, "-m", "memfit", *args], capture_output=True, text=True, cwd=cwd)
+def run(*args, cwd=None, env=None):
+    return subprocess.run([sys.executable, "-m", "memfit", *args], capture_output=True, text=True, cwd=cwd,
+                          env=env)
 
 
-def test_demo_runs_and_measures(tmp_path):
-    out = run("demo", "--steps", "6", "--out", str(tmp_path / "d"))
+@pytest.mark.parametrize("forced", [None, "bf16"])
+def test_demo_runs_and_measures(tmp_path, forced):
+    """The memfit way trains in the precision memfit advises for this CPU (fp32 where bf16
+    would be emulated; forced to bf16 here to test that path on every CPU)."""
+    from memfit.hardware import ENV_PRECISION, cpu_precision
+
+    env = {k: v for k, v in os.environ.items() if k != ENV_PRECISION}
+    if forced:
+        env[ENV_PRECISION] = forced
+    out = run("demo", "--steps", "6", "--out", str(tmp_path / "d"), env=env)
     assert out.returncode == 0, out.stderr
     assert "| baseline | fp32 | AdamW | none |" in out.stdout
-    assert "| memfit | bf16 | AdamW8bit |" in out.stdout
+    want = forced or cpu_precision()[0]
+    assert f"| memfit | {want} | AdamW8bit |" in out.stdout
+    assert f"memfit way's precision: {want} (" in out.stdout
     data = json.loads((tmp_path / "d" / "demo.json").read_text())
+    assert data["precision"] == want and data["precision_reason"]
+    assert data["cpu"]["model_name"] and data["cpu_kernels"]
     base, mf = data["rows"]
     total = lambda r: r["params_bytes"] + r["grads_bytes"] + r["optimizer_bytes"] + r["activation_bytes"]  # noqa: E731
     assert total(mf) < total(base)

@@ -3,6 +3,7 @@ the activation formula against Korthikanti et al. and against bytes measured wit
 saved-tensor hooks, recommendations, and the `memfit estimate` command."""
 
 import json
+import os
 import subprocess
 import sys
 
@@ -155,8 +156,47 @@ def test_recommendation_fits_and_is_none_when_impossible():
     assert M.parse_gpu("24GB")[0] == 24 * M.GB
 
 
-def run_cli(*args):
-    return subprocess.run([sys.executable, "-m", "memfit", *args], capture_output=True, text=True)
+def run_cli(*args, env=None):
+    return subprocess.run([sys.executable, "-m", "memfit", *args], capture_output=True, text=True, env=env)
+
+
+def test_comparison_in_fp32_has_no_autocast_row():
+    """A CPU that would emulate bf16: the techniques without autocast, combined in fp32."""
+    spec, base = M.PRESETS["gpt2"], M.Setup(batch=4, seq=512, gpu=False)
+    rows = M.comparison(spec, base, half="fp32")
+    labels = [label for label, _ in rows]
+    assert labels == ["baseline (fp32, AdamW)", "+ AdamW8bit", "+ checkpoint every layer",
+                      "memfit (fp32 + AdamW8bit + checkpoint)"]
+    combo = rows[-1][1]
+    assert combo.setup.precision == "fp32" and combo.setup.optimizer == "adamw8bit"
+    assert combo.total < min(est.total for _, est in rows[:-1])
+    assert combo.weights == rows[0][1].weights  # fp32 weights, as in the baseline
+    bf16 = dict(M.comparison(spec, base, half="bf16"))
+    assert "+ bf16 autocast" in bf16 and bf16["+ bf16 autocast"].setup.precision == "bf16"
+    assert [label for label, _ in M.comparison(spec, base, bf16_native=True)] == list(bf16)
+    with pytest.raises(ValueError, match="half: expected"):
+        M.comparison(spec, base, half="int8")
+
+
+@pytest.mark.parametrize("forced", [None, "fp32", "bf16"])
+def test_cli_estimate_cpu_follows_cpu_precision(forced):
+    from memfit.hardware import ENV_PRECISION, cpu_precision
+
+    env = {k: v for k, v in os.environ.items() if k != ENV_PRECISION}
+    if forced:
+        env[ENV_PRECISION] = forced
+    want = forced or cpu_precision()[0]
+    data = json.loads(run_cli("estimate", "gpt2", "--cpu", "--json", env=env).stdout)
+    assert data["cpu_precision"]["precision"] == want and data["cpu_precision"]["reason"]
+    labels = [r["label"] for r in data["rows"]]
+    assert ("+ bf16 autocast" in labels) == (want == "bf16")
+    assert labels[-1] == ("memfit (bf16-pure + AdamW8bit + checkpoint)" if want == "bf16"
+                          else "memfit (fp32 + AdamW8bit + checkpoint)")
+    text = run_cli("estimate", "gpt2", "--cpu", env=env)
+    assert text.returncode == 0, text.stderr
+    assert f"CPU precision: {want}: " in text.stdout
+    # without --cpu the GPU rows are unchanged (bf16 unless the GPU lacks it)
+    assert "cpu_precision" not in json.loads(run_cli("estimate", "gpt2", "--json", env=env).stdout)
 
 
 def test_cli_estimate_text_and_json():

@@ -56,6 +56,13 @@ static PyObject *py_cpu_kernels(PyObject *self, PyObject *noargs) {
   return PyUnicode_FromString(mf_cpu_kernels());
 }
 
+static PyObject *py_cpu_info(PyObject *self, PyObject *noargs) {
+  (void)self;
+  (void)noargs;
+  return Py_BuildValue("{s:s,s:s,s:s}", "model_name", mf_cpu_model_name(), "vendor",
+                       mf_cpu_vendor(), "bf16_features", mf_cpu_bf16_features());
+}
+
 static PyObject *py_cuda_device_count(PyObject *self, PyObject *noargs) {
   (void)self;
   (void)noargs;
@@ -110,6 +117,7 @@ static PyMethodDef core_methods[] = {
     {"set_num_threads", py_set_num_threads, METH_O, "Threads for CPU kernels (0: default)."},
     {"get_num_threads", py_get_num_threads, METH_NOARGS, "Threads CPU kernels use."},
     {"cpu_kernels", py_cpu_kernels, METH_NOARGS, "Vector form of the CPU kernels in use."},
+    {"cpu_info", py_cpu_info, METH_NOARGS, "CPU model name, vendor and native bf16 features."},
     {"cuda_device_count", py_cuda_device_count, METH_NOARGS, "Visible CUDA devices (0 without)."},
     {"cuda_device_info", py_cuda_device_info, METH_O, "Name, capability and memory of a GPU."},
     {"cuda_unavailable", py_cuda_unavailable, METH_NOARGS, "Why no GPU is usable, or None."},

@@ -48,7 +48,9 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--micro-batch", type=int, default=None)
     e.add_argument("--attention", default="sdpa", choices=["sdpa", "eager"])
     e.add_argument("--gpu", default=None, help="t4, l4, a10, v100, a100-40, a100-80, h100, h200 or a size like 24GB")
-    e.add_argument("--cpu", action="store_true", help="training on the CPU (no CUDA context)")
+    e.add_argument("--cpu", action="store_true",
+                   help="training on the CPU (no CUDA context; autocast only where this CPU computes "
+                        "bf16 natively or measurably faster, else fp32)")
     e.add_argument("--json", action="store_true", help="print JSON instead of tables")
     return p
 
@@ -65,7 +67,12 @@ def _estimate(args) -> int:
                        attention=args.attention, gpu=not args.cpu, kahan=args.kahan)
         M.validate(base)
         bf16 = M.parse_gpu(args.gpu)[1] if args.gpu else True
-        rows = M.comparison(spec, base, bf16_native=bf16)
+        cpu = None
+        if args.cpu:  # the precision memfit advises for this CPU (memfit.hardware)
+            from memfit.hardware import cpu_precision
+
+            cpu = cpu_precision()
+        rows = M.comparison(spec, base, bf16_native=bf16, half=cpu[0] if cpu else None)
         single = M.estimate(spec, base) if args.precision else None
         rec = M.recommend(spec, base, args.gpu) if args.gpu else None
     except ValueError as err:
@@ -77,6 +84,8 @@ def _estimate(args) -> int:
                "rows": [dict(label=label, **est.as_dict()) for label, est in rows]}
         if single:
             out["setting"] = single.as_dict()
+        if cpu:
+            out["cpu_precision"] = {"precision": cpu[0], "reason": cpu[1]}
         if args.gpu:
             out["gpu"] = {"name": args.gpu, "bytes": capacity}
             out["recommendation"] = None if rec is None else {
@@ -88,6 +97,8 @@ def _estimate(args) -> int:
           + (f", micro-batch {base.micro}" if base.micro != base.batch else ""))
     print(f"{'memory in GiB':<44}| weights | grads | optimizer | activations | temporary | total"
           + (" | fits" if capacity else ""))
+    if cpu:
+        print(f"CPU precision: {cpu[0]}: {cpu[1]}")
     listing = rows + ([("your setting", single)] if single else [])
     for label, est in listing:
         fits = (" | yes" if est.total <= capacity else " | no") if capacity else ""

@@ -2,9 +2,10 @@
 every Python installation has (its own standard library), and show what changed.
 
 baseline  float32 weights and activations, torch.optim.AdamW, no checkpointing
-memfit    autocast in the best precision for the device (bf16 where native, fp16 +
-          memfit's GradScaler on a T4), memfit.optim.AdamW8bit, and memfit's planner
-          checkpointing the blocks to half of their activation memory
+memfit    autocast in the best precision for the device (memfit.amp.precision: bf16
+          where native, fp16 + memfit's GradScaler on a T4, fp32 on a CPU that would
+          emulate bf16), memfit.optim.AdamW8bit, and memfit's planner checkpointing the
+          blocks to half of their activation memory
 
 Everything in the table is measured in this run: bytes of parameters, gradients and
 optimizer states from the tensors, activation bytes from saved-tensor hooks (what
@@ -137,6 +138,10 @@ def main(steps: int | None = None, device: str = "auto", out: str = "memfit-demo
     corpus = {"train": raw[:split], "val": raw[split:]}
     print(f"memfit demo: GPT ({kw['n_layer']} layers, d_model {kw['d_model']}) on {raw.numel() / 1e6:.1f} MB of "
           f"Python's standard library, byte-level, batch {batch} x {seq}, {steps} steps, on {device}")
+    from memfit.amp import precision
+
+    chosen = precision(dev.type)
+    print(f"memfit way's precision: {chosen} ({chosen.reason})")
     rows = [train("baseline", corpus, dev, steps, seed), train("memfit", corpus, dev, steps, seed)]
     print(format_rows(rows, {"val loss": lambda r: f"{r['final_val_loss']:.3f}"}))
     base, mf = rows
@@ -148,6 +153,10 @@ def main(steps: int | None = None, device: str = "auto", out: str = "memfit-demo
     outdir = Path(out)
     outdir.mkdir(parents=True, exist_ok=True)
     how = plot(rows, outdir / "loss.png")
-    (outdir / "demo.json").write_text(json.dumps({"device": device, "steps": steps, "rows": rows}, indent=2))
+    from memfit.hardware import cpu_info
+
+    meta = {"device": device, "steps": steps, "precision": str(chosen), "precision_reason": chosen.reason,
+            "cpu": cpu_info(), "cpu_kernels": memfit.cpu_kernels(), "threads": torch.get_num_threads()}
+    (outdir / "demo.json").write_text(json.dumps({**meta, "rows": rows}, indent=2))
     print(f"wrote {outdir / 'loss.png'} ({how}) and {outdir / 'demo.json'}")
     return 0

@@ -11,8 +11,10 @@ from memfit import _C
 
 
 def report() -> dict:
-    """Build information plus run-time facts: GPUs (name, compute capability, whether
-    bfloat16 is native), CPU threads memfit uses, and the frameworks it can see."""
+    """Build information plus run-time facts: the CPU (model, vector ISA, whether
+    bfloat16 is native, the precision memfit advises for it and why, the optimizer
+    kernel chosen), GPUs (name, compute capability, whether bfloat16 is native), CPU
+    threads memfit uses, and the frameworks it can see."""
     info = {"build": dict(_C.build_info())}
     gpus = []
     for i in range(_C.cuda_device_count()):
@@ -22,14 +24,19 @@ def report() -> dict:
         d["bf16_native"] = major >= 8
         d["total_memory_gb"] = round(d.pop("total_memory") / 2**30, 2)
         gpus.append(d)
+    from memfit.hardware import cpu_info, cpu_precision
     from memfit.nn.gemm import gemm_backend
+
+    cpu = dict(cpu_info())
+    cpu["precision"], cpu["precision_reason"] = cpu_precision()
 
     info["runtime"] = {
         "python": platform.python_version(),
         "platform": platform.platform(),
         "cpu_count": os.cpu_count(),
         "threads": _C.get_num_threads(),
-        "cpu_kernels": _C.cpu_kernels(),  # see memfit.cpu_kernels()
+        "cpu": cpu,
+        "cpu_kernels": _C.cpu_kernels(),  # the optimizer kernels: see memfit.cpu_kernels()
         "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
         "gpus": gpus,
         "cuda_usable": bool(gpus) and info["build"]["cuda"],
@@ -52,6 +59,7 @@ def report() -> dict:
 
 def format_report(info: dict) -> str:
     b, r = info["build"], info["runtime"]
+    c = r["cpu"]
     lines = [
         f"memfit {b['version']}",
         f"  built with   : {b['compiler']}, OpenMP {'yes' if b['openmp'] else 'no'}, "
@@ -59,7 +67,11 @@ def format_report(info: dict) -> str:
         f"  python       : {r['python']} on {r['platform']}",
         f"  CPU threads  : {r['threads']} of {r['cpu_count']} cores"
         + (f" (OMP_NUM_THREADS={r['omp_num_threads']})" if r["omp_num_threads"] else ""),
-        f"  CPU kernels  : {r['cpu_kernels']}",
+        f"  CPU          : {c['model_name']} ({', '.join(filter(None, (c['vendor'], c['arch'])))}), "
+        f"vector ISA {c['vector_isa']}, bf16 "
+        + (f"native ({', '.join(c['bf16_features'])})" if c["bf16_native"] else "not native (emulated)"),
+        f"  CPU precision: {c['precision']}: {c['precision_reason']}",
+        f"  CPU kernels  : {r['cpu_kernels']} (optimizer kernels)",
     ]
     if r["gpus"]:
         for i, g in enumerate(r["gpus"]):

@@ -366,14 +366,20 @@ def recommend(spec: ModelSpec, base: Setup, gpu: str):
     return None if best is None else (best[1], best[2], best[0][0])
 
 
-def comparison(spec: ModelSpec, base: Setup, bf16_native: bool = True) -> list:
-    """Baseline, each technique alone, and all of them together."""
-    half = "bf16" if bf16_native else "fp16"
+def comparison(spec: ModelSpec, base: Setup, bf16_native: bool = True, half: str | None = None) -> list:
+    """Baseline, each technique alone, and all of them together. ``half``: the autocast
+    precision of the device ("bf16", "fp16", or "fp32" where neither is faster, as on a
+    CPU without native bfloat16: then no autocast row); default from ``bf16_native``."""
+    half = half or ("bf16" if bf16_native else "fp16")
+    if half not in ("bf16", "fp16", "fp32"):
+        raise ValueError(f"half: expected bf16, fp16 or fp32, got {half!r}")
     rows = [("baseline (fp32, AdamW)", replace(base, precision="fp32", optimizer="adamw", checkpoint="none")),
             (f"+ {half} autocast", replace(base, precision=half, optimizer="adamw", checkpoint="none")),
             ("+ AdamW8bit", replace(base, precision="fp32", optimizer="adamw8bit", checkpoint="none")),
             ("+ checkpoint every layer", replace(base, precision="fp32", optimizer="adamw", checkpoint="every"))]
-    combo_prec = "bf16-pure" if bf16_native else "fp16"
+    if half == "fp32":
+        del rows[1]
+    combo_prec = "bf16-pure" if half == "bf16" else half
     combo = (f"memfit ({combo_prec}+Kahan + AdamW8bit + ckpt)" if base.kahan and combo_prec == "bf16-pure"
              else f"memfit ({combo_prec} + AdamW8bit + checkpoint)")
     rows.append((combo, replace(base, precision=combo_prec, optimizer="adamw8bit", checkpoint="every")))

@@ -95,6 +95,14 @@ int mf_get_num_threads(void);
  * "avx2" or "generic" (the widest the CPU has, capped by MEMFIT_CPU_ISA). */
 const char *mf_cpu_kernels(void);
 
+/* What the CPU is, for advice (not for picking kernels): the model name ("" where the CPU
+ * or OS does not say), the vendor ID ("AuthenticAMD", "GenuineIntel"; "" off x86), and
+ * which native bfloat16 compute it has: "amx-bf16", "avx512-bf16", both separated by a
+ * space, "bf16" (aarch64 FEAT_BF16), or "" (none: bf16 math would be emulated). */
+const char *mf_cpu_model_name(void);
+const char *mf_cpu_vendor(void);
+const char *mf_cpu_bf16_features(void);
+
 /* What this library was built with. */
 int mf_built_with_cuda(void);
 int mf_built_with_openmp(void);

@@ -43,21 +43,25 @@ def precision(device=None) -> Precision:
     there is one, else the CPU), with the reason:
 
     * ``"bf16"`` on GPUs of compute capability >= 8.0 (A100, RTX 30xx/40xx, H100) and
-      on the CPU: bfloat16 has float32's range, so no loss scaling is needed;
+      on CPUs that compute bfloat16 natively (AMX, AVX512-BF16, Arm BF16) or measurably
+      faster (:func:`memfit.hardware.cpu_precision`): bfloat16 has float32's range, so no
+      loss scaling is needed;
     * ``"fp16"`` on GPUs with float16 tensor cores but no native bfloat16 (T4, V100,
       RTX 20xx: capability 7.x) and on P100 (6.0): use a GradScaler;
-    * ``"fp32"`` where neither is faster (older GPUs, other devices).
+    * ``"fp32"`` where neither is faster (older GPUs, CPUs that would emulate bfloat16,
+      other devices).
 
-    >>> str(precision("cpu"))
-    'bf16'
+    >>> precision("cpu") in ("bf16", "fp32")
+    True
     """
     if device is None:
         device = _default_device()
     dev = torch.device(device) if not isinstance(device, torch.device) else device
     if dev.type == "cpu":
-        return Precision("bf16", "cpu", "the CPU autocasts to bfloat16 natively (fast with "
-                         "AVX512-BF16 or AMX); bfloat16 has float32's range, so no GradScaler "
-                         "is needed")
+        from memfit.hardware import cpu_precision
+
+        name, reason = cpu_precision()
+        return Precision(name, "cpu", reason)
     if dev.type == "cuda":
         if not torch.cuda.is_available():
             return Precision("fp32", str(dev), "CUDA is not available")

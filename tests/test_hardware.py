@@ -1,0 +1,187 @@
+"""memfit.hardware: what the CPU is (checked against the kernel's own /proc/cpuinfo), and
+the CPU precision rule: bf16 only where bfloat16 compute is native or measured faster,
+else fp32, always with the reason; forced by MEMFIT_CPU_PRECISION."""
+
+import json
+import platform
+import subprocess
+import sys
+
+import pytest
+
+from memfit import _C, hardware
+
+ENV = hardware.ENV_PRECISION
+
+
+def proc_flags() -> set:
+    return set((hardware._proc_cpuinfo().get("flags") or "").split())
+
+
+@pytest.fixture(autouse=True)
+def no_forced_precision(monkeypatch):
+    monkeypatch.delenv(ENV, raising=False)
+
+
+# ---- the CPU facts ---------------------------------------------------------------------------
+
+
+def test_cpu_info_fields_and_types():
+    info = hardware.cpu_info()
+    assert set(info) == {"model_name", "vendor", "arch", "vector_isa", "bf16_features", "bf16_native"}
+    assert info["model_name"] and isinstance(info["model_name"], str)
+    assert info["arch"] == platform.machine()
+    assert set(info["bf16_features"]) <= {"amx-bf16", "avx512-bf16", "bf16"}
+    assert info["bf16_native"] == bool(info["bf16_features"])
+    assert hardware.cpu_info() is info  # computed once
+
+
+@pytest.mark.skipif(platform.machine() != "x86_64" or not proc_flags(),
+                    reason="needs Linux on x86-64 (/proc/cpuinfo flags)")
+def test_cpuid_agrees_with_linux():
+    """The C core reads CPUID itself; Linux's own reading of the same CPU must agree."""
+    c = _C.cpu_info()
+    flags, fields = proc_flags(), hardware._proc_cpuinfo()
+    features = c["bf16_features"].split()
+    assert ("avx512-bf16" in features) == ("avx512_bf16" in flags)
+    assert ("amx-bf16" in features) == ("amx_bf16" in flags and "amx_tile" in flags)
+    assert c["vendor"] == fields["vendor_id"]
+    assert c["model_name"] == fields["model name"]
+    isa = hardware.cpu_info()["vector_isa"]
+    if "avx512f" not in flags:
+        assert "AVX512" not in isa
+
+
+def test_arm_facts_from_proc_cpuinfo(monkeypatch):
+    """aarch64 has no brand string: the model comes from /proc/cpuinfo's part number, and
+    without torch the vector ISA from its feature list."""
+    fields = {"cpu implementer": "0x41", "cpu part": "0xd4f", "features": "fp asimd evtstrm sve"}
+    assert hardware._model_name("", fields) == "Arm Neoverse V2"
+    assert hardware._model_name("", {"cpu implementer": "0x41", "cpu part": "0xabc"}) == \
+        "Arm implementer 0x41 part 0xabc"
+    assert hardware._model_name("AMD EPYC 7B13", fields) == "AMD EPYC 7B13"
+    real = hardware.importlib.util.find_spec
+    monkeypatch.setattr(hardware.importlib.util, "find_spec",
+                        lambda name, *a: None if name == "torch" else real(name, *a))
+    assert hardware._vector_isa(fields) == "SVE"
+    assert hardware._vector_isa({"features": "fp asimd"}) == "NEON"
+    assert hardware._vector_isa({"flags": "sse2 avx avx2 fma"}) == "AVX2"
+    assert hardware._vector_isa({}) == "unknown"
+
+
+# ---- the rule, with its inputs faked ----------------------------------------------------------
+
+
+def test_rule_native_flag_means_bf16_without_measuring():
+    name, why = hardware.choose_cpu_precision(["amx-bf16", "avx512-bf16"])
+    assert name == "bf16" and "natively" in why and "AMX-BF16" in why and "GradScaler" in why
+    assert hardware.choose_cpu_precision(["bf16"])[0] == "bf16"
+    # a native flag wins even over a (noisy) measurement that says otherwise
+    assert hardware.choose_cpu_precision(["avx512-bf16"], speedup=0.5)[0] == "bf16"
+
+
+def test_rule_measured_speed_decides_without_native_flag():
+    name, why = hardware.choose_cpu_precision([], speedup=1.5)
+    assert name == "bf16" and "0.67x the float32 time" in why
+    name, why = hardware.choose_cpu_precision([], speedup=1 / 5.9)
+    assert name == "fp32" and "5.90x the float32 time" in why and "no native bfloat16" in why
+    # just below the margin: not worth the risk of noise
+    assert hardware.choose_cpu_precision([], speedup=hardware.BF16_MIN_SPEEDUP * 0.99)[0] == "fp32"
+    assert hardware.choose_cpu_precision([], speedup=hardware.BF16_MIN_SPEEDUP)[0] == "bf16"
+    name, why = hardware.choose_cpu_precision([], speedup=None)  # no torch to measure with
+    assert name == "fp32" and "emulated" in why
+
+
+def test_rule_forced_by_environment():
+    for value, want in (("bf16", "bf16"), ("fp32", "fp32"), (" BF16 ", "bf16")):
+        name, why = hardware.choose_cpu_precision([], speedup=0.1, forced=value)
+        assert name == want and f"{ENV}={want}" in why
+    assert hardware.choose_cpu_precision(["amx-bf16"], forced="fp32")[0] == "fp32"
+    with pytest.raises(ValueError, match=ENV):
+        hardware.choose_cpu_precision([], forced="fp16")
+
+
+def test_cpu_precision_reads_environment(monkeypatch):
+    def no_measuring():
+        raise AssertionError("a forced or native answer must not measure")
+
+    monkeypatch.setattr(hardware, "measure_bf16_speedup", no_measuring)
+    monkeypatch.setenv(ENV, "bf16")
+    assert hardware.cpu_precision()[0] == "bf16"
+    monkeypatch.setenv(ENV, "fp32")
+    assert hardware.cpu_precision()[0] == "fp32"
+    monkeypatch.setenv(ENV, "int8")
+    with pytest.raises(ValueError, match=ENV):
+        hardware.cpu_precision()
+    monkeypatch.setenv(ENV, "auto")  # the same as unset
+    monkeypatch.setattr(hardware, "cpu_info", lambda: {"bf16_features": ["avx512-bf16"]})
+    assert hardware.cpu_precision()[0] == "bf16"
+
+
+def test_cpu_precision_measures_when_not_native(monkeypatch):
+    monkeypatch.setattr(hardware, "cpu_info", lambda: {"bf16_features": []})
+    monkeypatch.setattr(hardware, "measure_bf16_speedup", lambda: 2.0)
+    assert hardware.cpu_precision()[0] == "bf16"
+    monkeypatch.setattr(hardware, "measure_bf16_speedup", lambda: 0.2)
+    assert hardware.cpu_precision()[0] == "fp32"
+
+
+# ---- on this machine -------------------------------------------------------------------------
+
+
+def test_measurement_is_cached_and_positive():
+    pytest.importorskip("torch")
+    s = hardware.measure_bf16_speedup()
+    assert s > 0 and hardware.measure_bf16_speedup() == s
+
+
+def test_advice_on_this_machine():
+    """Here: without native bf16 the answer is fp32 unless bf16 measured faster (the
+    reason says which); with it, bf16."""
+    torch = pytest.importorskip("torch")
+    from memfit import amp
+
+    p = amp.precision("cpu")
+    if hardware.cpu_info()["bf16_native"]:
+        assert p == "bf16" and "natively" in p.reason
+    else:
+        speedup = hardware.measure_bf16_speedup()
+        want = "bf16" if speedup >= hardware.BF16_MIN_SPEEDUP else "fp32"
+        assert p == want and "no native bfloat16" in p.reason
+        assert f"{1 / speedup:.2f}x the float32 time" in p.reason
+    assert p.dtype is {"bf16": torch.bfloat16, "fp32": torch.float32}[str(p)]
+    ctx, scaler = amp.setup(torch.nn.Linear(2, 2), precision="auto")
+    assert ctx.dtype is p.dtype and ctx.enabled == (p == "bf16") and not scaler.is_enabled()
+
+
+def test_amp_follows_forced_precision(monkeypatch):
+    torch = pytest.importorskip("torch")
+    from memfit import amp
+
+    monkeypatch.setenv(ENV, "fp32")
+    p = amp.precision("cpu")
+    assert p == "fp32" and ENV in p.reason
+    ctx, _ = amp.setup(torch.nn.Linear(2, 2))
+    with ctx:
+        assert (torch.ones(2, 2) @ torch.ones(2, 2)).dtype is torch.float32
+    monkeypatch.setenv(ENV, "bf16")
+    assert amp.precision("cpu") == "bf16" and amp.autocast("cpu").dtype is torch.bfloat16
+
+
+def test_doctor_reports_the_cpu():
+    pytest.importorskip("torch")
+    out = subprocess.run([sys.executable, "-m", "memfit", "doctor", "--json"],
+                         capture_output=True, text=True, check=True)
+    cpu = json.loads(out.stdout)["runtime"]["cpu"]
+    info = hardware.cpu_info()
+    for key in ("model_name", "vendor", "vector_isa", "bf16_native", "bf16_features"):
+        assert cpu[key] == info[key], key
+    assert cpu["precision"] in ("bf16", "fp32") and cpu["precision_reason"]
+    if not info["bf16_native"]:
+        assert "no native bfloat16" in cpu["precision_reason"]
+    text = subprocess.run([sys.executable, "-m", "memfit", "doctor"], capture_output=True,
+                          text=True, check=True).stdout
+    assert f"CPU          : {info['model_name']}" in text and f"vector ISA {info['vector_isa']}" in text
+    assert ("bf16 native" if info["bf16_native"] else "bf16 not native") in text
+    assert f"CPU precision: {cpu['precision']}: " in text
+    assert f"CPU kernels  : {_C.cpu_kernels()} (optimizer kernels)" in text
