@@ -5,7 +5,9 @@
  * into a per-thread float buffer first so the absmax pass and the code search run on
  * plain floats. Element math: quant.h (shared with cuda/quant.cu). Nearest rounding
  * of large arrays goes through the exact lookup table of code_lut.h (same codes as
- * the binary search, several times faster).
+ * the binary search, several times faster). Where the CPU has AVX2, the absmax pass,
+ * the table search (AVX-512 CPUs keep code_lut.c's 16-lane gather) and the dequantize
+ * loop run in the AVX2 forms below; every form gives the same bytes.
  */
 #include <stdlib.h>
 
