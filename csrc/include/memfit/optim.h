@@ -263,9 +263,10 @@ static inline MF_HD int mf_optim_update_one(mf_optim_kind kind, const mf_optim_c
   } else {
     ok = mf_isfinite_f32(g) & mf_isfinite_f32(pn) & mf_isfinite_f32(an) & mf_isfinite_f32(bn);
   }
-  *p = ok ? pn : p0;
-  *s1 = ok ? an : a;
-  *s2 = ok ? bn : b;
+  /* (a select, not a conditional store: see mf_select_f32) */
+  *p = mf_select_f32(!ok, p0, pn);
+  *s1 = mf_select_f32(!ok, a, an);
+  *s2 = mf_select_f32(!ok, b, bn);
   return ok;
 }
 
