@@ -361,9 +361,9 @@ static block_fn pick_block_fn(void) {
 #define CPU_CHUNK 2048
 #define FUSED_CHUNK 16384
 /* Elements a thread takes from the shared work list at a time (whole items): taken one
- * item at a time, the threads interleave at a fine grain and the 16M-param 2-thread
- * AdamW8bit step ran ~3% slower when both cores ran at the same speed; 65536 elements
- * (4 fused items) kept that speed and most of the gain when they do not. */
+ * item at a time, the threads interleave at a fine grain and the step is slower when
+ * both cores run at the same speed; 65536 elements (4 fused items) keep that speed and
+ * most of the gain of dynamic sharing when they do not (benchmarks/RESULTS.md). */
 #define GRAB_ELEMS 65536
 
 /* The fused kernel that work items with whole quantization blocks go to (optim_fused.h;
@@ -389,6 +389,22 @@ static fused_fn pick_fused(const mf_optim_hparams *h, mf_state_format fmt, int n
 }
 #endif
 
+const char *mf_optim_cpu_kernel(void) {
+#ifdef MF_X86_SIMD
+  if (mf_cpu_has_vbmi()) return "avx512-vbmi";
+  if (mf_cpu_isa() == ISA_AVX512) return "avx512-gather";
+  if (mf_cpu_isa() == ISA_AVX2) {
+    /* the measurement needs a search table: the one of AdamW8bit's first state */
+    float code[MF_CODE_SIZE];
+    const mf_code_lut *lut = mf_dynamic_map(code, MF_CODE_SIZE, 1, 8, 7) == MF_OK
+                                 ? mf_code_lut_get(code, MF_CODE_SIZE) : NULL;
+    if (!lut) return "avx2";
+    return mf_optim_avx2_scalar_search(lut) ? "avx2-scalar" : "avx2-gather";
+  }
+#endif
+  return "generic";
+}
+
 /* The tensor that work item w belongs to: the i with start[i] <= w < start[i + 1]
  * (tensors without items have start[i] == start[i + 1] and are never returned). */
 static int64_t tensor_of_item(const int64_t *start, int64_t n, int64_t w) {
@@ -408,7 +424,7 @@ static mf_status step_cpu(const mf_optim_hparams *h, mf_state_format fmt, int64_
   if (found_inf && *(const float *)found_inf->data != 0.0f) return MF_OK; /* skipped step */
   const float inv_scale = grad_scale ? 1.0f / *(const float *)grad_scale->data : 1.0f;
   const int ns = mf_optim_num_states(h);
-  quant_ctx qc = {{NULL, NULL}, {NULL, NULL}, fmt == MF_STATE_4BIT ? MF_CODE4_SIZE : MF_CODE_SIZE};
+  quant_ctx qc = {{NULL, NULL}, {NULL, NULL}, fmt == MF_STATE_4BIT ? MF_CODE4_SIZE : MF_CODE_SIZE, 0};
   if (fmt != MF_STATE_FP32) {
     const mf_tensor *codes[2] = {code1, code2};
     for (int k = 0; k < ns; k++) {
@@ -419,6 +435,8 @@ static mf_status step_cpu(const mf_optim_hparams *h, mf_state_format fmt, int64_
   const block_fn block_step = pick_block_fn();
 #ifdef MF_X86_SIMD
   const fused_fn fused = pick_fused(h, fmt, ns, bs, &qc);
+  if (fused == mf_optim_fused8_avx2 || fused == mf_optim_fused4_avx2)
+    qc.scalar_search = mf_optim_avx2_scalar_search(qc.lut[0]);
 #else
   const void *fused = NULL;
 #endif
@@ -428,9 +446,8 @@ static mf_status step_cpu(const mf_optim_hparams *h, mf_state_format fmt, int64_
   /* Work items numbered across tensors: tensor i has items [start[i], start[i + 1]).
    * They are handed out GRAB_ELEMS elements' worth at a time (schedule(dynamic)) rather
    * than split evenly up front: the kernels are compute-bound, and on shared machines
-   * the cores do not run at the same speed (on the 2-vCPU reference VM one core or the
-   * other often runs this kernel 1.5-1.7x slower), so an even split waits for the slow
-   * one. */
+   * the cores do not run at the same speed (bench_optim_core.py's per-core line), so an
+   * even split waits for the slow one. */
   int64_t *start = (int64_t *)malloc((size_t)(n + 1) * sizeof *start);
   if (!start) return mf_error(MF_ERR_NOMEM, "optimizer step: out of host memory");
   start[0] = 0;

@@ -19,6 +19,7 @@ typedef struct {
   const float *code[2];        /* code tables of state1, state2 */
   const mf_code_lut *lut[2];   /* their search tables (NULL: binary search) */
   int code_size;               /* 256 or 16 */
+  int scalar_search;           /* AVX2 fused kernels: search by scalar loads, not gathers */
 } quant_ctx;
 
 /* Per-thread scratch, `chunk` floats each (ring: 4 quantization blocks), and the
@@ -167,6 +168,11 @@ typedef fused_kernel *fused_fn;
 fused_kernel mf_optim_fused8_avx512_vbmi, mf_optim_fused4_avx512_vbmi;
 fused_kernel mf_optim_fused8_avx512_gather, mf_optim_fused4_avx512_gather;
 fused_kernel mf_optim_fused8_avx2, mf_optim_fused4_avx2;
+
+/* Whether the AVX2 fused kernels search the code table by scalar loads (1) or gathers
+ * (0) on this CPU: MEMFIT_OPTIM_KERNEL=avx2-scalar|avx2-gather, else measured once per
+ * process on `lut` (a few hundred microseconds; optim_avx2.c). */
+int mf_optim_avx2_scalar_search(const mf_code_lut *lut);
 #endif
 
 #endif /* MEMFIT_OPTIM_CPU_H */

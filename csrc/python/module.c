@@ -3,6 +3,7 @@
  * runtime queries, and merges the method tables of the capability bindings.
  */
 #include "bindings.h"
+#include "memfit/optim.h"
 #ifdef MEMFIT_WITH_CUDA
 #include "memfit/cuda_launch.h"
 #endif
@@ -56,6 +57,12 @@ static PyObject *py_cpu_kernels(PyObject *self, PyObject *noargs) {
   return PyUnicode_FromString(mf_cpu_kernels());
 }
 
+static PyObject *py_optim_kernel(PyObject *self, PyObject *noargs) {
+  (void)self;
+  (void)noargs;
+  return PyUnicode_FromString(mf_optim_cpu_kernel());
+}
+
 static PyObject *py_cuda_device_count(PyObject *self, PyObject *noargs) {
   (void)self;
   (void)noargs;
@@ -95,6 +102,8 @@ static PyMethodDef core_methods[] = {
     {"set_num_threads", py_set_num_threads, METH_O, "Threads for CPU kernels (0: default)."},
     {"get_num_threads", py_get_num_threads, METH_NOARGS, "Threads CPU kernels use."},
     {"cpu_kernels", py_cpu_kernels, METH_NOARGS, "Vector form of the CPU kernels in use."},
+    {"optim_kernel", py_optim_kernel, METH_NOARGS,
+     "CPU optimizer kernel for 8/4-bit states (measured once where CPUID cannot tell)."},
     {"cuda_device_count", py_cuda_device_count, METH_NOARGS, "Visible CUDA devices (0 without)."},
     {"cuda_device_info", py_cuda_device_info, METH_O, "Name, capability and memory of a GPU."},
     {NULL, NULL, 0, NULL}};

@@ -351,6 +351,13 @@ mf_status mf_optim_check_hparams(const mf_optim_hparams *h);
 mf_status mf_optim_quantize_fast(const float *code, int size, const float *x, int64_t n,
                                  uint8_t *out);
 
+/* The CPU kernel that 8-bit and 4-bit states take on this machine: "avx512-vbmi",
+ * "avx512-gather", "avx2-gather" or "avx2-scalar" (AVX2 code search by gathers or by
+ * scalar loads: measured once per process, as CPUID cannot tell which is faster;
+ * MEMFIT_OPTIM_KERNEL=avx2-gather|avx2-scalar forces one), "avx2" (out of memory for
+ * the measurement's table) or "generic". For `memfit doctor` and benchmark metadata. */
+const char *mf_optim_cpu_kernel(void);
+
 /* Elements a state array of format fmt holds for a parameter of n elements. */
 int64_t mf_optim_state_numel(mf_state_format fmt, int64_t n);
 
