@@ -12,11 +12,10 @@
  *   3. absmax:   per block, of the new states, as the max of the float bit patterns
  *                with the sign cleared (same order as the values for non-negative floats)
  *   4. store:    narrow params; requantize the states with the code search below.
- * The update and absmax loops are auto-vectorised. The item function is compiled three
- * times (plain x86-64, AVX2, AVX-512) and picked at run time; the AVX-512 one uses
- * gathers for the 8-bit code lookups and the table search, and a register permute for
- * 4-bit codes. All of it is compiled with -ffp-contract=off, so no variant fuses a
- * multiply-add: every variant, and the CUDA kernel, computes the same bits (tested).
+ * The loops are auto-vectorised; the item function is compiled three times (plain
+ * x86-64, AVX2, AVX-512) and picked at run time. All of it is compiled with
+ * -ffp-contract=off, so no variant fuses a multiply-add: every variant, and the CUDA
+ * kernel, computes the same bits (tested).
  *
  * Code search: the exact lookup table of code_lut.h (bit-identical to the binary
  * search the CUDA kernels use), built once per code and cached.
@@ -25,8 +24,10 @@
  * states, and 4-bit states of Adam/AdamW) go to the fused, software-pipelined kernel of
  * optim_fused.h instead (built per instruction set in optim_avx512.c,
  * optim_avx512_gather.c and optim_avx2.c; same bits, tested): one pass per block that
- * overlaps the divider-bound update with the gather-bound requantization. Codes whose
- * search table has slow buckets (pick_fused) stay on the block kernel.
+ * overlaps the divider-bound update with the lookup-bound requantization. Codes whose
+ * search table has slow buckets (pick_fused) stay on the block kernel. On AVX2 the
+ * fused kernel's code search uses gathers or scalar loads, whichever a short
+ * measurement at the first step finds faster (optim_avx2.c; mf_optim_cpu_kernel).
  */
 #include <stdio.h>
 #include <stdlib.h>
@@ -245,7 +246,8 @@ mf_status mf_optim_quantize_fast(const float *code, int size, const float *x, in
 }
 
 
-/* One block [first, first + n) of one tensor; `isa` is a constant in each variant. */
+/* One block [first, first + n) of one tensor. Compiled once per instruction set (the
+ * variants below), the plain loops vectorise for each; `isa` keeps them apart. */
 MF_INLINE void block_step_impl(const mf_optim_hparams *h, const mf_optim_consts *c, int ns,
                                mf_state_format fmt, int64_t bs, const quant_ctx *qc,
                                const mf_optim_tensor *t, int64_t first, int64_t n,
@@ -282,21 +284,9 @@ MF_INLINE void block_step_impl(const mf_optim_hparams *h, const mf_optim_consts 
       const int64_t off = j * bs, len = n - off < bs ? n - off : bs;
       if (fmt == MF_STATE_8BIT) {
         const uint8_t *q = (const uint8_t *)st[k]->data + first + off;
-#ifdef MF_X86_SIMD
-        if (isa == ISA_AVX512) {
-          dequant8_avx512(q, qc->code[k], absmax[j], len, s[k] + off);
-          continue;
-        }
-#endif
         dequant8(q, qc->code[k], absmax[j], len, s[k] + off);
       } else {
         const uint8_t *q = (const uint8_t *)st[k]->data + (first + off) / 2;
-#ifdef MF_X86_SIMD
-        if (isa == ISA_AVX512) {
-          dequant4_avx512(q, qc->code[k], absmax[j], len, s[k] + off);
-          continue;
-        }
-#endif
         dequant4(q, qc->code[k], absmax[j], len, s[k] + off);
       }
     }

@@ -1,6 +1,7 @@
 /*
- * Private to the core: pieces of the CPU optimizer step shared by the generic block
- * kernel (optim.c) and the fused AVX-512 kernels for quantized states (optim_avx512.c).
+ * Private to the core: pieces of the CPU optimizer step shared by the block kernel
+ * (optim.c) and the fused kernels for quantized states (optim_fused.h, built in
+ * optim_avx512.c and optim_avx2.c).
  */
 #ifndef MEMFIT_OPTIM_CPU_H
 #define MEMFIT_OPTIM_CPU_H
@@ -120,8 +121,8 @@ MF_INLINE void pack4(const uint8_t *restrict q, int64_t n, uint8_t *restrict out
 #include <immintrin.h>
 
 /* AVX-512 dequantization, 16 elements at a time: the arithmetic of dequant8/dequant4 in
- * optim.c (one float multiply). The block kernel runs them over a block (with a scalar
- * tail); the fused kernels (optim_avx512.c) four times over a group of 64. */
+ * optim.c (one float multiply), for the fused kernels (optim_avx512.c), four times over
+ * a group of 64. */
 MF_TARGET_AVX512 static inline void dequant8_16_avx512(const uint8_t *restrict q,
                                                        const float *restrict code, __m512 absmax,
                                                        float *restrict out) {
@@ -138,24 +139,6 @@ MF_TARGET_AVX512 static inline void dequant4_16_avx512(const uint8_t *restrict q
                                         _mm_and_si128(_mm_srli_epi16(bytes, 4), low4));
   const __m512 v = _mm512_permutexvar_ps(_mm512_cvtepu8_epi32(nib), table);
   _mm512_storeu_ps(out, _mm512_mul_ps(v, absmax));
-}
-
-MF_TARGET_AVX512 static inline void dequant8_avx512(const uint8_t *restrict q,
-                                                    const float *restrict code, float absmax,
-                                                    int64_t n, float *restrict out) {
-  const __m512 a = _mm512_set1_ps(absmax);
-  int64_t i = 0;
-  for (; i + 16 <= n; i += 16) dequant8_16_avx512(q + i, code, a, out + i);
-  for (; i < n; i++) out[i] = code[q[i]] * absmax;
-}
-
-MF_TARGET_AVX512 static inline void dequant4_avx512(const uint8_t *restrict q,
-                                                    const float *restrict code, float absmax,
-                                                    int64_t n, float *restrict out) {
-  const __m512 a = _mm512_set1_ps(absmax), table = _mm512_loadu_ps(code);
-  int64_t i = 0;
-  for (; i + 16 <= n; i += 16) dequant4_16_avx512(q + i / 2, table, a, out + i);
-  for (; i < n; i++) out[i] = code[(q[i >> 1] >> ((i & 1) * 4)) & 15] * absmax;
 }
 
 /* The fused kernels (optim_fused.h): the same bits as the generic block kernel. They
