@@ -5,8 +5,13 @@
  *
  * Benchmark-only: the product code carries no markers. Each function wraps one loop
  * between LLVM-MCA-BEGIN/END comments and calls the same inline helpers as the
- * kernels in csrc/core (optim_cpu.h), so the modelled instructions are the shipped ones.
+ * kernels in csrc/core (optim_cpu.h, code_lut_avx2.h, code_lut_avx512.h), so the
+ * modelled instructions are the shipped ones; the gather forms that the AVX2 kernel
+ * does not use (dequantize) or uses where a measurement picks it (code search) are here
+ * for comparison.
  */
+#include "code_lut_avx2.h"
+#include "code_lut_avx512.h"
 #include "optim_cpu.h"
 
 #define MCA_BEGIN(spec) __asm__ volatile("# LLVM-MCA-BEGIN " spec ::: "memory")
@@ -24,81 +29,37 @@ UPDATE_ADAMW(mca_update_adamw_generic, , "update_adamw_generic elems=4 isa=gener
 UPDATE_ADAMW(mca_update_adamw_avx2, MF_TARGET_AVX2, "update_adamw_avx2 elems=8 isa=avx2")
 UPDATE_ADAMW(mca_update_adamw_avx512, MF_TARGET_AVX512, "update_adamw_avx512 elems=16 isa=avx512")
 
-/* 8-bit dequantization of 8 (16) codes: code[q] * absmax. */
-#include "code_lut_avx2.h"
-#include "code_lut_avx512.h"
-#include <string.h>
-
-MF_TARGET_AVX2 __attribute__((noinline)) void mca_dequant8_gather_avx2(const float *code,
-                                                                      const uint8_t *q, float a,
-                                                                      int64_t n, float *out) {
-  const __m256 va = _mm256_set1_ps(a);
-  MCA_BEGIN("dequant8_gather_avx2 elems=8 isa=avx2");
-  for (int64_t v = 0; v + 8 <= n; v += 8) {
-    const __m256i idx = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(q + v)));
-    _mm256_storeu_ps(out + v, _mm256_mul_ps(_mm256_i32gather_ps(code, idx, 4), va));
+/* A marked loop over n elements, `step` at a time: `body` reads code (dequantize) or
+ * lut (search) and in, writes out at element v. */
+#define MCA_LOOP(fn, target, spec, step, Tin, Tout, body)                                 \
+  target __attribute__((noinline)) void fn(const float *code, const mf_code_lut *lut,     \
+                                           const Tin *in, float k, int64_t n, Tout *out) { \
+    (void)code, (void)lut, (void)k;                                                      \
+    MCA_BEGIN(spec);                                                                     \
+    for (int64_t v = 0; v + step <= n; v += step) { body; }                              \
+    MCA_END();                                                                           \
   }
-  MCA_END();
-}
 
-/* as optim_avx2.c's dequant64_8 */
-MF_TARGET_AVX2 __attribute__((noinline)) void mca_dequant8_scalar_avx2(const float *code,
-                                                                      const uint8_t *q, float a,
-                                                                      int64_t n, float *out) {
-  const __m256 va = _mm256_set1_ps(a);
-  MCA_BEGIN("dequant8_scalar_avx2 elems=8 isa=avx2");
-  for (int64_t v = 0; v + 8 <= n; v += 8) {
-    uint64_t w;
-    memcpy(&w, q + v, 8);
-    const __m128 lo = _mm_setr_ps(code[w & 255], code[(w >> 8) & 255], code[(w >> 16) & 255],
-                                  code[(w >> 24) & 255]);
-    const __m128 hi = _mm_setr_ps(code[(w >> 32) & 255], code[(w >> 40) & 255],
-                                  code[(w >> 48) & 255], code[w >> 56]);
-    _mm256_storeu_ps(out + v, _mm256_mul_ps(_mm256_set_m128(hi, lo), va));
-  }
-  MCA_END();
-}
+/* 8-bit dequantization, code[q] * absmax (k) */
+MCA_LOOP(mca_dequant8_gather_avx2, MF_TARGET_AVX2, "dequant8_gather_avx2 elems=8 isa=avx2", 8,
+         uint8_t, float,
+         const __m256i idx = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(in + v)));
+         _mm256_storeu_ps(out + v, _mm256_mul_ps(_mm256_i32gather_ps(code, idx, 4), _mm256_set1_ps(k))))
+MCA_LOOP(mca_dequant8_scalar_avx2, MF_TARGET_AVX2, "dequant8_scalar_avx2 elems=8 isa=avx2", 8,
+         uint8_t, float,
+         _mm256_storeu_ps(out + v, _mm256_mul_ps(load_code8(code, in + v), _mm256_set1_ps(k))))
+MCA_LOOP(mca_dequant8_gather_avx512, MF_TARGET_AVX512, "dequant8_gather_avx512 elems=16 isa=avx512",
+         16, uint8_t, float, dequant8_16_avx512(in + v, code, _mm512_set1_ps(k), out + v))
 
-/* as optim_avx512.c's dequant8_16_avx512 (AVX-512 without VBMI) */
-MF_TARGET_AVX512 __attribute__((noinline)) void mca_dequant8_gather_avx512(const float *code,
-                                                                          const uint8_t *q,
-                                                                          float a, int64_t n,
-                                                                          float *out) {
-  const __m512 va = _mm512_set1_ps(a);
-  MCA_BEGIN("dequant8_gather_avx512 elems=16 isa=avx512");
-  for (int64_t v = 0; v + 16 <= n; v += 16) dequant8_16_avx512(q + v, code, va, out + v);
-  MCA_END();
-}
-
-/* The code search of 8 (16) floats into bytes: the fused kernels' requantization. */
-MF_TARGET_AVX2 __attribute__((noinline)) void mca_search_gather_avx2(const mf_code_lut *t,
-                                                                    const float *x, float inv,
-                                                                    int64_t n, uint8_t *q) {
-  const __m256 vinv = _mm256_set1_ps(inv);
-  MCA_BEGIN("search_gather_avx2 elems=8 isa=avx2");
-  for (int64_t v = 0; v + 8 <= n; v += 8)
-    _mm_storel_epi64((__m128i *)(q + v), mf_code_lut_bytes8(mf_code_lut_sum8(t, _mm256_loadu_ps(x + v), vinv)));
-  MCA_END();
-}
-
-MF_TARGET_AVX2 __attribute__((noinline)) void mca_search_scalar_avx2(const mf_code_lut *t,
-                                                                    const float *x, float inv,
-                                                                    int64_t n, uint8_t *q) {
-  const __m256 vinv = _mm256_set1_ps(inv);
-  MCA_BEGIN("search_scalar_avx2 elems=8 isa=avx2");
-  for (int64_t v = 0; v + 8 <= n; v += 8)
-    mf_code_lut_bytes8_scalar(t, _mm256_loadu_ps(x + v), vinv, q + v);
-  MCA_END();
-}
-
-MF_TARGET_AVX512 __attribute__((noinline)) void mca_search_gather_avx512(const mf_code_lut *t,
-                                                                        const float *x,
-                                                                        float inv, int64_t n,
-                                                                        uint8_t *q) {
-  const __m512 vinv = _mm512_set1_ps(inv);
-  MCA_BEGIN("search_gather_avx512 elems=16 isa=avx512");
-  for (int64_t v = 0; v + 16 <= n; v += 16)
-    _mm_storeu_si128((__m128i *)(q + v),
-                     _mm512_cvtepi32_epi8(_mm512_srli_epi32(mf_code_lut_sum16(t, _mm512_loadu_ps(x + v), vinv), 16)));
-  MCA_END();
-}
+/* the code search of x * inv (k) into bytes: the fused kernels' requantization */
+MCA_LOOP(mca_search_gather_avx2, MF_TARGET_AVX2, "search_gather_avx2 elems=8 isa=avx2", 8, float,
+         uint8_t,
+         _mm_storel_epi64((__m128i *)(out + v),
+                          mf_code_lut_bytes8(mf_code_lut_sum8(lut, _mm256_loadu_ps(in + v), _mm256_set1_ps(k)))))
+MCA_LOOP(mca_search_scalar_avx2, MF_TARGET_AVX2, "search_scalar_avx2 elems=8 isa=avx2", 8, float,
+         uint8_t, mf_code_lut_bytes8_scalar(lut, _mm256_loadu_ps(in + v), _mm256_set1_ps(k), out + v))
+MCA_LOOP(mca_search_gather_avx512, MF_TARGET_AVX512, "search_gather_avx512 elems=16 isa=avx512", 16,
+         float, uint8_t,
+         _mm_storeu_si128((__m128i *)(out + v),
+                          _mm512_cvtepi32_epi8(_mm512_srli_epi32(
+                              mf_code_lut_sum16(lut, _mm512_loadu_ps(in + v), _mm512_set1_ps(k)), 16))))

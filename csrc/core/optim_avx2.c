@@ -41,22 +41,12 @@ static inline void tables_init(thread_bufs *b, const quant_ctx *qc, int ns) {
   (void)b, (void)qc, (void)ns;
 }
 
-/* 8-bit codes: the 64 table values by scalar loads, not gathers. An 8-lane gather is
- * microcoded on AMD Zen and slower than eight loads there (benchmarks/RESULTS.md,
- * "AMD EPYC"); on Intel the two cost about the same (llvm-mca), so one form serves all. */
+/* 8-bit codes: the table values by scalar loads (load_code8), not gathers. */
 MF_TARGET_AVX2 static inline void dequant64_8(const thread_bufs *b, int k, const float *code,
                                               const uint8_t *q, float absmax, float *out) {
   (void)b, (void)k;
   const __m256 a = _mm256_set1_ps(absmax);
-  for (int v = 0; v < 64; v += 8) {
-    uint64_t w;
-    memcpy(&w, q + v, 8);
-    const __m128 lo = _mm_setr_ps(code[w & 255], code[(w >> 8) & 255], code[(w >> 16) & 255],
-                                  code[(w >> 24) & 255]);
-    const __m128 hi = _mm_setr_ps(code[(w >> 32) & 255], code[(w >> 40) & 255],
-                                  code[(w >> 48) & 255], code[w >> 56]);
-    _mm256_storeu_ps(out + v, _mm256_mul_ps(_mm256_set_m128(hi, lo), a));
-  }
+  for (int v = 0; v < 64; v += 8) _mm256_storeu_ps(out + v, _mm256_mul_ps(load_code8(code, q + v), a));
 }
 
 /* 4-bit states: 64 elements are 32 bytes, element 2i in the low nibble of byte i. The

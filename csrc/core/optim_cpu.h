@@ -119,6 +119,7 @@ MF_INLINE void pack4(const uint8_t *restrict q, int64_t n, uint8_t *restrict out
 
 #ifdef MF_X86_SIMD
 #include <immintrin.h>
+#include <string.h>
 
 /* AVX-512 dequantization, 16 elements at a time: the arithmetic of dequant8/dequant4 in
  * optim.c (one float multiply), for the fused kernels (optim_avx512.c), four times over
@@ -139,6 +140,18 @@ MF_TARGET_AVX512 static inline void dequant4_16_avx512(const uint8_t *restrict q
                                         _mm_and_si128(_mm_srli_epi16(bytes, 4), low4));
   const __m512 v = _mm512_permutexvar_ps(_mm512_cvtepu8_epi32(nib), table);
   _mm512_storeu_ps(out, _mm512_mul_ps(v, absmax));
+}
+
+/* code[q[0..7]] by eight scalar loads: on AVX2 faster than an 8-lane gather, which is
+ * microcoded on AMD Zen (benchmarks/RESULTS.md, "AMD EPYC"; llvm-mca agrees for Intel). */
+MF_TARGET_AVX2 static inline __m256 load_code8(const float *code, const uint8_t *q) {
+  uint64_t w;
+  memcpy(&w, q, 8);
+  const __m128 lo = _mm_setr_ps(code[w & 255], code[(w >> 8) & 255], code[(w >> 16) & 255],
+                                code[(w >> 24) & 255]);
+  const __m128 hi = _mm_setr_ps(code[(w >> 32) & 255], code[(w >> 40) & 255],
+                                code[(w >> 48) & 255], code[w >> 56]);
+  return _mm256_set_m128(hi, lo);
 }
 
 /* The fused kernels (optim_fused.h): the same bits as the generic block kernel. They
