@@ -106,7 +106,7 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--numel", type=int, default=16 * 1024 * 1024)
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--bits", type=int, choices=(8, 4), default=8)
+    ap.add_argument("--bits", type=int, choices=(32, 8, 4), default=8)
     ap.add_argument("--rounds", type=int, default=8, help="processes (each a fresh start)")
     ap.add_argument("--reps", type=int, default=5, help="timed repetitions per process")
     ap.add_argument("--steps", type=int, default=3,

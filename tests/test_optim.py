@@ -630,11 +630,15 @@ def test_fused_kernels_match_block_kernel_bitwise():
     import sys
 
     digests = {}
-    for isa in ("generic", "avx2", "avx512", "avx512vbmi"):
+    # the AVX2 kernels' code search by gathers or by scalar loads (MEMFIT_OPTIM_KERNEL)
+    for isa, kernel in (("generic", None), ("avx2", "avx2-gather"), ("avx2", "avx2-scalar"),
+                        ("avx512", None), ("avx512vbmi", None)):
         env = {**os.environ, "MEMFIT_CPU_ISA": isa}
+        if kernel:
+            env["MEMFIT_OPTIM_KERNEL"] = kernel
         r = subprocess.run([sys.executable, "-c", _FUSED_CASES], env=env, capture_output=True,
                            text=True, check=True)
-        digests[isa] = r.stdout
+        digests[(isa, kernel)] = r.stdout
     assert len(set(digests.values())) == 1, digests
 
 

@@ -1,6 +1,6 @@
 /*
  * The CPU optimizer step alone: mf_optim_step on one tensor of fp32 parameters with
- * 8-bit (or 4-bit) AdamW states, no Python in the way. benchmarks/bench_optim_core.py
+ * 8-bit (or 4-bit, or fp32) AdamW states, no Python in the way. benchmarks/bench_optim_core.py
  * builds and drives it; by hand:
  *
  *   bench_optim_step NUMEL THREADS [STEPS_PER_REP [REPS [BITS]]]
@@ -62,15 +62,16 @@ int main(int argc, char **argv) {
   const int steps = argc > 3 ? atoi(argv[3]) : 3;
   const int reps = argc > 4 ? atoi(argv[4]) : 15;
   const int bits = argc > 5 ? atoi(argv[5]) : 8;
-  if (n <= 0 || threads <= 0 || steps <= 0 || reps <= 0 || (bits != 8 && bits != 4)) {
-    fprintf(stderr, "NUMEL, THREADS, STEPS_PER_REP and REPS must be > 0, BITS 8 or 4\n");
+  if (n <= 0 || threads <= 0 || steps <= 0 || reps <= 0 || (bits != 32 && bits != 8 && bits != 4)) {
+    fprintf(stderr, "NUMEL, THREADS, STEPS_PER_REP and REPS must be > 0, BITS 32, 8 or 4\n");
     return 2;
   }
   mf_set_num_threads(threads);
   const int64_t bs = bits == 8 ? 256 : 128, nb = (n + bs - 1) / bs;
-  const int64_t sn = bits == 8 ? n : (n + 1) / 2, codes = bits == 8 ? 256 : 16;
+  const int64_t sn = bits == 4 ? (n + 1) / 2 : n, codes = bits == 4 ? 16 : 256;
+  const size_t es = bits == 32 ? 4 : 1; /* bytes per state element */
   float *p = malloc((size_t)n * 4), *g = malloc((size_t)n * 4);
-  uint8_t *s1 = calloc((size_t)sn, 1), *s2 = calloc((size_t)sn, 1);
+  uint8_t *s1 = calloc((size_t)sn, es), *s2 = calloc((size_t)sn, es);
   float *a1 = calloc((size_t)nb, 4), *a2 = calloc((size_t)nb, 4), step = 0.0f;
   float *c1 = malloc((size_t)codes * 4), *c2 = malloc((size_t)codes * 4);
   double *times = malloc((size_t)reps * sizeof(double));
@@ -83,7 +84,7 @@ int main(int argc, char **argv) {
     g[i] = normal() * 0.01f;
   }
   /* the codes memfit.optim uses (python/memfit/optim/_core.py: code_table) */
-  if (bits == 8) {
+  if (bits != 4) {
     mf_dynamic_map(c1, 256, 1, 8, 7);
     mf_dynamic_map(c2, 256, 0, 8, 7);
   } else {
@@ -95,8 +96,8 @@ int main(int argc, char **argv) {
   memset(&t, 0, sizeof t);
   t.param = cpu_tensor(p, MF_FLOAT32, n);
   t.grad = cpu_tensor(g, MF_FLOAT32, n);
-  t.state1 = cpu_tensor(s1, MF_UINT8, sn);
-  t.state2 = cpu_tensor(s2, MF_UINT8, sn);
+  t.state1 = cpu_tensor(s1, bits == 32 ? MF_FLOAT32 : MF_UINT8, sn);
+  t.state2 = cpu_tensor(s2, bits == 32 ? MF_FLOAT32 : MF_UINT8, sn);
   t.absmax1 = cpu_tensor(a1, MF_FLOAT32, nb);
   t.absmax2 = cpu_tensor(a2, MF_FLOAT32, nb);
   t.step = cpu_tensor(&step, MF_FLOAT32, 1);
@@ -108,10 +109,11 @@ int main(int argc, char **argv) {
   h.beta2 = 0.999;
   h.eps = 1e-8;
   h.weight_decay = 0.01;
-  const mf_state_format fmt = bits == 8 ? MF_STATE_8BIT : MF_STATE_4BIT;
+  const mf_state_format fmt = (mf_state_format)bits;
+  const mf_tensor *codes1 = bits == 32 ? NULL : &code1, *codes2 = bits == 32 ? NULL : &code2;
   for (int r = -3; r < reps * steps; r++) {
     const double t0 = now_s();
-    if (mf_optim_step(&h, fmt, bs, &code1, &code2, &t, 1, NULL, NULL, NULL)) {
+    if (mf_optim_step(&h, fmt, bs, codes1, codes2, &t, 1, NULL, NULL, NULL)) {
       fprintf(stderr, "mf_optim_step: %s\n", mf_last_error());
       return 1;
     }

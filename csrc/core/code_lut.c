@@ -98,6 +98,15 @@ static void quantize_scalar(const mf_code_lut *t, const float *x, float inv, int
 }
 
 #ifdef MF_X86_SIMD
+/* After a vector loop over [0, i): the scalar tail, and the whole run once more by
+ * mf_code_lut_quantize when some bucket was slow (bit 31 of a sum; rare, never with
+ * memfit's own codes). */
+static void finish(const mf_code_lut *t, const float *x, float inv, int64_t n, uint8_t *q,
+                   int64_t i, int slow) {
+  quantize_scalar(t, x + i, inv, n - i, q + i);
+  if (slow) quantize_scalar(t, x, inv, n, q);
+}
+
 MF_TARGET_AVX512 static void quantize_avx512(const mf_code_lut *t, const float *x, float inv,
                                              int64_t n, uint8_t *q) {
   const __m512 vinv = _mm512_set1_ps(inv);
@@ -105,8 +114,7 @@ MF_TARGET_AVX512 static void quantize_avx512(const mf_code_lut *t, const float *
   int64_t i = 0;
   for (; i + 16 <= n; i += 16)
     _mm_storeu_si128((__m128i *)(q + i), mf_code_lut_quantize16(t, _mm512_loadu_ps(x + i), vinv, &slow, 1));
-  quantize_scalar(t, x + i, inv, n - i, q + i);
-  if ((uint32_t)_mm512_reduce_or_epi32(slow) & MF_CODE_LUT_SLOW) quantize_scalar(t, x, inv, n, q);
+  finish(t, x, inv, n, q, i, ((uint32_t)_mm512_reduce_or_epi32(slow) & MF_CODE_LUT_SLOW) != 0);
 }
 
 MF_TARGET_AVX2 static void quantize_avx2(const mf_code_lut *t, const float *x, float inv,
@@ -116,8 +124,7 @@ MF_TARGET_AVX2 static void quantize_avx2(const mf_code_lut *t, const float *x, f
   int64_t i = 0;
   for (; i + 8 <= n; i += 8)
     _mm_storel_epi64((__m128i *)(q + i), mf_code_lut_quantize8(t, _mm256_loadu_ps(x + i), vinv, &slow, 1));
-  quantize_scalar(t, x + i, inv, n - i, q + i);
-  if (_mm256_movemask_ps(_mm256_castsi256_ps(slow))) quantize_scalar(t, x, inv, n, q);
+  finish(t, x, inv, n, q, i, _mm256_movemask_ps(_mm256_castsi256_ps(slow)) != 0);
 }
 #endif
 

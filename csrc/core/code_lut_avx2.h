@@ -9,14 +9,31 @@
 #ifdef MF_X86_SIMD
 #include <immintrin.h>
 
+/* The keys of 8 floats x * inv (code_lut.h: the bit patterns in the order of the values). */
+MF_TARGET_AVX2 static inline __m256i mf_code_lut_key8(__m256 x, __m256 inv) {
+  const __m256i u = _mm256_castps_si256(_mm256_mul_ps(x, inv));
+  return _mm256_xor_si256(u, _mm256_or_si256(_mm256_srai_epi32(u, 31),
+                                             _mm256_set1_epi32((int)0x80000000u)));
+}
+
 /* The AVX2 form of mf_code_lut_sum16 (code_lut_avx512.h): 8 floats x * inv -> 8 sums
  * entry[key >> 16] + key, with an 8-lane gather. */
 MF_TARGET_AVX2 static inline __m256i mf_code_lut_sum8(const mf_code_lut *t, __m256 x, __m256 inv) {
-  const __m256i u = _mm256_castps_si256(_mm256_mul_ps(x, inv));
-  const __m256i key = _mm256_xor_si256(u, _mm256_or_si256(_mm256_srai_epi32(u, 31),
-                                                          _mm256_set1_epi32((int)0x80000000u)));
+  const __m256i key = mf_code_lut_key8(x, inv);
   const __m256i e = _mm256_i32gather_epi32((const int *)t->entry, _mm256_srli_epi32(key, 16), 4);
   return _mm256_add_epi32(e, key);
+}
+
+/* The code indices of 8 floats x * inv as 8 bytes at out, with scalar table loads
+ * instead of a gather: the same sums as mf_code_lut_sum8 (byte 2 of each). No slow
+ * buckets or NaN (the optimizer's fused kernels only). On AMD Zen 1/2 an 8-lane gather
+ * costs about as much as eight scalar loads plus the shuffles around them and this
+ * is faster; on Intel and Zen 3/4 the gather is (optim_avx2.c measures which). */
+MF_TARGET_AVX2 static inline void mf_code_lut_bytes8_scalar(const mf_code_lut *t, __m256 x,
+                                                           __m256 inv, uint8_t *out) {
+  uint32_t k[8];
+  _mm256_storeu_si256((__m256i *)k, mf_code_lut_key8(x, inv));
+  for (int i = 0; i < 8; i++) out[i] = (uint8_t)((t->entry[k[i] >> 16] + k[i]) >> 16);
 }
 
 /* The code indices of 8 sums (byte 2 of each) in the low 8 bytes: to bytes 0-3 of each

@@ -12,11 +12,10 @@
  *   3. absmax:   per block, of the new states, as the max of the float bit patterns
  *                with the sign cleared (same order as the values for non-negative floats)
  *   4. store:    narrow params; requantize the states with the code search below.
- * The update and absmax loops are auto-vectorised. The item function is compiled three
- * times (plain x86-64, AVX2, AVX-512) and picked at run time; the AVX-512 one uses
- * gathers for the 8-bit code lookups and the table search, and a register permute for
- * 4-bit codes. All of it is compiled with -ffp-contract=off, so no variant fuses a
- * multiply-add: every variant, and the CUDA kernel, computes the same bits (tested).
+ * The loops are auto-vectorised; the item function is compiled three times (plain
+ * x86-64, AVX2, AVX-512) and picked at run time. All of it is compiled with
+ * -ffp-contract=off, so no variant fuses a multiply-add: every variant, and the CUDA
+ * kernel, computes the same bits (tested).
  *
  * Code search: the exact lookup table of code_lut.h (bit-identical to the binary
  * search the CUDA kernels use), built once per code and cached.
@@ -25,8 +24,10 @@
  * states, and 4-bit states of Adam/AdamW) go to the fused, software-pipelined kernel of
  * optim_fused.h instead (built per instruction set in optim_avx512.c,
  * optim_avx512_gather.c and optim_avx2.c; same bits, tested): one pass per block that
- * overlaps the divider-bound update with the gather-bound requantization. Codes whose
- * search table has slow buckets (pick_fused) stay on the block kernel.
+ * overlaps the divider-bound update with the lookup-bound requantization. Codes whose
+ * search table has slow buckets (pick_fused) stay on the block kernel. On AVX2 the
+ * fused kernel's code search uses gathers or scalar loads, whichever a short
+ * measurement at the first step finds faster (optim_avx2.c; mf_optim_cpu_kernel).
  */
 #include <stdio.h>
 #include <stdlib.h>
@@ -246,7 +247,8 @@ mf_status mf_optim_quantize_fast(const float *code, int size, const float *x, in
 }
 
 
-/* One block [first, first + n) of one tensor; `isa` is a constant in each variant. */
+/* One block [first, first + n) of one tensor. Compiled once per instruction set (the
+ * variants below), the plain loops vectorise for each; `isa` keeps them apart. */
 MF_INLINE void block_step_impl(const mf_optim_hparams *h, const mf_optim_consts *c, int ns,
                                mf_state_format fmt, int64_t bs, const quant_ctx *qc,
                                const mf_optim_tensor *t, int64_t first, int64_t n,
@@ -283,21 +285,9 @@ MF_INLINE void block_step_impl(const mf_optim_hparams *h, const mf_optim_consts 
       const int64_t off = j * bs, len = n - off < bs ? n - off : bs;
       if (fmt == MF_STATE_8BIT) {
         const uint8_t *q = (const uint8_t *)st[k]->data + first + off;
-#ifdef MF_X86_SIMD
-        if (isa == ISA_AVX512) {
-          dequant8_avx512(q, qc->code[k], absmax[j], len, s[k] + off);
-          continue;
-        }
-#endif
         dequant8(q, qc->code[k], absmax[j], len, s[k] + off);
       } else {
         const uint8_t *q = (const uint8_t *)st[k]->data + (first + off) / 2;
-#ifdef MF_X86_SIMD
-        if (isa == ISA_AVX512) {
-          dequant4_avx512(q, qc->code[k], absmax[j], len, s[k] + off);
-          continue;
-        }
-#endif
         dequant4(q, qc->code[k], absmax[j], len, s[k] + off);
       }
     }
@@ -362,9 +352,9 @@ static block_fn pick_block_fn(void) {
 #define CPU_CHUNK 2048
 #define FUSED_CHUNK 16384
 /* Elements a thread takes from the shared work list at a time (whole items): taken one
- * item at a time, the threads interleave at a fine grain and the 16M-param 2-thread
- * AdamW8bit step ran ~3% slower when both cores ran at the same speed; 65536 elements
- * (4 fused items) kept that speed and most of the gain when they do not. */
+ * item at a time, the threads interleave at a fine grain and the step is slower when
+ * both cores run at the same speed; 65536 elements (4 fused items) keep that speed and
+ * most of the gain of dynamic sharing when they do not (benchmarks/RESULTS.md). */
 #define GRAB_ELEMS 65536
 
 /* The fused kernel that work items with whole quantization blocks go to (optim_fused.h;
@@ -390,6 +380,22 @@ static fused_fn pick_fused(const mf_optim_hparams *h, mf_state_format fmt, int n
 }
 #endif
 
+const char *mf_optim_cpu_kernel(void) {
+#ifdef MF_X86_SIMD
+  if (mf_cpu_has_vbmi()) return "avx512-vbmi";
+  if (mf_cpu_isa() == ISA_AVX512) return "avx512-gather";
+  if (mf_cpu_isa() == ISA_AVX2) {
+    /* the measurement needs a search table: the one of AdamW8bit's first state */
+    float code[MF_CODE_SIZE];
+    const mf_code_lut *lut = mf_dynamic_map(code, MF_CODE_SIZE, 1, 8, 7) == MF_OK
+                                 ? mf_code_lut_get(code, MF_CODE_SIZE) : NULL;
+    if (!lut) return "avx2";
+    return mf_optim_avx2_scalar_search(lut) ? "avx2-scalar" : "avx2-gather";
+  }
+#endif
+  return "generic";
+}
+
 static mf_status step_cpu(const mf_optim_hparams *h, mf_state_format fmt, int64_t bs,
                           const mf_tensor *code1, const mf_tensor *code2,
                           const mf_optim_tensor *ts, int64_t n, const mf_tensor *grad_scale,
@@ -397,7 +403,7 @@ static mf_status step_cpu(const mf_optim_hparams *h, mf_state_format fmt, int64_
   if (found_inf && *(const float *)found_inf->data != 0.0f) return MF_OK; /* skipped step */
   const float inv_scale = grad_scale ? 1.0f / *(const float *)grad_scale->data : 1.0f;
   const int ns = mf_optim_num_states(h);
-  quant_ctx qc = {{NULL, NULL}, {NULL, NULL}, fmt == MF_STATE_4BIT ? MF_CODE4_SIZE : MF_CODE_SIZE};
+  quant_ctx qc = {{NULL, NULL}, {NULL, NULL}, fmt == MF_STATE_4BIT ? MF_CODE4_SIZE : MF_CODE_SIZE, 0};
   if (fmt != MF_STATE_FP32) {
     const mf_tensor *codes[2] = {code1, code2};
     for (int k = 0; k < ns; k++) {
@@ -408,6 +414,8 @@ static mf_status step_cpu(const mf_optim_hparams *h, mf_state_format fmt, int64_
   const block_fn block_step = pick_block_fn();
 #ifdef MF_X86_SIMD
   const fused_fn fused = pick_fused(h, fmt, ns, bs, &qc);
+  if (fused == mf_optim_fused8_avx2 || fused == mf_optim_fused4_avx2)
+    qc.scalar_search = mf_optim_avx2_scalar_search(qc.lut[0]);
 #else
   const void *fused = NULL;
 #endif
@@ -417,9 +425,8 @@ static mf_status step_cpu(const mf_optim_hparams *h, mf_state_format fmt, int64_
   /* Work items numbered across tensors: tensor i has items [start[i], start[i + 1]).
    * They are handed out GRAB_ELEMS elements' worth at a time (schedule(dynamic)) rather
    * than split evenly up front: the kernels are compute-bound, and on shared machines
-   * the cores do not run at the same speed (on the 2-vCPU reference VM one core or the
-   * other often runs this kernel 1.5-1.7x slower), so an even split waits for the slow
-   * one. */
+   * the cores do not run at the same speed (bench_optim_core.py's per-core line), so an
+   * even split waits for the slow one. */
   int64_t *start = (int64_t *)malloc((size_t)(n + 1) * sizeof *start);
   if (!start) return mf_error(MF_ERR_NOMEM, "optimizer step: out of host memory");
   const int64_t total_items = mf_mt_prefix(&ts[0].param.numel, sizeof *ts, n, chunk, start);

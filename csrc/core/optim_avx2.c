@@ -1,13 +1,18 @@
 /*
  * The fused CPU optimizer step (optim_fused.h) for AVX2 CPUs (Haswell to Alder Lake,
- * Zen 1-3): 8 lanes, table gathers to dequantize 8-bit codes, two permutes and a blend
- * for the 16-entry 4-bit code, and mf_code_lut_sum8 as the code search.
+ * Zen 1-3): 8 lanes, scalar table loads to dequantize 8-bit codes, two permutes and a
+ * blend for the 16-entry 4-bit code, and the exact table of code_lut.h as the code
+ * search, by gathers or by scalar loads (measured per process: see below).
  */
 #include "code_lut_avx2.h"
 #include "optim_cpu.h"
 
 #ifdef MF_X86_SIMD
+#include <math.h>
+#include <stdatomic.h>
+#include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 #define FUSED_TARGET MF_TARGET_AVX2
 #define FUSED8_ENTRY mf_optim_fused8_avx2
@@ -36,14 +41,12 @@ static inline void tables_init(thread_bufs *b, const quant_ctx *qc, int ns) {
   (void)b, (void)qc, (void)ns;
 }
 
+/* 8-bit codes: the table values by scalar loads (load_code8), not gathers. */
 MF_TARGET_AVX2 static inline void dequant64_8(const thread_bufs *b, int k, const float *code,
                                               const uint8_t *q, float absmax, float *out) {
   (void)b, (void)k;
   const __m256 a = _mm256_set1_ps(absmax);
-  for (int v = 0; v < 64; v += 8) {
-    const __m256i idx = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(q + v)));
-    _mm256_storeu_ps(out + v, _mm256_mul_ps(_mm256_i32gather_ps(code, idx, 4), a));
-  }
+  for (int v = 0; v < 64; v += 8) _mm256_storeu_ps(out + v, _mm256_mul_ps(load_code8(code, q + v), a));
 }
 
 /* 4-bit states: 64 elements are 32 bytes, element 2i in the low nibble of byte i. The
@@ -67,12 +70,21 @@ MF_TARGET_AVX2 static inline void dequant64_4(const float *code, const uint8_t *
 }
 
 /* 32 floats s * inv -> 32 code indices: bytes (bits 8), or nibbles, element 2i in the
- * low nibble of byte i (bits 4) */
-MF_TARGET_AVX2 static inline void quantize32(const mf_code_lut *lut, const float *s, float inv,
-                                             int bits, uint8_t *out) {
+ * low nibble of byte i (bits 4). The table lookups by gather or by scalar loads, as
+ * mf_optim_avx2_scalar_search chose for this CPU (the same bytes either way). */
+MF_TARGET_AVX2 static inline void quantize32(const mf_code_lut *lut, int scalar, const float *s,
+                                             float inv, int bits, uint8_t *out) {
   const __m256 vinv = _mm256_set1_ps(inv);
   for (int v = 0; v < 32; v += 8) {
-    const __m128i q = mf_code_lut_bytes8(mf_code_lut_sum8(lut, _mm256_loadu_ps(s + v), vinv));
+    __m128i q;
+    if (scalar) {
+      uint8_t bytes[8];
+      mf_code_lut_bytes8_scalar(lut, _mm256_loadu_ps(s + v), vinv, bits == 8 ? out + v : bytes);
+      if (bits == 8) continue;
+      q = _mm_loadl_epi64((const __m128i *)bytes);
+    } else {
+      q = mf_code_lut_bytes8(mf_code_lut_sum8(lut, _mm256_loadu_ps(s + v), vinv));
+    }
     if (bits == 8) {
       _mm_storel_epi64((__m128i *)(out + v), q);
     } else {
@@ -84,5 +96,52 @@ MF_TARGET_AVX2 static inline void quantize32(const mf_code_lut *lut, const float
 }
 
 #include "optim_fused.h"
+
+/* ---- gather or scalar loads: measured ----------------------------------------------
+ * CPUID does not say how fast a gather is: an 8-lane vpgatherdd is microcoded on AMD Zen
+ * 1/2, where eight scalar loads beat it, and fast on Zen 3/4 and on Intel, where the
+ * gather wins (measured and llvm-mca numbers: benchmarks/RESULTS.md, "AMD EPYC"). So
+ * the first AVX2 step of a process times both forms on the same synthetic block (well
+ * under a millisecond) and keeps the faster. */
+
+static double now_s(void) {
+  struct timespec t;
+  clock_gettime(CLOCK_MONOTONIC, &t);
+  return (double)t.tv_sec + (double)t.tv_nsec * 1e-9;
+}
+
+/* Whether the fastest of 9 alternating runs over CALIB synthetic states (normalised by
+ * their absmax: spread over [-1, 1], denser near 0) was the scalar one. */
+#define CALIB 2048
+static int measure_scalar_faster(const mf_code_lut *lut) {
+  float x[CALIB];
+  uint8_t q[CALIB];
+  uint32_t r = 12345u;
+  for (int i = 0; i < CALIB; i++, r = r * 1664525u + 1013904223u)
+    x[i] = powf((float)(r >> 8) / 8388608.0f - 1.0f, 3.0f);
+  double best[2] = {1e30, 1e30};
+  for (int rep = 0; rep < 18; rep++) {
+    const double t0 = now_s();
+    for (int i = 0; i < CALIB; i += 32) quantize32(lut, rep & 1, x + i, 1.0f, 8, q + i);
+    const double dt = now_s() - t0;
+    best[rep & 1] = dt < best[rep & 1] ? dt : best[rep & 1];
+  }
+  return best[1] < best[0];
+}
+
+/* -1: not yet known. Racing first calls may both measure; either answer is right. */
+static _Atomic int scalar_cached = -1;
+
+int mf_optim_avx2_scalar_search(const mf_code_lut *lut) {
+  int v = atomic_load_explicit(&scalar_cached, memory_order_relaxed);
+  if (v < 0) {
+    const char *force = getenv("MEMFIT_OPTIM_KERNEL");
+    if (force && !strcmp(force, "avx2-scalar")) v = 1;
+    else if (force && !strcmp(force, "avx2-gather")) v = 0;
+    else v = measure_scalar_faster(lut);
+    atomic_store_explicit(&scalar_cached, v, memory_order_relaxed);
+  }
+  return v;
+}
 
 #endif /* MF_X86_SIMD */

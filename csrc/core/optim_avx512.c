@@ -122,8 +122,9 @@ MF_TARGET_AVX512 static inline void dequant64_4(const float *code, const uint8_t
 #ifndef MF_FUSED_GATHER
 /* With VBMI one byte permute takes the indices (byte 2 of each sum, code_lut.h) out of
  * 32 sums at once: no shifts, and no vpmovdb (two uops each). */
-MF_TARGET_VBMI static inline void quantize32(const mf_code_lut *lut, const float *s, float inv,
-                                             int bits, uint8_t *out) {
+MF_TARGET_VBMI static inline void quantize32(const mf_code_lut *lut, int scalar, const float *s,
+                                             float inv, int bits, uint8_t *out) {
+  (void)scalar; /* AVX-512 CPUs gather fast */
   const __m512 vinv = _mm512_set1_ps(inv);
   /* byte i <- byte 2 of dword i of the 32 dwords of (lo, hi); bytes 32-63 unused */
   const __m512i pick = _mm512_set_epi32(0x7e7a7672, 0x6e6a6662, 0x5e5a5652, 0x4e4a4642,
@@ -141,8 +142,9 @@ MF_TARGET_VBMI static inline void quantize32(const mf_code_lut *lut, const float
   }
 }
 #else
-MF_TARGET_AVX512 static inline void quantize32(const mf_code_lut *lut, const float *s, float inv,
-                                               int bits, uint8_t *out) {
+MF_TARGET_AVX512 static inline void quantize32(const mf_code_lut *lut, int scalar, const float *s,
+                                               float inv, int bits, uint8_t *out) {
+  (void)scalar;
   const __m512 vinv = _mm512_set1_ps(inv);
   for (int v = 0; v < 32; v += 16) {
     const __m512i sum = mf_code_lut_sum16(lut, _mm512_loadu_ps(s + v), vinv);

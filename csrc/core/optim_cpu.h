@@ -1,6 +1,7 @@
 /*
- * Private to the core: pieces of the CPU optimizer step shared by the generic block
- * kernel (optim.c) and the fused AVX-512 kernels for quantized states (optim_avx512.c).
+ * Private to the core: pieces of the CPU optimizer step shared by the block kernel
+ * (optim.c) and the fused kernels for quantized states (optim_fused.h, built in
+ * optim_avx512.c and optim_avx2.c).
  */
 #ifndef MEMFIT_OPTIM_CPU_H
 #define MEMFIT_OPTIM_CPU_H
@@ -19,6 +20,7 @@ typedef struct {
   const float *code[2];        /* code tables of state1, state2 */
   const mf_code_lut *lut[2];   /* their search tables (NULL: binary search) */
   int code_size;               /* 256 or 16 */
+  int scalar_search;           /* AVX2 fused kernels: search by scalar loads, not gathers */
 } quant_ctx;
 
 /* Per-thread scratch, `chunk` floats each (ring: 4 quantization blocks), and the
@@ -117,10 +119,11 @@ MF_INLINE void pack4(const uint8_t *restrict q, int64_t n, uint8_t *restrict out
 
 #ifdef MF_X86_SIMD
 #include <immintrin.h>
+#include <string.h>
 
 /* AVX-512 dequantization, 16 elements at a time: the arithmetic of dequant8/dequant4 in
- * optim.c (one float multiply). The block kernel runs them over a block (with a scalar
- * tail); the fused kernels (optim_avx512.c) four times over a group of 64. */
+ * optim.c (one float multiply), for the fused kernels (optim_avx512.c), four times over
+ * a group of 64. */
 MF_TARGET_AVX512 static inline void dequant8_16_avx512(const uint8_t *restrict q,
                                                        const float *restrict code, __m512 absmax,
                                                        float *restrict out) {
@@ -139,22 +142,16 @@ MF_TARGET_AVX512 static inline void dequant4_16_avx512(const uint8_t *restrict q
   _mm512_storeu_ps(out, _mm512_mul_ps(v, absmax));
 }
 
-MF_TARGET_AVX512 static inline void dequant8_avx512(const uint8_t *restrict q,
-                                                    const float *restrict code, float absmax,
-                                                    int64_t n, float *restrict out) {
-  const __m512 a = _mm512_set1_ps(absmax);
-  int64_t i = 0;
-  for (; i + 16 <= n; i += 16) dequant8_16_avx512(q + i, code, a, out + i);
-  for (; i < n; i++) out[i] = code[q[i]] * absmax;
-}
-
-MF_TARGET_AVX512 static inline void dequant4_avx512(const uint8_t *restrict q,
-                                                    const float *restrict code, float absmax,
-                                                    int64_t n, float *restrict out) {
-  const __m512 a = _mm512_set1_ps(absmax), table = _mm512_loadu_ps(code);
-  int64_t i = 0;
-  for (; i + 16 <= n; i += 16) dequant4_16_avx512(q + i / 2, table, a, out + i);
-  for (; i < n; i++) out[i] = code[(q[i >> 1] >> ((i & 1) * 4)) & 15] * absmax;
+/* code[q[0..7]] by eight scalar loads: on AVX2 faster than an 8-lane gather, which is
+ * microcoded on AMD Zen (benchmarks/RESULTS.md, "AMD EPYC"; llvm-mca agrees for Intel). */
+MF_TARGET_AVX2 static inline __m256 load_code8(const float *code, const uint8_t *q) {
+  uint64_t w;
+  memcpy(&w, q, 8);
+  const __m128 lo = _mm_setr_ps(code[w & 255], code[(w >> 8) & 255], code[(w >> 16) & 255],
+                                code[(w >> 24) & 255]);
+  const __m128 hi = _mm_setr_ps(code[(w >> 32) & 255], code[(w >> 40) & 255],
+                                code[(w >> 48) & 255], code[w >> 56]);
+  return _mm256_set_m128(hi, lo);
 }
 
 /* The fused kernels (optim_fused.h): the same bits as the generic block kernel. They
@@ -167,6 +164,11 @@ typedef fused_kernel *fused_fn;
 fused_kernel mf_optim_fused8_avx512_vbmi, mf_optim_fused4_avx512_vbmi;
 fused_kernel mf_optim_fused8_avx512_gather, mf_optim_fused4_avx512_gather;
 fused_kernel mf_optim_fused8_avx2, mf_optim_fused4_avx2;
+
+/* Whether the AVX2 fused kernels search the code table by scalar loads (1) or gathers
+ * (0) on this CPU: MEMFIT_OPTIM_KERNEL=avx2-scalar|avx2-gather, else measured once per
+ * process on `lut` (a few hundred microseconds; optim_avx2.c). */
+int mf_optim_avx2_scalar_search(const mf_code_lut *lut);
 #endif
 
 #endif /* MEMFIT_OPTIM_CPU_H */

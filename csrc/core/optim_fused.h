@@ -38,7 +38,8 @@
  *     acc_max(acc)                      (the max lane)
  *   tables_init(b, qc, ns)            per-thread lookup tables, once per step call
  *   dequant64_8(b, k, code, q, absmax, out), dequant64_4(code, q, absmax, out)
- *   quantize32(lut, s, inv, bits, out)   32 codes (bytes, or nibbles for 4-bit)
+ *   quantize32(lut, scalar, s, inv, bits, out)   32 codes (bytes, or nibbles for 4-bit),
+ *                                     by scalar table loads when `scalar` (AVX2)
  */
 #ifndef MEMFIT_OPTIM_FUSED_H
 #define MEMFIT_OPTIM_FUSED_H
@@ -46,21 +47,18 @@
 #define GROUP 64 /* elements per dequantize / absmax call */
 
 /* Update and requantize take turns every HALF elements: the update waits on the
- * divider (a sqrt and a division per element), the code search on table gathers, two
+ * divider (a sqrt and a division per element), the code search on table loads, two
  * different units. Written one after the other per group of 64, the instructions that
- * wait on the divider filled the out-of-order window and the gathers of the next phase
- * could not start; in halves of 32 they overlap. On the 2-core reference machine
- * (AVX-512 + VBMI) this took the 16M-param 2-thread AdamW8bit step from 11.4 to
- * 10.3 ms (C harness, best of 8 alternating runs); a hand-split update (everything up
- * to the division, then the requantize, then the rest) gained no more. */
+ * wait on the divider filled the out-of-order window and the loads of the next phase
+ * could not start; in halves of 32 they overlap (measured: benchmarks/RESULTS.md,
+ * "Fused kernel: design measurements"). */
 #define HALF 32
 
 /* Software prefetch, PREFETCH elements (1-2 KB of each array) ahead of the group being
  * dequantized. The loop is compute-heavy, so the demand misses of its streams (param,
- * grad, the code arrays) come late for the hardware prefetchers; on the 2-core
- * reference machine (AVX-512) this took the 16M-param 2-thread AdamW8bit step from
- * 12.5 to 11.3-11.5 ms (best of 10 runs; distances of 384-640 elements did the same).
- * Only within the work item: prefetches never cross into another thread's. */
+ * grad, the code arrays) come late for the hardware prefetchers (measured gain and the
+ * distances tried: benchmarks/RESULTS.md, "Fused kernel: design measurements"). Only
+ * within the work item: prefetches never cross into another thread's. */
 #define PREFETCH 512
 
 /* (Always inlined, and the builtin rather than _mm_prefetch: GCC 12 otherwise finds a
@@ -109,11 +107,7 @@ MF_INLINE FUSED_TARGET void dequant_group(const int ns, const int bits, const fu
  *
  * The states are dequantized one group ahead of their update (the block's first group
  * before the loop), so the update reads values stored a group earlier instead of
- * waiting on the permutes that make them: ~3% on the single-thread L2-resident step of
- * the 2-core reference machine (AVX-512 + VBMI). With Adam's cheaper skip test
- * (optim.h) the step took 0.964 of the time before both: `python
- * benchmarks/bench_optim_core.py --against 2c8a155 --numel 65536 --threads 1 --steps 20
- * --reps 20 --rounds 20`, median of the same-round ratios. */
+ * waiting on the loads and permutes that make them (measured: RESULTS.md, as above). */
 MF_INLINE FUSED_TARGET void fused_round(const mf_optim_kind kind, const int ns, const int bits,
                                         const int f32, const int update, const int quant,
                                         fused_state *s, int64_t j) {
@@ -143,7 +137,7 @@ MF_INLINE FUSED_TARGET void fused_round(const mf_optim_kind kind, const int ns, 
                     ns > 1 ? cur[1] + o + x : b->zero);
       if (quant)
         for (int k = 0; k < ns; k++)
-          quantize32(qc->lut[k], prev[k] + o + x, s->inv_prev[k], bits,
+          quantize32(qc->lut[k], qc->scalar_search, prev[k] + o + x, s->inv_prev[k], bits,
                      s->codes[k] + (bits == 8 ? at_prev + x : (at_prev + x) / 2));
     }
     if (update) {

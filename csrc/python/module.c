@@ -3,6 +3,7 @@
  * runtime queries, and merges the method tables of the capability bindings.
  */
 #include "bindings.h"
+#include "memfit/optim.h"
 #ifdef MEMFIT_WITH_CUDA
 #include "memfit/cuda_launch.h"
 #endif
@@ -63,6 +64,12 @@ static PyObject *py_cpu_info(PyObject *self, PyObject *noargs) {
                        mf_cpu_vendor(), "bf16_features", mf_cpu_bf16_features());
 }
 
+static PyObject *py_optim_kernel(PyObject *self, PyObject *noargs) {
+  (void)self;
+  (void)noargs;
+  return PyUnicode_FromString(mf_optim_cpu_kernel());
+}
+
 static PyObject *py_cuda_device_count(PyObject *self, PyObject *noargs) {
   (void)self;
   (void)noargs;
@@ -118,6 +125,8 @@ static PyMethodDef core_methods[] = {
     {"get_num_threads", py_get_num_threads, METH_NOARGS, "Threads CPU kernels use."},
     {"cpu_kernels", py_cpu_kernels, METH_NOARGS, "Vector form of the CPU kernels in use."},
     {"cpu_info", py_cpu_info, METH_NOARGS, "CPU model name, vendor and native bf16 features."},
+    {"optim_kernel", py_optim_kernel, METH_NOARGS,
+     "CPU optimizer kernel for 8/4-bit states (measured once where CPUID cannot tell)."},
     {"cuda_device_count", py_cuda_device_count, METH_NOARGS, "Visible CUDA devices (0 without)."},
     {"cuda_device_info", py_cuda_device_info, METH_O, "Name, capability and memory of a GPU."},
     {"cuda_unavailable", py_cuda_unavailable, METH_NOARGS, "Why no GPU is usable, or None."},

@@ -263,9 +263,10 @@ static inline MF_HD int mf_optim_update_one(mf_optim_kind kind, const mf_optim_c
   } else {
     ok = mf_isfinite_f32(g) & mf_isfinite_f32(pn) & mf_isfinite_f32(an) & mf_isfinite_f32(bn);
   }
-  *p = ok ? pn : p0;
-  *s1 = ok ? an : a;
-  *s2 = ok ? bn : b;
+  /* (a select, not a conditional store: see mf_select_f32) */
+  *p = mf_select_f32(!ok, p0, pn);
+  *s1 = mf_select_f32(!ok, a, an);
+  *s2 = mf_select_f32(!ok, b, bn);
   return ok;
 }
 
@@ -349,6 +350,13 @@ mf_status mf_optim_check_hparams(const mf_optim_hparams *h);
  * out[i] = mf_optim_quantize(code, size, x[i]) for size 16 or 256. */
 mf_status mf_optim_quantize_fast(const float *code, int size, const float *x, int64_t n,
                                  uint8_t *out);
+
+/* The CPU kernel that 8-bit and 4-bit states take on this machine: "avx512-vbmi",
+ * "avx512-gather", "avx2-gather" or "avx2-scalar" (AVX2 code search by gathers or by
+ * scalar loads: measured once per process, as CPUID cannot tell which is faster;
+ * MEMFIT_OPTIM_KERNEL=avx2-gather|avx2-scalar forces one), "avx2" (out of memory for
+ * the measurement's table) or "generic". For `memfit doctor` and benchmark metadata. */
+const char *mf_optim_cpu_kernel(void);
 
 /* Elements a state array of format fmt holds for a parameter of n elements. */
 int64_t mf_optim_state_numel(mf_state_format fmt, int64_t n);

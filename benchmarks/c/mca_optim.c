@@ -1,0 +1,65 @@
+/*
+ * The CPU optimizer's hot loops for benchmarks/mca_model.py to model with llvm-mca:
+ *
+ *   python benchmarks/mca_model.py --source benchmarks/c/mca_optim.c --per 8
+ *
+ * Benchmark-only: the product code carries no markers. Each function wraps one loop
+ * between LLVM-MCA-BEGIN/END comments and calls the same inline helpers as the
+ * kernels in csrc/core (optim_cpu.h, code_lut_avx2.h, code_lut_avx512.h), so the
+ * modelled instructions are the shipped ones; the gather forms that the AVX2 kernel
+ * does not use (dequantize) or uses where a measurement picks it (code search) are here
+ * for comparison.
+ */
+#include "code_lut_avx2.h"
+#include "code_lut_avx512.h"
+#include "optim_cpu.h"
+
+#define MCA_BEGIN(spec) __asm__ volatile("# LLVM-MCA-BEGIN " spec ::: "memory")
+#define MCA_END() __asm__ volatile("# LLVM-MCA-END" ::: "memory")
+
+/* The fp32-state AdamW update (block kernel, and the update half of the fused one). */
+#define UPDATE_ADAMW(fn, target, spec)                                                   \
+  target __attribute__((noinline)) void fn(const mf_optim_consts *c, int64_t n, float *p,  \
+                                           const float *g, float *s1, float *s2) {        \
+    MCA_BEGIN(spec);                                                                     \
+    update_loop(MF_OPT_ADAMW, c, 2, n, p, g, s1, s2);                                    \
+    MCA_END();                                                                           \
+  }
+UPDATE_ADAMW(mca_update_adamw_generic, , "update_adamw_generic elems=4 isa=generic")
+UPDATE_ADAMW(mca_update_adamw_avx2, MF_TARGET_AVX2, "update_adamw_avx2 elems=8 isa=avx2")
+UPDATE_ADAMW(mca_update_adamw_avx512, MF_TARGET_AVX512, "update_adamw_avx512 elems=16 isa=avx512")
+
+/* A marked loop over n elements, `step` at a time: `body` reads code (dequantize) or
+ * lut (search) and in, writes out at element v. */
+#define MCA_LOOP(fn, target, spec, step, Tin, Tout, body)                                 \
+  target __attribute__((noinline)) void fn(const float *code, const mf_code_lut *lut,     \
+                                           const Tin *in, float k, int64_t n, Tout *out) { \
+    (void)code, (void)lut, (void)k;                                                      \
+    MCA_BEGIN(spec);                                                                     \
+    for (int64_t v = 0; v + step <= n; v += step) { body; }                              \
+    MCA_END();                                                                           \
+  }
+
+/* 8-bit dequantization, code[q] * absmax (k) */
+MCA_LOOP(mca_dequant8_gather_avx2, MF_TARGET_AVX2, "dequant8_gather_avx2 elems=8 isa=avx2", 8,
+         uint8_t, float,
+         const __m256i idx = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(in + v)));
+         _mm256_storeu_ps(out + v, _mm256_mul_ps(_mm256_i32gather_ps(code, idx, 4), _mm256_set1_ps(k))))
+MCA_LOOP(mca_dequant8_scalar_avx2, MF_TARGET_AVX2, "dequant8_scalar_avx2 elems=8 isa=avx2", 8,
+         uint8_t, float,
+         _mm256_storeu_ps(out + v, _mm256_mul_ps(load_code8(code, in + v), _mm256_set1_ps(k))))
+MCA_LOOP(mca_dequant8_gather_avx512, MF_TARGET_AVX512, "dequant8_gather_avx512 elems=16 isa=avx512",
+         16, uint8_t, float, dequant8_16_avx512(in + v, code, _mm512_set1_ps(k), out + v))
+
+/* the code search of x * inv (k) into bytes: the fused kernels' requantization */
+MCA_LOOP(mca_search_gather_avx2, MF_TARGET_AVX2, "search_gather_avx2 elems=8 isa=avx2", 8, float,
+         uint8_t,
+         _mm_storel_epi64((__m128i *)(out + v),
+                          mf_code_lut_bytes8(mf_code_lut_sum8(lut, _mm256_loadu_ps(in + v), _mm256_set1_ps(k)))))
+MCA_LOOP(mca_search_scalar_avx2, MF_TARGET_AVX2, "search_scalar_avx2 elems=8 isa=avx2", 8, float,
+         uint8_t, mf_code_lut_bytes8_scalar(lut, _mm256_loadu_ps(in + v), _mm256_set1_ps(k), out + v))
+MCA_LOOP(mca_search_gather_avx512, MF_TARGET_AVX512, "search_gather_avx512 elems=16 isa=avx512", 16,
+         float, uint8_t,
+         _mm_storeu_si128((__m128i *)(out + v),
+                          _mm512_cvtepi32_epi8(_mm512_srli_epi32(
+                              mf_code_lut_sum16(lut, _mm512_loadu_ps(in + v), _mm512_set1_ps(k)), 16))))
