@@ -55,6 +55,7 @@ def metadata(device: str) -> dict:
         "cores": os.cpu_count(),
         "memfit_threads": memfit.get_num_threads(),
         "memfit_cpu_kernels": memfit.cpu_kernels(),
+        "memfit_optim_kernel": memfit.optim_kernel(),
         "device": device,
     }
     from importlib import metadata as md

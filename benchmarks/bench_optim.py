@@ -299,7 +299,7 @@ def main(argv=None):
     meta["cpu"]["core_step_ms"] = {"before": speeds, "after": speeds_after}
     m = meta["cpu"]
     print(f"cpu: {m['cpu_model']} ({m['cpu']}), {m['cores']} cores, memfit CPU kernels "
-          f"{m['memfit_cpu_kernels']}, copy {m['copy_bandwidth_gbps']:.1f} GB/s (read+write), "
+          f"{m['memfit_cpu_kernels']}, optimizer kernel {m['memfit_optim_kernel']}, copy {m['copy_bandwidth_gbps']:.1f} GB/s (read+write), "
           f"memfit {m['memfit_threads']} / torch {m.get('torch_threads')} threads, torch {m.get('torch')}, "
           f"commit {m['commit']}, {m['date']}")
     if speeds:

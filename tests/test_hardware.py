@@ -184,4 +184,7 @@ def test_doctor_reports_the_cpu():
     assert f"CPU          : {info['model_name']}" in text and f"vector ISA {info['vector_isa']}" in text
     assert ("bf16 native" if info["bf16_native"] else "bf16 not native") in text
     assert f"CPU precision: {cpu['precision']}: " in text
-    assert f"CPU kernels  : {_C.cpu_kernels()} (optimizer kernels)" in text
+    kernel = _C.optim_kernel()
+    assert kernel in ("avx512-vbmi", "avx512-gather", "avx2-gather", "avx2-scalar", "generic")
+    assert json.loads(out.stdout)["runtime"]["optim_kernel"] == kernel
+    assert f"CPU kernels  : {_C.cpu_kernels()}; 8/4-bit optimizer kernel {kernel}" in text

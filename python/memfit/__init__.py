@@ -25,6 +25,7 @@ __all__ = [
     "cast",
     "checkpoint",
     "cpu_kernels",
+    "optim_kernel",
     "cuda_device_count",
     "get_num_threads",
     "optim",
@@ -69,6 +70,15 @@ def cpu_kernels() -> str:
     ``"avx512"``, ``"avx2"`` or ``"generic"`` (the widest the CPU has; the environment
     variable ``MEMFIT_CPU_ISA=generic|avx2|avx512|avx512vbmi`` caps it, read once)."""
     return _C.cpu_kernels()
+
+
+def optim_kernel() -> str:
+    """The CPU kernel memfit's 8-bit/4-bit optimizer steps run on this machine:
+    ``"avx512-vbmi"``, ``"avx512-gather"``, ``"avx2-gather"``, ``"avx2-scalar"`` or
+    ``"generic"``. Where CPUID cannot tell which AVX2 code search is faster, the first call
+    times both (a few ms, once per process); ``MEMFIT_OPTIM_KERNEL=avx2-gather|avx2-scalar``
+    forces one."""
+    return _C.optim_kernel()
 
 
 def cast(x, dtype, rounding="nearest", seed=None, out=None):

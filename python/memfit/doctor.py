@@ -36,7 +36,8 @@ def report() -> dict:
         "cpu_count": os.cpu_count(),
         "threads": _C.get_num_threads(),
         "cpu": cpu,
-        "cpu_kernels": _C.cpu_kernels(),  # the optimizer kernels: see memfit.cpu_kernels()
+        "cpu_kernels": _C.cpu_kernels(),  # vector form of the CPU kernels: memfit.cpu_kernels()
+        "optim_kernel": _C.optim_kernel(),  # the 8/4-bit optimizer's: memfit.optim_kernel()
         "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
         "gpus": gpus,
         "cuda_usable": bool(gpus) and info["build"]["cuda"],
@@ -71,7 +72,7 @@ def format_report(info: dict) -> str:
         f"vector ISA {c['vector_isa']}, bf16 "
         + (f"native ({', '.join(c['bf16_features'])})" if c["bf16_native"] else "not native (emulated)"),
         f"  CPU precision: {c['precision']}: {c['precision_reason']}",
-        f"  CPU kernels  : {r['cpu_kernels']} (optimizer kernels)",
+        f"  CPU kernels  : {r['cpu_kernels']}; 8/4-bit optimizer kernel {r['optim_kernel']}",
     ]
     if r["gpus"]:
         for i, g in enumerate(r["gpus"]):
