@@ -11,6 +11,7 @@ import os
 import shutil
 import statistics
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -54,9 +55,21 @@ SANITIZER_ENV = {"ASAN_OPTIONS": "detect_leaks=1:abort_on_error=0",
                  "UBSAN_OPTIONS": "print_stacktrace=1:halt_on_error=1"}
 
 
+def _variant_run(isa):
+    """The variant the core picks on this CPU when asked for `isa` (memfit.cpu_kernels()
+    of the installed module, the same selection code)."""
+    code = "import memfit; print(memfit.cpu_kernels())"
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                       env=dict(os.environ, MEMFIT_CPU_ISA=isa))
+    return r.stdout.strip() if r.returncode == 0 else None
+
+
 @pytest.mark.parametrize("isa", CPU_VARIANTS)
 def test_c_core_under_sanitizers(core_build, isa):
     ctest = _tool("ctest")
+    ran = _variant_run(isa)
+    if ran != isa and ran in CPU_VARIANTS:  # falls back to a variant that has its own run
+        pytest.skip(f"this CPU runs the {ran} kernels for MEMFIT_CPU_ISA={isa}: covered there")
     env = dict(os.environ, **SANITIZER_ENV, OMP_NUM_THREADS="2", MEMFIT_CPU_ISA=isa)
     run = subprocess.run([ctest, "--output-on-failure"], cwd=core_build, capture_output=True,
                          text=True, env=env)
