@@ -8,6 +8,7 @@ functions return plain values and the assertions that compare ranks run here.
 
 import copy
 import math
+import os
 
 import numpy as np
 import pytest
@@ -212,6 +213,10 @@ def test_clip_grad_norm_dtensor_is_global(two_ranks):
     _check_clip([r["clip"] for r in two_ranks])
 
 
+@pytest.mark.slow
+@pytest.mark.skipif(not os.environ.get("MEMFIT_SLOW_TESTS"),
+                    reason="4 spawned ranks take about a minute on 2 shared cores; "
+                           "set MEMFIT_SLOW_TESTS=1")
 def test_clip_grad_norm_dtensor_is_global_4_ranks():
     _check_clip(run_ranks(_clip_rank, world_size=4, timeout=300))
 
