@@ -1,5 +1,6 @@
 """memfit.amp.clip_grad_norm_: the global gradient norm and the clip, one fused pass per
-device each, with no host sync. Imports torch."""
+device each, with no host sync; for DTensor gradients, one all-reduce per sharded mesh
+dimension. Imports torch."""
 
 from __future__ import annotations
 
@@ -45,6 +46,11 @@ def clip_grad_norm_(parameters, max_norm: float, norm_type: float = 2.0,
     the optimizer is passed as ``parameters``), else directly; either way the scaler
     records which gradients it unscaled this iteration, so ``scaler.step`` neither
     unscales them twice nor forgets their inf/NaN.
+
+    DTensor gradients (FSDP2, tensor parallel) are measured and clipped on their
+    local shards; the partial norms are all-reduced over the mesh dimensions they are
+    sharded on (SUM of p-th powers in float64, MAX for inf), so the returned norm (a
+    plain tensor) is the global one, identical on every rank. See docs/amp.md.
 
     ``foreach`` is accepted for signature compatibility and ignored. Float64 or
     sparse gradients, and norm types other than p > 0 / inf, are handed to torch's
