@@ -32,7 +32,7 @@ def _all_checks(rank, world):
 
 @pytest.fixture(scope="module")
 def two_ranks():
-    return run_ranks(_all_checks, world_size=2, timeout=300)
+    return run_ranks(_all_checks, world_size=2, timeout=180)
 
 
 class _CountAllReduce:
@@ -111,6 +111,21 @@ def _scaler_rank(rank, world):
     out["nan_loss"] = dict(calls=c.calls, skipped=torch.equal(p.detach(), p0),
                            scale=scaler.get_scale())
 
+    # an explicit process_group; rank 0 has no gradient at all, the last rank an inf:
+    # rank 0 still joins the collective and backs off with the others
+    group = dist.new_group(list(range(world)))
+    p = torch.nn.Parameter(torch.ones(3))
+    opt = torch.optim.SGD([p], lr=0.1)
+    scaler = GradScaler("cpu", init_scale=INIT_SCALE, backoff_factor=BACKOFF, process_group=group)
+    scaler.scale(torch.ones(()))
+    if rank != 0:
+        p.grad = torch.full((3,), float("inf") if rank == world - 1 else 1.0)
+    with _CountAllReduce() as c:
+        scaler.step(opt)
+        scaler.update()
+    out["group_no_grads"] = dict(calls=c.calls, scale=scaler.get_scale(),
+                                 unchanged=torch.equal(p.detach(), torch.ones(3)))
+
     # a DTensor gradient sharded on dim 0 (5 rows: uneven), inf only in the last shard
     mesh = init_device_mesh("cpu", (world,))
     torch.manual_seed(0)
@@ -146,6 +161,9 @@ def test_scaler_skips_on_every_rank(two_ranks):
         assert r["nan_loss"]["calls"] == 1
         assert r["nan_loss"]["skipped"]
         assert r["nan_loss"]["scale"] == INIT_SCALE  # a NaN loss is not an overflow
+        g = r["group_no_grads"]
+        assert g["calls"] == 1 and g["unchanged"]
+        assert g["scale"] == INIT_SCALE * BACKOFF
         d = r["dtensor"]
         assert d["calls"] == 1 and d["skipped"] and d["stepped_ok"]
         assert d["scale_after_skip"] == INIT_SCALE * BACKOFF
@@ -372,3 +390,22 @@ def test_ddp_adamw8bit_bitwise_and_scaler(two_ranks):
         assert r["grad_gap"] < 1e-6
         assert r["skipped"]
         assert r["scale"] == INIT_SCALE * BACKOFF
+
+
+# ---- the harness itself: a failing rank fails the test, naming the rank and the error ----
+
+
+def _fail_on_last_rank(rank, world):
+    if rank == world - 1:
+        raise ValueError(f"deliberate failure on rank {rank}")
+    return rank
+
+
+def test_run_ranks_reports_the_failing_rank():
+    with pytest.raises(pytest.fail.Exception) as e:
+        run_ranks(_fail_on_last_rank, world_size=2, timeout=120)
+    msg = str(e.value)
+    assert "--- rank 1 ---" in msg and "ValueError: deliberate failure on rank 1" in msg
+    assert "--- rank 0 ---" not in msg
+    with pytest.raises(ValueError, match="module-level"):
+        run_ranks(lambda rank, world: None, world_size=2)

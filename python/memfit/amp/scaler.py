@@ -375,13 +375,15 @@ class GradScaler(ScalerReport):
         group = _dist.reduce_group(self._process_group)
         if group is None:
             return
+        # the same shape on every rank whatever its gradients: (found_inf[, loss flag])
         with_loss = self._nonfinite_loss == "skip"
-        if len(found) == 1 and not with_loss:
-            _dist.all_reduce_max_(next(iter(found.values())), group)  # the common case
+        n = 2 if with_loss else 1
+        if len(found) == 1 and n == 1:
+            _dist.all_reduce_max_(next(iter(found.values())).view(1), group)  # the common case
             return
         dev = next(iter(found)) if found else self._state.device
         flags = [f.to(dev, non_blocking=True) for f in found.values()]
-        buf = torch.zeros(2, dtype=torch.float32, device=dev)
+        buf = torch.zeros(n, dtype=torch.float32, device=dev)
         if flags:
             buf[0] = torch.stack(flags).amax()
         if with_loss and self._loss_flag is not None:
