@@ -224,6 +224,16 @@ def _clip_rank(rank, world):
             clipped=[p.grad.full_tensor() for p in ps],
             torch_clipped=t_clipped,
             single_clipped=[p.grad for p in sp])
+
+    # a Partial gradient (not yet reduced) is refused on every rank, before any collective
+    from torch.distributed.tensor import Partial
+    p = torch.nn.Parameter(distribute_tensor(torch.ones(4, 2), mesh, [Shard(0)]))
+    p.grad = DTensor.from_local(torch.ones(4, 2), mesh, [Partial()])
+    try:
+        memfit.amp.clip_grad_norm_([p], 1.0)
+        out["partial"] = None
+    except memfit.MemfitValueError as e:
+        out["partial"] = str(e)
     return out
 
 
@@ -240,6 +250,8 @@ def test_clip_grad_norm_dtensor_is_global_4_ranks():
 
 
 def _check_clip(res):
+    for r in res:
+        assert "Partial placement" in r["partial"]
     for norm_type in _NORMS:
         r0 = res[0][norm_type]
         assert r0["calls"] == 1  # one all-reduce: all shards on one mesh dim
