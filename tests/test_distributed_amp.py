@@ -243,7 +243,7 @@ def test_clip_grad_norm_dtensor_is_global(two_ranks):
 
 @pytest.mark.slow
 @pytest.mark.skipif(not os.environ.get("MEMFIT_SLOW_TESTS"),
-                    reason="4 spawned ranks take about a minute on 2 shared cores; "
+                    reason="4 spawned ranks take 30-60 s on 2 shared cores; "
                            "set MEMFIT_SLOW_TESTS=1")
 def test_clip_grad_norm_dtensor_is_global_4_ranks():
     _check_clip(run_ranks(_clip_rank, world_size=4, timeout=300))
