@@ -19,6 +19,7 @@ import torch
 
 from memfit import _C
 from memfit._C import MemfitTypeError, MemfitValueError
+from memfit.amp import _dist
 from memfit.amp.report import ScalerReport
 from memfit.amp._grads import (_BF16, _F16, _F32, _FUSED_DTYPES, _Replicator, _as_float, _as_int,
                                _prepare, _stream)
@@ -72,6 +73,11 @@ class GradScaler(ScalerReport):
             ``"raise"`` raises FloatingPointError from :meth:`scale` (a host sync).
         warn_after_skips: warn once when this many steps in a row are skipped
             (None: never).
+        process_group: the ranks that must agree on skipping a step (None: the
+            default group). When torch.distributed is initialized with more than one
+            rank there, the inf/NaN flag is all-reduced (MAX) once per optimizer step,
+            so a non-finite gradient on any rank makes every rank skip and back off
+            alike. DTensor gradients (FSDP2) are unscaled on their local shards.
 
     Misuse raises what torch raises: RuntimeError for ``unscale_`` twice, ``step``
     twice or a ``closure`` keyword; AssertionError for ``step``/``update`` before
@@ -88,7 +94,7 @@ class GradScaler(ScalerReport):
                  growth_interval: int = 2000, enabled: bool = True, *,
                  hysteresis: int = 1, min_scale: float | None = None,
                  max_scale: float | None = None, nonfinite_loss: str = "warn",
-                 warn_after_skips: int | None = 20) -> None:
+                 warn_after_skips: int | None = 20, process_group=None) -> None:
         self._device = device.type if isinstance(device, torch.device) else device
         self._enabled = bool(enabled)
         if self._device == "cuda" and self._enabled and not torch.cuda.is_available():
@@ -102,6 +108,7 @@ class GradScaler(ScalerReport):
             raise MemfitValueError(f"warn_after_skips: must be >= 1 or None, got {warn_after_skips}")
         self._nonfinite_loss = nonfinite_loss
         self._warn_after_skips = warn_after_skips
+        self._process_group = process_group
         self._state: torch.Tensor | None = None
         self._scale_view: torch.Tensor | None = None
         self._loss_flag: torch.Tensor | None = None
@@ -301,7 +308,7 @@ class GradScaler(ScalerReport):
                     if g.dtype is fp16:
                         param.grad = g = g.coalesce()
                     g = g._values()
-                append(g)
+                append(_dist.local(g))
         return out
 
     def _unscale_tensors_(self, grads, scale, skip: dict | None = None):
@@ -356,7 +363,38 @@ class GradScaler(ScalerReport):
         if scale is not None:
             for device, grads in unscaled.items():
                 self._unscaled_lists.append((grads, found[device]))
+        self._agree_across_ranks(found)
         return found
+
+    def _agree_across_ranks(self, found: dict) -> None:
+        """Makes ``found`` (and, with nonfinite_loss='skip', the loss flag) the MAX over
+        the process group, in place: one all-reduce, enqueued without a host sync. Every
+        path to an optimizer's found_inf comes through here once per step, so all ranks
+        skip and update the scale alike. Runs on every rank even with no gradients
+        (a collective that one rank skipped would hang the others)."""
+        group = _dist.reduce_group(self._process_group)
+        if group is None:
+            return
+        # the same shape on every rank whatever its gradients: (found_inf[, loss flag])
+        with_loss = self._nonfinite_loss == "skip"
+        n = 2 if with_loss else 1
+        if len(found) == 1 and n == 1:
+            _dist.all_reduce_max_(next(iter(found.values())).view(1), group)  # the common case
+            return
+        dev = next(iter(found)) if found else self._state.device
+        flags = [f.to(dev, non_blocking=True) for f in found.values()]
+        buf = torch.zeros(n, dtype=torch.float32, device=dev)
+        if flags:
+            buf[0] = torch.stack(flags).amax()
+        if with_loss and self._loss_flag is not None:
+            buf[1].copy_(self._loss_flag, non_blocking=True)
+        _dist.all_reduce_max_(buf, group)
+        if not found:  # another rank's inf must still stop this one
+            found[dev] = buf[0]
+        for f in found.values():
+            f.copy_(buf[0], non_blocking=True)  # in place: _unscaled_lists hold these
+        if with_loss:
+            self._loss_flag = buf[1].to(self._state.device, non_blocking=True)
 
     # ---- the protocol clip_grad_norm_(..., scaler=self) uses -------------------------------
     #
@@ -376,7 +414,7 @@ class GradScaler(ScalerReport):
                 self.unscale_(optimizer)
             return
         self._check_scale_growth_tracker("clip_grad_norm_")
-        pending = [p.grad for p in params if p.grad is not None]
+        pending = [_dist.local(p.grad) for p in params if p.grad is not None]
         if any(g.is_sparse for g in pending):
             raise MemfitValueError(
                 "parameters: sparse gradients with scaler= need optimizer=... (the scaler "
@@ -591,6 +629,7 @@ class GradScaler(ScalerReport):
         state["_loss_flag"] = None
         state["_pending"] = None
         state["_per_optimizer_states"] = None
+        state["_process_group"] = None  # a process group does not pickle: the default group
         state["_unscaled_lists"] = []
         state["_clip_unscaled"] = {}
         return state
