@@ -1,6 +1,8 @@
 /* Bindings for the optimizer steps (csrc/core/optim.c, cuda/optim.cu). The Python
  * layer (memfit.optim) allocates the states in the caller's framework and passes
  * them in; this file only turns the lists of arrays into views and calls the core. */
+#include <string.h>
+
 #include "bindings.h"
 #include "memfit/optim.h"
 
@@ -100,34 +102,58 @@ finish:
   return mf_py_result(st);
 }
 
-/* optim_step(kind, bits, block_size, hparams, code1, code2, params, grads, state1, absmax1,
- *            state2, absmax2, steps, grad_scale, found_inf, stream[, comps])
- * hparams = (lr, beta1, beta2, eps, weight_decay, momentum, dampening, alpha, nesterov,
- *            maximize, sr_seed): sr_seed != 0 turns on stochastic rounding of half-precision
- *            parameters. Lists have one entry per parameter; state and absmax entries may
- * be None (states this optimizer does not keep). comps: None, or a list of Kahan
- * compensation buffers (None for a parameter without one; see optim.h). */
-static PyObject *py_optim_step(PyObject *self, PyObject *args) {
+/* Hyperparameters by name: a dict with any of the keys below (absent ones are 0 or
+ * False); sr_seed != 0 turns on stochastic rounding of half-precision parameters. */
+static int parse_hparams(int kind, PyObject *dict, mf_optim_hparams *h) {
+  static char *kw[] = {"lr", "beta1", "beta2", "eps", "weight_decay", "momentum", "dampening",
+                       "alpha", "nesterov", "maximize", "sr_seed", NULL};
+  static PyObject *no_args;
+  if (!no_args && !(no_args = PyTuple_New(0))) return -1;
+  if (!PyDict_Check(dict)) {
+    PyErr_Format(mf_py_TypeError, "hparams: expected a dict of hyperparameters by name, got %s",
+                 Py_TYPE(dict)->tp_name);
+    return -1;
+  }
+  int nesterov = 0, maximize = 0;
+  unsigned long long sr_seed = 0;
+  memset(h, 0, sizeof *h);
+  if (!PyArg_ParseTupleAndKeywords(no_args, dict, "|ddddddddppK:hparams", kw, &h->lr, &h->beta1,
+                                   &h->beta2, &h->eps, &h->weight_decay, &h->momentum,
+                                   &h->dampening, &h->alpha, &nesterov, &maximize, &sr_seed))
+    return -1;
+  h->kind = (mf_optim_kind)kind;
+  h->nesterov = nesterov;
+  h->maximize = maximize;
+  h->stochastic_round = sr_seed != 0;
+  h->sr_seed = sr_seed;
+  return 0;
+}
+
+/* optim_step(kind, bits, block_size, hparams, params, grads, state1, absmax1, state2,
+ *            absmax2, steps, code1=None, code2=None, grad_scale=None, found_inf=None,
+ *            stream=0, comps=None), any argument by name.
+ * hparams: a dict (parse_hparams). Lists have one entry per parameter; state and absmax
+ * entries may be None (states this optimizer does not keep). comps: None, or a list of
+ * Kahan compensation buffers (None for a parameter without one; see optim.h). */
+static PyObject *py_optim_step(PyObject *self, PyObject *args, PyObject *kwargs) {
   (void)self;
-  int kind, bits, nesterov, maximize;
+  static char *kw[] = {"kind", "bits", "block_size", "hparams", "params", "grads", "state1",
+                       "absmax1", "state2", "absmax2", "steps", "code1", "code2", "grad_scale",
+                       "found_inf", "stream", "comps", NULL};
+  int kind, bits;
   long long block_size;
-  unsigned long long sr_seed;
-  mf_optim_hparams h = {0};
-  PyObject *lists[8], *ocode1, *ocode2, *oscale, *oinf;
-  unsigned long long stream;
-  lists[7] = Py_None; /* comps */
-  if (!PyArg_ParseTuple(args, "iiL(ddddddddppK)OOOOOOOOOOOK|O", &kind, &bits, &block_size, &h.lr,
-                        &h.beta1, &h.beta2, &h.eps, &h.weight_decay, &h.momentum, &h.dampening,
-                        &h.alpha, &nesterov, &maximize, &sr_seed, &ocode1, &ocode2, &lists[0],
-                        &lists[1], &lists[2], &lists[3], &lists[4], &lists[5], &lists[6], &oscale,
-                        &oinf, &stream, &lists[7]))
+  mf_optim_hparams h;
+  PyObject *ohp, *lists[L_COUNT], *ocode1 = Py_None, *ocode2 = Py_None, *oscale = Py_None,
+                                  *oinf = Py_None;
+  unsigned long long stream = 0;
+  lists[L_COMPS] = Py_None;
+  if (!PyArg_ParseTupleAndKeywords(args, kwargs, "iiLOOOOOOOO|OOOOKO:optim_step", kw, &kind, &bits,
+                                   &block_size, &ohp, &lists[L_PARAMS], &lists[L_GRADS],
+                                   &lists[L_STATE1], &lists[L_ABSMAX1], &lists[L_STATE2],
+                                   &lists[L_ABSMAX2], &lists[L_STEPS], &ocode1, &ocode2, &oscale,
+                                   &oinf, &stream, &lists[L_COMPS]))
     return NULL;
-  h.kind = (mf_optim_kind)kind;
-  h.nesterov = nesterov;
-  h.maximize = maximize;
-  /* the seed is 0 when stochastic rounding is off (hparams' last field) */
-  h.stochastic_round = sr_seed != 0;
-  h.sr_seed = sr_seed;
+  if (parse_hparams(kind, ohp, &h)) return NULL;
   return step_call(&h, bits, block_size, lists, ocode1, ocode2, oscale, oinf, (uintptr_t)stream);
 }
 
@@ -135,24 +161,60 @@ static PyObject *py_optim_step(PyObject *self, PyObject *args) {
  * constructors call it so a bad lr fails at construction, as in torch). */
 static PyObject *py_optim_check(PyObject *self, PyObject *args) {
   (void)self;
-  int kind, nesterov, maximize;
-  unsigned long long sr_seed;
-  mf_optim_hparams h = {0};
-  if (!PyArg_ParseTuple(args, "i(ddddddddppK)", &kind, &h.lr, &h.beta1, &h.beta2, &h.eps,
-                        &h.weight_decay, &h.momentum, &h.dampening, &h.alpha, &nesterov,
-                        &maximize, &sr_seed))
+  int kind;
+  PyObject *ohp;
+  mf_optim_hparams h;
+  if (!PyArg_ParseTuple(args, "iO:optim_check", &kind, &ohp) || parse_hparams(kind, ohp, &h))
     return NULL;
-  h.kind = (mf_optim_kind)kind;
-  h.nesterov = nesterov;
-  h.maximize = maximize;
   mf_status st = mf_optim_check_hparams(&h);
   if (st) return mf_py_raise(st);
   Py_RETURN_NONE;
 }
 
+/* optim_state_layout(kind, bits, block_size, numel, momentum=0.0) -> dict: the states a
+ * parameter of numel elements needs (mf_optim_state_layout, the definition the step
+ * checks): num_states, signed (per state), state_dtype ("float32" or "uint8"),
+ * state_numel and absmax_numel (per state). */
+static PyObject *py_optim_state_layout(PyObject *self, PyObject *args, PyObject *kwargs) {
+  (void)self;
+  static char *kw[] = {"kind", "bits", "block_size", "numel", "momentum", NULL};
+  int kind, bits;
+  long long block_size, numel;
+  mf_optim_hparams h = {0};
+  mf_optim_layout l;
+  if (!PyArg_ParseTupleAndKeywords(args, kwargs, "iiLL|d:optim_state_layout", kw, &kind, &bits,
+                                   &block_size, &numel, &h.momentum))
+    return NULL;
+  h.kind = (mf_optim_kind)kind;
+  mf_status st = mf_optim_state_layout(&h, (mf_state_format)bits, (int64_t)block_size,
+                                       (int64_t)numel, &l);
+  if (st) return mf_py_raise(st);
+  return Py_BuildValue("{s:i,s:(OO),s:s,s:L,s:L}", "num_states", l.num_states, "signed",
+                       l.is_signed[0] ? Py_True : Py_False, l.is_signed[1] ? Py_True : Py_False,
+                       "state_dtype", mf_dtype_name(l.state_dtype), "state_numel",
+                       (long long)l.state_numel, "absmax_numel", (long long)l.absmax_numel);
+}
+
+/* optim_constants() -> dict: the kind numbers (mf_optim_kind, by torch's class names
+ * without "8bit"), the state formats and the default block size of each format. */
+static PyObject *py_optim_constants(PyObject *self, PyObject *noargs) {
+  (void)self;
+  (void)noargs;
+  return Py_BuildValue("{s:{s:i,s:i,s:i,s:i,s:i},s:(iii),s:{i:i,i:i,i:i}}", "kinds", "AdamW",
+                       MF_OPT_ADAMW, "Adam", MF_OPT_ADAM, "Lion", MF_OPT_LION, "SGD", MF_OPT_SGD,
+                       "RMSprop", MF_OPT_RMSPROP, "formats", MF_STATE_8BIT, MF_STATE_4BIT,
+                       MF_STATE_FP32, "default_block_size", MF_STATE_8BIT, MF_OPTIM_BLOCK_8BIT,
+                       MF_STATE_4BIT, MF_OPTIM_BLOCK_4BIT, MF_STATE_FP32, MF_OPTIM_BLOCK_8BIT);
+}
+
 PyMethodDef mf_optim_methods[] = {
-    {"optim_step", py_optim_step, METH_VARARGS,
-     "optim_step(kind, bits, block_size, hparams, code1, code2, params, grads, state1, "
-     "absmax1, state2, absmax2, steps, grad_scale, found_inf, stream[, comps])"},
+    {"optim_step", (PyCFunction)(void (*)(void))py_optim_step, METH_VARARGS | METH_KEYWORDS,
+     "optim_step(kind, bits, block_size, hparams, params, grads, state1, absmax1, state2, "
+     "absmax2, steps, code1=None, code2=None, grad_scale=None, found_inf=None, stream=0, "
+     "comps=None)"},
     {"optim_check", py_optim_check, METH_VARARGS, "optim_check(kind, hparams)"},
+    {"optim_state_layout", (PyCFunction)(void (*)(void))py_optim_state_layout,
+     METH_VARARGS | METH_KEYWORDS, "optim_state_layout(kind, bits, block_size, numel, momentum=0.0)"},
+    {"optim_constants", py_optim_constants, METH_NOARGS,
+     "Kind numbers, state formats and default block sizes."},
     {NULL, NULL, 0, NULL}};

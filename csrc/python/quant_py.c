@@ -82,7 +82,25 @@ static PyObject *py_linear_map(PyObject *self, PyObject *args) {
   return fill_map(out, is_signed, total_bits, 0, 0);
 }
 
+/* quant_block_sizes() -> the block sizes the kernels accept (mf_quant_block_size_ok). */
+static PyObject *py_quant_block_sizes(PyObject *self, PyObject *noargs) {
+  (void)self;
+  (void)noargs;
+  PyObject *sizes = PyList_New(0);
+  for (int64_t b = MF_QUANT_MIN_BLOCK; sizes && b <= MF_QUANT_MAX_BLOCK; b *= 2) {
+    if (!mf_quant_block_size_ok(b)) continue;
+    PyObject *v = PyLong_FromLongLong((long long)b);
+    if (!v || PyList_Append(sizes, v)) Py_CLEAR(sizes);
+    Py_XDECREF(v);
+  }
+  PyObject *t = sizes ? PyList_AsTuple(sizes) : NULL;
+  Py_XDECREF(sizes);
+  return t;
+}
+
 PyMethodDef mf_quant_methods[] = {
+    {"quant_block_sizes", py_quant_block_sizes, METH_NOARGS,
+     "quant_block_sizes(): the block sizes the kernels accept"},
     {"quantize_blockwise", py_quantize_blockwise, METH_VARARGS,
      "quantize_blockwise(x, code, codes, absmax, block_size, stochastic, seed, stream)"},
     {"dequantize_blockwise", py_dequantize_blockwise, METH_VARARGS,
