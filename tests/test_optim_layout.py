@@ -15,6 +15,7 @@ import pytest
 import torch
 
 import memfit.optim as mo
+from memfit.optim import functional as F
 from memfit.optim import _core
 
 CL = torch.channels_last
@@ -216,3 +217,17 @@ def test_layouts_that_cannot_be_stepped_are_refused():
     s.grad = s.grad.contiguous(memory_format=CL)
     with pytest.raises(ValueError, match=r"state1\[0\]: its strides differ from params\[0\]'s"):
         opt.step()
+
+
+def test_functional_steps_a_channels_last_tensor_over_its_storage():
+    """The functional API's states are flat: for a channels_last parameter they run over
+    its storage, as the optimizer classes' states do (the same bits)."""
+    p, q, grads = _cl_and_flat(12)
+    p, q = p.detach(), q.detach()
+    sp, sq = F.adamw8bit_init(p, block_size=64), F.adamw8bit_init(q, block_size=64)
+    for g in grads:
+        F.adamw8bit_step(p, g.contiguous(memory_format=CL), sp, lr=1e-2)
+        F.adamw8bit_step(q, g.permute(*TO_NHWC).contiguous(), sq, lr=1e-2)
+    assert torch.equal(p.permute(*TO_NHWC), q)
+    for key in ("state1", "absmax1", "state2", "absmax2"):
+        assert torch.equal(sp[key], sq[key]), key

@@ -42,6 +42,7 @@ typedef struct {
   int versioned;     /* managed is a versioned DLPack tensor */
   int permuted;      /* dense but not row-major (torch tensors under MF_PY_DENSE only):
                         t.data runs over the storage in memory order, not row-major */
+  int ndim;          /* dimensions of a torch tensor; 0 from the other paths */
 } mf_py_view;
 
 /* Dimensions a torch tensor may have on the view path. */

@@ -20,7 +20,9 @@ static const int list_flags[L_COUNT] = {
 /* Where a parameter's arrays are dense but not row-major (channels_last, a transposed
  * weight), the core treats each as flat storage: right only when every array that
  * holds one value per element (param, grad, comp, and states of the parameter's shape)
- * has the parameter's own strides. Checked only where a view is permuted. */
+ * has the parameter's own strides. States and comps may also be 1-D (the functional
+ * API's flat states): a flat array over the storage. Checked only where a view is
+ * permuted. */
 static int check_layouts(const mf_py_view_list *lists, Py_ssize_t i, int fmt) {
   static const int per_element[] = {L_GRADS, L_STATE1, L_STATE2, L_COMPS};
   const mf_py_view *p = &lists[L_PARAMS].v[i];
@@ -32,6 +34,7 @@ static int check_layouts(const mf_py_view_list *lists, Py_ssize_t i, int fmt) {
     const int l = per_element[k];
     const mf_py_view *x = &lists[l].v[i];
     if (!x->owner || ((l == L_STATE1 || l == L_STATE2) && fmt == MF_STATE_4BIT)) continue;
+    if (l != L_GRADS && !x->permuted && x->ndim == 1) continue;
     const int same = mf_py_same_layout(p->owner, x->owner);
     if (same < 0) return -1;
     if (same) continue;

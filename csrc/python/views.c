@@ -404,6 +404,7 @@ static int view_from_torch(PyObject *obj, const char *what, Py_ssize_t index, in
   v->t.data = data;
   v->t.numel = numel;
   v->permuted = numel > 0 && !row_major;
+  v->ndim = ndim;
   v->owner = Py_NewRef(obj); /* keeps the tensor (and its memory) alive while we use it */
   return 1;
 }
