@@ -35,18 +35,19 @@ class _MemfitOptimizer(torch.optim.Optimizer):
     # syncing on found_inf itself: the kernels unscale and skip on the device.
     _step_supports_amp_scaling = True
 
-    def __init__(self, params, defaults):
-        defaults = dict(defaults)
+    def __init__(self, params, hyper, *, maximize=False, block_size=None, min_8bit_size=4096,
+                 bf16_stochastic_round=None, kahan=False):
+        """``hyper``: the subclass's own hyperparameters (lr, betas, ...); the keyword
+        options are the ones every memfit optimizer takes (see memfit.optim.optimizers)."""
+        defaults = dict(hyper, maximize=maximize, min_8bit_size=min_8bit_size,
+                        bf16_stochastic_round=bf16_stochastic_round, kahan=kahan)
         defaults.setdefault("bits", self._bits)
-        defaults.setdefault("block_size", _core.DEFAULT_BLOCK[defaults["bits"]])
-        defaults.setdefault("min_8bit_size", 4096)
-        defaults.setdefault("maximize", False)
+        defaults["block_size"] = (_core.DEFAULT_BLOCK[defaults["bits"]] if block_size is None
+                                  else block_size)
         # bfloat16/float16 parameters are written with stochastic rounding (no fp32 master
         # copy needed); the seed and a per-group step counter live in the param group,
         # so a resumed run draws the same random bits. None: stochastic unless kahan.
-        defaults.setdefault("bf16_stochastic_round", None)
         defaults.setdefault("sr_seed", 0)
-        defaults.setdefault("kahan", False)
         super().__init__(params, defaults)  # checks each group (add_param_group)
 
     # -- hyperparameters -------------------------------------------------------------
