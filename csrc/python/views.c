@@ -318,7 +318,9 @@ static void classify_layout(int ndim, const int64_t *shape, const int64_t *strid
  * array (about 18 us for CUDA tensors), paid five to seven times per parameter by an
  * optimizer step; here we read what a view needs from the tensor's own C-level
  * attributes (dtype, device, shape, stride(), data_ptr()) and hold a reference to the
- * tensor for the call. Taken once torch is imported, for a plain Tensor or Parameter
+ * tensor for the call. There is no stream handshake as in __dlpack__(stream=...): the
+ * torch adapters launch on torch's current stream, where torch has already ordered the
+ * work that produced the tensor, as its own operators assume. Taken once torch is imported, for a plain Tensor or Parameter
  * on the CPU or a CUDA device. Returns 1 when it filled v, -1 with an error set (named
  * what[index]), and 0 with no error set for what the general path should handle
  * instead (other devices, subclasses, a writable tensor that requires grad: DLPack
