@@ -42,7 +42,6 @@ typedef struct {
   int versioned;     /* managed is a versioned DLPack tensor */
   int permuted;      /* dense but not row-major (torch tensors under MF_PY_DENSE only):
                         t.data runs over the storage in memory order, not row-major */
-  int ndim;          /* dimensions of a torch tensor; 0 from the other paths */
 } mf_py_view;
 
 /* Dimensions a torch tensor may have on the view path. */
@@ -92,6 +91,8 @@ void mf_py_view_list_release(mf_py_view_list *l);
  * dimensions aside), 0 when not (or when either is not a torch tensor), -1 with an
  * error set. */
 int mf_py_same_layout(PyObject *a, PyObject *b);
+/* obj.dim() of a torch tensor; 0 for anything else; -1 with an error set. */
+int mf_py_torch_ndim(PyObject *obj);
 
 /* torch's objects the torch view path compares against, and the attribute names it
  * reads (interned), found in sys.modules once torch is imported: memfit never imports
@@ -100,7 +101,7 @@ typedef struct {
   PyObject *tensor_type, *parameter_type;
   PyObject *float32, *float16, *bfloat16, *uint8, *strided;
   PyObject *s_requires_grad, *s_is_cpu, *s_is_cuda, *s_get_device, *s_dtype, *s_layout,
-      *s_shape, *s_stride, *s_data_ptr;
+      *s_is_contiguous, *s_numel, *s_shape, *s_stride, *s_dim, *s_data_ptr;
 } mf_py_torch_refs;
 const mf_py_torch_refs *mf_py_torch(void);
 

@@ -34,7 +34,11 @@ static int check_layouts(const mf_py_view_list *lists, Py_ssize_t i, int fmt) {
     const int l = per_element[k];
     const mf_py_view *x = &lists[l].v[i];
     if (!x->owner || ((l == L_STATE1 || l == L_STATE2) && fmt == MF_STATE_4BIT)) continue;
-    if (l != L_GRADS && !x->permuted && x->ndim == 1) continue;
+    if (l != L_GRADS && !x->permuted) {
+      const int nd = mf_py_torch_ndim(x->owner);
+      if (nd < 0) return -1;
+      if (nd == 1) continue;
+    }
     const int same = mf_py_same_layout(p->owner, x->owner);
     if (same < 0) return -1;
     if (same) continue;

@@ -197,7 +197,8 @@ const mf_py_torch_refs *mf_py_torch(void) {
     struct { PyObject **slot; const char *name; } names[] = {
         {&r.s_requires_grad, "requires_grad"}, {&r.s_is_cpu, "is_cpu"}, {&r.s_is_cuda, "is_cuda"},
         {&r.s_get_device, "get_device"}, {&r.s_dtype, "dtype"}, {&r.s_layout, "layout"},
-        {&r.s_shape, "shape"}, {&r.s_stride, "stride"}, {&r.s_data_ptr, "data_ptr"}};
+        {&r.s_is_contiguous, "is_contiguous"}, {&r.s_numel, "numel"}, {&r.s_shape, "shape"},
+        {&r.s_stride, "stride"}, {&r.s_dim, "dim"}, {&r.s_data_ptr, "data_ptr"}};
     for (size_t i = 0; i < sizeof names / sizeof names[0]; i++)
       ok = (*names[i].slot = PyUnicode_InternFromString(names[i].name)) && ok;
     Py_XDECREF(nn);
@@ -378,10 +379,28 @@ static int view_from_torch(PyObject *obj, const char *what, Py_ssize_t index, in
     v->t.device = MF_CPU;
     v->t.device_id = 0;
   }
-  int ndim = 0, dense, row_major;
-  int64_t shape[MF_PY_MAX_DIMS], strides[MF_PY_MAX_DIMS], numel;
-  if (torch_dims(obj, T, what, index, &ndim, shape, strides, &numel)) return -1;
-  classify_layout(ndim, shape, strides, &dense, &row_major);
+  /* is_contiguous() and numel() first: cheaper than building shape and stride() tuples,
+   * which only a tensor that is not row-major needs */
+  int dense = 1, row_major;
+  long long numel;
+  if (!(a = PyObject_CallMethodNoArgs(obj, T->s_is_contiguous))) {
+    not_strided(obj, T, what, index);
+    return -1;
+  }
+  row_major = a == Py_True;
+  Py_DECREF(a);
+  if (row_major) {
+    if (!(a = PyObject_CallMethodNoArgs(obj, T->s_numel))) return -1;
+    numel = PyLong_AsLongLong(a);
+    Py_DECREF(a);
+    if (numel == -1 && PyErr_Occurred()) return -1;
+  } else {
+    int ndim;
+    int64_t shape[MF_PY_MAX_DIMS], strides[MF_PY_MAX_DIMS], n;
+    if (torch_dims(obj, T, what, index, &ndim, shape, strides, &n)) return -1;
+    classify_layout(ndim, shape, strides, &dense, &row_major);
+    numel = n;
+  }
   if (numel > 0 && (!dense || (!row_major && !(flags & MF_PY_DENSE)))) {
     if (not_strided(obj, T, what, index)) return -1;
     PyErr_Format(mf_py_ValueError,
@@ -406,9 +425,18 @@ static int view_from_torch(PyObject *obj, const char *what, Py_ssize_t index, in
   v->t.data = data;
   v->t.numel = numel;
   v->permuted = numel > 0 && !row_major;
-  v->ndim = ndim;
   v->owner = Py_NewRef(obj); /* keeps the tensor (and its memory) alive while we use it */
   return 1;
+}
+
+int mf_py_torch_ndim(PyObject *obj) {
+  const mf_py_torch_refs *T = mf_py_torch();
+  if (!T || !PyObject_TypeCheck(obj, (PyTypeObject *)T->tensor_type)) return 0;
+  PyObject *r = PyObject_CallMethodNoArgs(obj, T->s_dim);
+  if (!r) return -1;
+  const long d = PyLong_AsLong(r);
+  Py_DECREF(r);
+  return d == -1 && PyErr_Occurred() ? -1 : (int)d;
 }
 
 int mf_py_same_layout(PyObject *a, PyObject *b) {

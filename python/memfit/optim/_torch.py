@@ -192,7 +192,8 @@ class _MemfitOptimizer(torch.optim.Optimizer):
         """One call into the core for the (parameter, gradient, state) triples of one
         device and state format."""
         params = [p.data for p, _, _ in items]
-        grads = [_grad_view(p, g) for p, g, _ in items]
+        grads = [g if g.is_contiguous() and not g.requires_grad else _grad_view(p, g)
+                 for p, g, _ in items]
         s1 = [st.get("state1") for _, _, st in items]
         s2 = [st.get("state2") for _, _, st in items]
         steps = [st["step"] for _, _, st in items]
