@@ -356,10 +356,19 @@ static int view_from_torch(PyObject *obj, const char *what, Py_ssize_t index, in
     Py_XDECREF(str);
     return -1;
   }
-  if (!(a = PyObject_GetAttr(obj, T->s_is_cuda))) return -1;
+  /* is_cpu first: one read for a CPU tensor, two for a CUDA one (whose step pays a
+   * kernel launch per call anyway) */
+  if (!(a = PyObject_GetAttr(obj, T->s_is_cpu))) return -1;
   truth = a == Py_True;
   Py_DECREF(a);
   if (truth) {
+    v->t.device = MF_CPU;
+    v->t.device_id = 0;
+  } else {
+    if (!(a = PyObject_GetAttr(obj, T->s_is_cuda))) return -1;
+    truth = a == Py_True;
+    Py_DECREF(a);
+    if (!truth) return 0; /* meta, mps, xpu...: the general path names the device */
     if (!(a = PyObject_CallMethodNoArgs(obj, T->s_get_device))) return -1;
     const long dev = PyLong_AsLong(a);
     Py_DECREF(a);
@@ -371,13 +380,6 @@ static int view_from_torch(PyObject *obj, const char *what, Py_ssize_t index, in
     }
     v->t.device = MF_CUDA;
     v->t.device_id = (int)dev;
-  } else {
-    if (!(a = PyObject_GetAttr(obj, T->s_is_cpu))) return -1;
-    truth = a == Py_True;
-    Py_DECREF(a);
-    if (!truth) return 0; /* meta, mps, xpu...: the general path names the device */
-    v->t.device = MF_CPU;
-    v->t.device_id = 0;
   }
   /* is_contiguous() and numel() first: cheaper than building shape and stride() tuples,
    * which only a tensor that is not row-major needs */
@@ -568,11 +570,10 @@ int mf_py_view_get(PyObject *obj, const char *what, Py_ssize_t index, int flags,
 }
 
 void mf_py_view_release(mf_py_view *v) {
-  if (!v->owner && !v->managed) return;
-  /* a producer's deleter may run Python code: keep a pending error across it */
-  PyObject *type, *value, *tb;
-  PyErr_Fetch(&type, &value, &tb);
   if (v->managed) {
+    /* a producer's deleter may run Python code: keep a pending error across it */
+    PyObject *type, *value, *tb;
+    PyErr_Fetch(&type, &value, &tb);
     if (v->versioned) {
       mf_dl_managed_versioned *m = (mf_dl_managed_versioned *)v->managed;
       if (m->deleter) m->deleter(m);
@@ -580,10 +581,11 @@ void mf_py_view_release(mf_py_view *v) {
       mf_dl_managed *m = (mf_dl_managed *)v->managed;
       if (m->deleter) m->deleter(m);
     }
+    PyErr_Restore(type, value, tb);
   }
-  Py_XDECREF(v->owner);
+  PyObject *owner = v->owner;
   memset(v, 0, sizeof *v);
-  PyErr_Restore(type, value, tb);
+  Py_XDECREF(owner); /* deallocators (finalizers included) keep a pending exception */
 }
 
 void mf_py_views_release(int n, mf_py_view *views) {
