@@ -45,6 +45,40 @@ int64_t mf_optim_state_numel(mf_state_format fmt, int64_t n) {
   return fmt == MF_STATE_4BIT ? (n + 1) / 2 : n;
 }
 
+/* The layout without the argument checks (check_call has made them once per call). */
+static mf_optim_layout layout_of(const mf_optim_hparams *h, mf_state_format fmt, int64_t bs,
+                                 int64_t n) {
+  mf_optim_layout l;
+  l.num_states = mf_optim_num_states(h);
+  l.is_signed[0] = mf_optim_state_signed(h->kind, 1);
+  l.is_signed[1] = mf_optim_state_signed(h->kind, 2);
+  l.state_dtype = fmt == MF_STATE_FP32 ? MF_FLOAT32 : MF_UINT8;
+  l.state_numel = mf_optim_state_numel(fmt, n);
+  l.absmax_numel = fmt == MF_STATE_FP32 ? 0 : mf_quant_num_blocks(n, bs);
+  return l;
+}
+
+static mf_status check_format(mf_state_format fmt, int64_t bs) {
+  if (fmt != MF_STATE_FP32 && fmt != MF_STATE_8BIT && fmt != MF_STATE_4BIT)
+    return mf_error(MF_ERR_VALUE, "bits: state format must be 32, 8 or 4, got %d", (int)fmt);
+  if (fmt != MF_STATE_FP32 && !mf_quant_block_size_ok(bs))
+    return mf_error(MF_ERR_VALUE,
+                    "block_size: must be one of 64, 128, 256, 512, 1024, 2048, 4096, got %lld",
+                    (long long)bs);
+  return MF_OK;
+}
+
+mf_status mf_optim_state_layout(const mf_optim_hparams *h, mf_state_format fmt,
+                                int64_t block_size, int64_t n, mf_optim_layout *out) {
+  mf_status st;
+  if (h->kind < MF_OPT_ADAMW || h->kind > MF_OPT_RMSPROP)
+    return mf_error(MF_ERR_VALUE, "kind: unknown optimizer %d", (int)h->kind);
+  if ((st = check_format(fmt, block_size))) return st;
+  if (n < 0) return mf_error(MF_ERR_VALUE, "numel: must be >= 0, got %lld", (long long)n);
+  *out = layout_of(h, fmt, block_size, n);
+  return MF_OK;
+}
+
 static const char *kind_name(mf_optim_kind k) {
   switch (k) {
     case MF_OPT_ADAMW: return "AdamW";
@@ -150,12 +184,7 @@ static mf_status check_call(const mf_optim_hparams *h, mf_state_format fmt, int6
                             const mf_tensor *found_inf) {
   mf_status st;
   if ((st = mf_optim_check_hparams(h))) return st;
-  if (fmt != MF_STATE_FP32 && fmt != MF_STATE_8BIT && fmt != MF_STATE_4BIT)
-    return mf_error(MF_ERR_VALUE, "bits: state format must be 32, 8 or 4, got %d", (int)fmt);
-  if (fmt != MF_STATE_FP32 && !mf_quant_block_size_ok(bs))
-    return mf_error(MF_ERR_VALUE,
-                    "block_size: must be one of 64, 128, 256, 512, 1024, 2048, 4096, got %lld",
-                    (long long)bs);
+  if ((st = check_format(fmt, bs))) return st;
   if (n < 0) return mf_error(MF_ERR_VALUE, "params: negative count");
   if (n == 0) return MF_OK;
   const mf_tensor *dev = &ts[0].param;
@@ -195,17 +224,14 @@ static mf_status check_call(const mf_optim_hparams *h, mf_state_format fmt, int6
                         "cannot be combined; use one or the other", (long long)i);
       if ((st = check_one(&t->comp, "comps", i, t->param.dtype, pn, dev))) return st;
     }
-    const mf_dtype sdt = fmt == MF_STATE_FP32 ? MF_FLOAT32 : MF_UINT8;
-    const int64_t sn = mf_optim_state_numel(fmt, pn);
-    const int64_t nb = fmt == MF_STATE_FP32 ? 0 : mf_quant_num_blocks(pn, bs);
-    if (ns >= 1) {
-      if ((st = check_one(&t->state1, "state1", i, sdt, sn, dev))) return st;
-      if (fmt != MF_STATE_FP32 && (st = check_one(&t->absmax1, "absmax1", i, MF_FLOAT32, nb, dev)))
+    const mf_optim_layout L = layout_of(h, fmt, bs, pn);
+    const mf_tensor *states[2][2] = {{&t->state1, &t->absmax1}, {&t->state2, &t->absmax2}};
+    static const char *const names[2][2] = {{"state1", "absmax1"}, {"state2", "absmax2"}};
+    for (int k = 0; k < L.num_states; k++) {
+      if ((st = check_one(states[k][0], names[k][0], i, L.state_dtype, L.state_numel, dev)))
         return st;
-    }
-    if (ns >= 2) {
-      if ((st = check_one(&t->state2, "state2", i, sdt, sn, dev))) return st;
-      if (fmt != MF_STATE_FP32 && (st = check_one(&t->absmax2, "absmax2", i, MF_FLOAT32, nb, dev)))
+      if (fmt != MF_STATE_FP32 &&
+          (st = check_one(states[k][1], names[k][1], i, MF_FLOAT32, L.absmax_numel, dev)))
         return st;
     }
   }

@@ -2,186 +2,12 @@
  * Bindings for the gradient scaler and the fused gradient passes (csrc/core/scaler.c,
  * csrc/core/unscale.c, cuda/scaler.cu, cuda/unscale.cu).
  *
- * Lists of gradients: a step may touch hundreds of tensors, and a DLPack export costs
- * a few microseconds per tensor in torch (two Python-level calls and a capsule), more
- * than the unscale of a small gradient. So for torch tensors (once torch is imported;
- * its references come from mf_py_torch() in views.c) we read data_ptr/numel/device/dtype/layout
- * from the tensor directly, with the same checks as the DLPack path (dense layout,
- * contiguous, CPU or CUDA, float dtype), and fall back to mf_py_view_get() for
- * everything else (NumPy, CuPy, JAX, other __dlpack__ producers). The list holds a
- * reference to every tensor for the duration of the call, which keeps the memory alive
- * while the GIL is released.
+ * Arrays, and lists of gradients (hundreds per step), become views through views.c's
+ * one view path: torch tensors on the CPU or a CUDA device through their attributes,
+ * other arrays through NumPy's array interface or DLPack.
  */
-#include <string.h>
-
 #include "bindings.h"
 #include "memfit/scaler.h"
-
-/* ---- torch fast path ------------------------------------------------------------------ */
-
-/* obj.<name>() when call, else obj.<name>: new reference or NULL. */
-static PyObject *attr(PyObject *obj, PyObject *name, int call) {
-  return call ? PyObject_CallMethodNoArgs(obj, name) : PyObject_GetAttr(obj, name);
-}
-
-static int truthy(PyObject *obj, PyObject *name, int call) {
-  PyObject *r = attr(obj, name, call);
-  if (!r) return -1;
-  int v = PyObject_IsTrue(r);
-  Py_DECREF(r);
-  return v;
-}
-
-static int64_t int_of(PyObject *obj, PyObject *name) {
-  PyObject *r = attr(obj, name, 1);
-  if (!r) return -1;
-  long long v = PyLong_AsLongLong(r);
-  Py_DECREF(r);
-  return (int64_t)v;
-}
-
-/* Fills t from a torch tensor. Returns 0, 1 (not handled here: use the generic path)
- * or -1 with an exception set. Six attribute reads/calls for a CPU tensor. */
-static int torch_view(PyObject *obj, const char *base, Py_ssize_t index, mf_tensor *t) {
-  const mf_py_torch_refs *T = mf_py_torch();
-  if (!T || !PyObject_TypeCheck(obj, (PyTypeObject *)T->tensor_type)) return 1;
-  /* the argument's name ("grads[3]"), formatted only when an error needs it */
-  char name[96];
-#define NAME() (index < 0 ? base : (snprintf(name, sizeof name, "%s[%zd]", base, index), name))
-  PyObject *dtype = attr(obj, T->s_dtype, 0);
-  if (!dtype) return -1;
-  Py_DECREF(dtype); /* the registered dtypes stay alive, so identity is safe */
-  if (dtype == T->float32) t->dtype = MF_FLOAT32;
-  else if (dtype == T->float16) t->dtype = MF_FLOAT16;
-  else if (dtype == T->bfloat16) t->dtype = MF_BFLOAT16;
-  else {
-    PyObject *str = PyObject_Str(dtype);
-    PyErr_Format(mf_py_TypeError, "%s: unsupported dtype %s; expected float32, float16 or "
-                 "bfloat16", NAME(), str ? PyUnicode_AsUTF8(str) : "?");
-    Py_XDECREF(str);
-    return -1;
-  }
-  int is_cuda = truthy(obj, T->s_is_cuda, 0);
-  if (is_cuda < 0) return -1;
-  if (is_cuda) {
-    int64_t dev = int_of(obj, T->s_get_device);
-    if (dev == -1 && PyErr_Occurred()) return -1;
-    t->device = MF_CUDA;
-    t->device_id = (int)dev;
-  } else {
-    int is_cpu = truthy(obj, T->s_is_cpu, 0);
-    if (is_cpu < 0) return -1;
-    if (!is_cpu) return 1; /* meta, mps, xpu...: the DLPack path names the device */
-    t->device = MF_CPU;
-    t->device_id = 0;
-  }
-  int contig = truthy(obj, T->s_is_contiguous, 1);
-  if (contig <= 0) {
-    /* sparse and other non-strided layouts are "not contiguous" (or raise): say what
-     * they are instead */
-    PyObject *type, *value, *tb;
-    PyErr_Fetch(&type, &value, &tb);
-    PyObject *layout = attr(obj, T->s_layout, 0);
-    int strided = !layout || layout == T->strided;
-    Py_XDECREF(layout);
-    PyErr_Clear();
-    if (!strided) {
-      Py_XDECREF(type);
-      Py_XDECREF(value);
-      Py_XDECREF(tb);
-      PyErr_Format(mf_py_ValueError, "%s: sparse or other non-strided tensors are not "
-                   "supported (pass the values of a sparse gradient)", NAME());
-      return -1;
-    }
-    PyErr_Restore(type, value, tb);
-    if (contig < 0) return -1;
-  }
-  if (!contig) {
-    PyErr_Format(mf_py_ValueError, "%s: must be contiguous (row-major); call .contiguous() first",
-                 NAME());
-    return -1;
-  }
-  t->numel = int_of(obj, T->s_numel);
-  if (t->numel == -1 && PyErr_Occurred()) return -1;
-  PyObject *ptr = attr(obj, T->s_data_ptr, 1);
-  if (!ptr) return -1;
-  t->data = PyLong_AsVoidPtr(ptr);
-  Py_DECREF(ptr);
-  if (!t->data && PyErr_Occurred()) return -1;
-  if (!t->data && t->numel > 0) {
-    PyErr_Format(mf_py_ValueError, "%s: tensor has no data", NAME());
-    return -1;
-  }
-  return 0;
-#undef NAME
-}
-
-/* One array: the torch fast path, else the generic view. Release with
- * mf_py_view_release() either way (a fast-path view owns nothing). */
-static int view_get(PyObject *obj, const char *name, int writable, uintptr_t stream,
-                    mf_py_view *v) {
-  memset(v, 0, sizeof *v);
-  int rc = torch_view(obj, name, -1, &v->t);
-  if (rc == 1) return mf_py_view_get(obj, name, writable, stream, v);
-  return rc;
-}
-
-/* ---- lists of arrays ------------------------------------------------------------------- */
-
-typedef struct {
-  PyObject *seq;       /* a tuple of the arrays (holds a reference to each) */
-  Py_ssize_t n;
-  mf_tensor *t;        /* n views */
-  mf_py_view *generic; /* n slots; generic[i].owner != NULL where the generic path was used */
-} view_list;
-
-static void view_list_release(view_list *l) {
-  if (l->generic)
-    for (Py_ssize_t i = 0; i < l->n; i++)
-      if (l->generic[i].owner || l->generic[i].managed) mf_py_view_release(&l->generic[i]);
-  PyMem_Free(l->generic);
-  PyMem_Free(l->t);
-  Py_CLEAR(l->seq);
-  memset(l, 0, sizeof *l);
-}
-
-static int view_list_get(PyObject *obj, const char *name, int writable, uintptr_t stream,
-                         view_list *l) {
-  memset(l, 0, sizeof *l);
-  /* only lists and tuples: an array is iterable too, and its rows are not gradients */
-  if (!PyList_Check(obj) && !PyTuple_Check(obj)) {
-    PyErr_Format(mf_py_TypeError, "%s: expected a list or tuple of arrays, got %s", name,
-                 Py_TYPE(obj)->tp_name);
-    return -1;
-  }
-  /* a tuple of our own: it keeps every array alive while the GIL is released, even if
-   * another thread empties the caller's list meanwhile */
-  l->seq = PyTuple_Check(obj) ? Py_NewRef(obj) : PyList_AsTuple(obj);
-  if (!l->seq) return -1;
-  l->n = PyTuple_GET_SIZE(l->seq);
-  l->t = (mf_tensor *)PyMem_Calloc(l->n ? (size_t)l->n : 1, sizeof(mf_tensor));
-  l->generic = (mf_py_view *)PyMem_Calloc(l->n ? (size_t)l->n : 1, sizeof(mf_py_view));
-  if (!l->t || !l->generic) {
-    PyErr_NoMemory();
-    view_list_release(l);
-    return -1;
-  }
-  PyObject **items = PySequence_Fast_ITEMS(l->seq); /* valid for tuples */
-  for (Py_ssize_t i = 0; i < l->n; i++) {
-    int rc = torch_view(items[i], name, i, &l->t[i]);
-    if (rc == 1) {
-      char item[96];
-      mf_py_index_name(item, sizeof item, name, i);
-      rc = mf_py_view_get(items[i], item, writable, stream, &l->generic[i]);
-      if (rc == 0) l->t[i] = l->generic[i].t;
-    }
-    if (rc) {
-      view_list_release(l);
-      return -1;
-    }
-  }
-  return 0;
-}
 
 /* ---- scaler ----------------------------------------------------------------------------- */
 
@@ -206,16 +32,16 @@ static PyObject *py_scaler_state_init(PyObject *self, PyObject *args) {
   double init_scale;
   long long tracker;
   if (!PyArg_ParseTuple(args, "OdL", &ostate, &init_scale, &tracker)) return NULL;
-  mf_py_view v;
-  if (view_get(ostate, "state", 1, 0, &v)) return NULL;
-  mf_status st;
+  mf_py_view v = {0};
+  mf_status st = MF_OK;
+  if (mf_py_view_get(ostate, "state", -1, MF_PY_WRITABLE, 0, &v)) goto finish;
   if (v.t.device != MF_CPU || v.t.dtype != MF_FLOAT32)
     st = mf_error(MF_ERR_TYPE, "state: expected a float32 CPU array");
   else
     st = mf_scaler_state_init((uint32_t *)v.t.data, v.t.numel, (float)init_scale, tracker);
+finish:
   mf_py_view_release(&v);
-  if (st) return mf_py_raise(st);
-  Py_RETURN_NONE;
+  return mf_py_result(st);
 }
 
 static int32_t clamp_i32(long long v) {
@@ -259,31 +85,22 @@ static PyObject *py_scaler_update(PyObject *self, PyObject *args) {
                         &stream))
     return NULL;
   if (parse_config(oconfig, &c)) return NULL;
-  PyObject *result = NULL;
-  mf_py_view state, loss;
-  view_list flags;
-  int have = 0, has_loss = oloss != Py_None;
-  if (view_get(ostate, "state", 1, (uintptr_t)stream, &state)) goto finish;
-  have = 1;
-  if (view_list_get(oflags, "found_inf", 0, (uintptr_t)stream, &flags)) goto finish;
-  have = 2;
-  if (has_loss && view_get(oloss, "loss_flag", 0, (uintptr_t)stream, &loss)) goto finish;
-  have = 3;
-  mf_status st;
-  Py_BEGIN_ALLOW_THREADS
-  st = mf_scaler_update(&state.t, flags.t, flags.n, has_loss ? &loss.t : NULL, &c,
-                        (void *)(uintptr_t)stream);
-  Py_END_ALLOW_THREADS
-  if (st) {
-    mf_py_raise(st);
+  const uintptr_t s = (uintptr_t)stream;
+  mf_py_view state = {0}, loss = {0};
+  mf_py_view_list flags = {0};
+  mf_status st = MF_OK;
+  if (mf_py_view_get(ostate, "state", -1, MF_PY_WRITABLE, s, &state) ||
+      mf_py_view_list_get(oflags, "found_inf", -1, MF_PY_READ, s, &flags) ||
+      mf_py_view_get(oloss, "loss_flag", -1, MF_PY_OPTIONAL, s, &loss))
     goto finish;
-  }
-  result = Py_NewRef(Py_None);
+  Py_BEGIN_ALLOW_THREADS
+  st = mf_scaler_update(&state.t, flags.t, flags.n, mf_py_tensor_or_null(&loss), &c, (void *)s);
+  Py_END_ALLOW_THREADS
 finish:
-  if (have >= 3 && has_loss) mf_py_view_release(&loss);
-  if (have >= 2) view_list_release(&flags);
-  if (have >= 1) mf_py_view_release(&state);
-  return result;
+  mf_py_view_release(&loss);
+  mf_py_view_list_release(&flags);
+  mf_py_view_release(&state);
+  return mf_py_result(st);
 }
 
 /* ---- fused gradient passes --------------------------------------------------------------- */
@@ -294,31 +111,22 @@ static PyObject *py_unscale_grads(PyObject *self, PyObject *args) {
   PyObject *ograds, *oscale, *ofound;
   unsigned long long stream;
   if (!PyArg_ParseTuple(args, "OOOK", &ograds, &oscale, &ofound, &stream)) return NULL;
-  PyObject *result = NULL;
-  view_list grads;
-  mf_py_view found, scale;
-  int have = 0, has_scale = oscale != Py_None;
-  if (view_list_get(ograds, "grads", 1, (uintptr_t)stream, &grads)) goto finish;
-  have = 1;
-  if (view_get(ofound, "found_inf", 1, (uintptr_t)stream, &found)) goto finish;
-  have = 2;
-  if (has_scale && view_get(oscale, "scale", 0, (uintptr_t)stream, &scale)) goto finish;
-  have = 3;
-  mf_status st;
-  Py_BEGIN_ALLOW_THREADS
-  st = mf_unscale_grads(grads.t, grads.n, has_scale ? &scale.t : NULL, &found.t,
-                        (void *)(uintptr_t)stream);
-  Py_END_ALLOW_THREADS
-  if (st) {
-    mf_py_raise(st);
+  const uintptr_t s = (uintptr_t)stream;
+  mf_py_view_list grads = {0};
+  mf_py_view found = {0}, scale = {0};
+  mf_status st = MF_OK;
+  if (mf_py_view_list_get(ograds, "grads", -1, MF_PY_WRITABLE, s, &grads) ||
+      mf_py_view_get(ofound, "found_inf", -1, MF_PY_WRITABLE, s, &found) ||
+      mf_py_view_get(oscale, "scale", -1, MF_PY_OPTIONAL, s, &scale))
     goto finish;
-  }
-  result = Py_NewRef(Py_None);
+  Py_BEGIN_ALLOW_THREADS
+  st = mf_unscale_grads(grads.t, grads.n, mf_py_tensor_or_null(&scale), &found.t, (void *)s);
+  Py_END_ALLOW_THREADS
 finish:
-  if (have >= 3 && has_scale) mf_py_view_release(&scale);
-  if (have >= 2) mf_py_view_release(&found);
-  if (have >= 1) view_list_release(&grads);
-  return result;
+  mf_py_view_release(&scale);
+  mf_py_view_release(&found);
+  mf_py_view_list_release(&grads);
+  return mf_py_result(st);
 }
 
 /* grad_norm(grads, norm_type, workspace_or_None, out, stream) */
@@ -328,32 +136,22 @@ static PyObject *py_grad_norm(PyObject *self, PyObject *args) {
   double norm_type;
   unsigned long long stream;
   if (!PyArg_ParseTuple(args, "OdOOK", &ograds, &norm_type, &ows, &oout, &stream)) return NULL;
-  PyObject *result = NULL;
-  view_list grads;
-  mf_py_view out, ws;
-  int have = 0, has_ws = ows != Py_None;
-  if (view_list_get(ograds, "grads", 0, (uintptr_t)stream, &grads)) goto finish;
-  have = 1;
-  if (view_get(oout, "out", 1, (uintptr_t)stream, &out)) goto finish;
-  have = 2;
-  if (has_ws && view_get(ows, "workspace", 1, (uintptr_t)stream, &ws)) goto finish;
-  have = 3;
-  mf_tensor none = {0};
-  mf_status st;
-  Py_BEGIN_ALLOW_THREADS
-  st = mf_grad_norm(grads.t, grads.n, norm_type, has_ws ? &ws.t : &none, &out.t,
-                    (void *)(uintptr_t)stream);
-  Py_END_ALLOW_THREADS
-  if (st) {
-    mf_py_raise(st);
+  const uintptr_t s = (uintptr_t)stream;
+  mf_py_view_list grads = {0};
+  mf_py_view out = {0}, ws = {0}; /* no workspace: ws stays a zero tensor */
+  mf_status st = MF_OK;
+  if (mf_py_view_list_get(ograds, "grads", -1, MF_PY_READ, s, &grads) ||
+      mf_py_view_get(oout, "out", -1, MF_PY_WRITABLE, s, &out) ||
+      mf_py_view_get(ows, "workspace", -1, MF_PY_WRITABLE | MF_PY_OPTIONAL, s, &ws))
     goto finish;
-  }
-  result = Py_NewRef(Py_None);
+  Py_BEGIN_ALLOW_THREADS
+  st = mf_grad_norm(grads.t, grads.n, norm_type, &ws.t, &out.t, (void *)s);
+  Py_END_ALLOW_THREADS
 finish:
-  if (have >= 3 && has_ws) mf_py_view_release(&ws);
-  if (have >= 2) mf_py_view_release(&out);
-  if (have >= 1) view_list_release(&grads);
-  return result;
+  mf_py_view_release(&ws);
+  mf_py_view_release(&out);
+  mf_py_view_list_release(&grads);
+  return mf_py_result(st);
 }
 
 /* clip_grads(grads, norm, max_norm, stream) */
@@ -363,27 +161,20 @@ static PyObject *py_clip_grads(PyObject *self, PyObject *args) {
   double max_norm;
   unsigned long long stream;
   if (!PyArg_ParseTuple(args, "OOdK", &ograds, &onorm, &max_norm, &stream)) return NULL;
-  PyObject *result = NULL;
-  view_list grads;
-  mf_py_view norm;
-  int have = 0;
-  if (view_list_get(ograds, "grads", 1, (uintptr_t)stream, &grads)) goto finish;
-  have = 1;
-  if (view_get(onorm, "norm", 0, (uintptr_t)stream, &norm)) goto finish;
-  have = 2;
-  mf_status st;
-  Py_BEGIN_ALLOW_THREADS
-  st = mf_clip_grads(grads.t, grads.n, &norm.t, (float)max_norm, (void *)(uintptr_t)stream);
-  Py_END_ALLOW_THREADS
-  if (st) {
-    mf_py_raise(st);
+  const uintptr_t s = (uintptr_t)stream;
+  mf_py_view_list grads = {0};
+  mf_py_view norm = {0};
+  mf_status st = MF_OK;
+  if (mf_py_view_list_get(ograds, "grads", -1, MF_PY_WRITABLE, s, &grads) ||
+      mf_py_view_get(onorm, "norm", -1, MF_PY_READ, s, &norm))
     goto finish;
-  }
-  result = Py_NewRef(Py_None);
+  Py_BEGIN_ALLOW_THREADS
+  st = mf_clip_grads(grads.t, grads.n, &norm.t, (float)max_norm, (void *)s);
+  Py_END_ALLOW_THREADS
 finish:
-  if (have >= 2) mf_py_view_release(&norm);
-  if (have >= 1) view_list_release(&grads);
-  return result;
+  mf_py_view_release(&norm);
+  mf_py_view_list_release(&grads);
+  return mf_py_result(st);
 }
 
 /* grad_norm_workspace_size(numels) -> chunks */

@@ -1,160 +1,227 @@
 /* Bindings for the optimizer steps (csrc/core/optim.c, cuda/optim.cu). The Python
  * layer (memfit.optim) allocates the states in the caller's framework and passes
  * them in; this file only turns the lists of arrays into views and calls the core. */
+#include <string.h>
+
 #include "bindings.h"
 #include "memfit/optim.h"
 
-/* Items of a list argument (a list/tuple of n arrays; or None, when optional, for
- * "no arrays"), appended to objs/names/flags for mf_py_views_get. Borrowed references:
- * `fast` keeps the items alive. */
-static int add_list(PyObject *seq, const char *what, Py_ssize_t n, int flags, PyObject **fast,
-                    PyObject **objs, char (*names)[32], int *fl, Py_ssize_t *k) {
-  *fast = NULL;
-  if (seq == Py_None && (flags & MF_PY_OPTIONAL)) {
-    for (Py_ssize_t i = 0; i < n; i++) {
-      objs[*k] = Py_None;
-      mf_py_index_name(names[*k], 32, what, i);
-      fl[(*k)++] = flags;
+/* The list arguments of optim_step: one array (or None, where optional) per parameter. */
+enum { L_PARAMS, L_GRADS, L_STATE1, L_ABSMAX1, L_STATE2, L_ABSMAX2, L_STEPS, L_COMPS, L_COUNT };
+static const char *const list_names[L_COUNT] = {"params", "grads", "state1", "absmax1",
+                                                "state2", "absmax2", "steps", "comps"};
+/* params, grads, the states and comps may be dense in any order (check_layouts) */
+static const int list_flags[L_COUNT] = {
+    MF_PY_WRITABLE | MF_PY_DENSE, MF_PY_READ | MF_PY_DENSE,
+    MF_PY_WRITABLE | MF_PY_OPTIONAL | MF_PY_DENSE, MF_PY_WRITABLE | MF_PY_OPTIONAL,
+    MF_PY_WRITABLE | MF_PY_OPTIONAL | MF_PY_DENSE, MF_PY_WRITABLE | MF_PY_OPTIONAL,
+    MF_PY_WRITABLE, MF_PY_WRITABLE | MF_PY_OPTIONAL | MF_PY_DENSE};
+
+/* Where a parameter's arrays are dense but not row-major (channels_last, a transposed
+ * weight), the core treats each as flat storage: right only when every array that
+ * holds one value per element (param, grad, comp, and states of the parameter's shape)
+ * has the parameter's own strides. States and comps may also be 1-D (the functional
+ * API's flat states): a flat array over the storage. Checked only where a view is
+ * permuted. */
+static int check_layouts(const mf_py_view_list *lists, Py_ssize_t i, int fmt) {
+  static const int per_element[] = {L_GRADS, L_STATE1, L_STATE2, L_COMPS};
+  const mf_py_view *p = &lists[L_PARAMS].v[i];
+  int permuted = p->permuted;
+  for (size_t k = 0; k < sizeof per_element / sizeof *per_element; k++)
+    permuted |= lists[per_element[k]].v[i].permuted;
+  if (!permuted) return 0;
+  for (size_t k = 0; k < sizeof per_element / sizeof *per_element; k++) {
+    const int l = per_element[k];
+    const mf_py_view *x = &lists[l].v[i];
+    if (!x->owner || ((l == L_STATE1 || l == L_STATE2) && fmt == MF_STATE_4BIT)) continue;
+    if (l != L_GRADS && !x->permuted) {
+      const int nd = mf_py_torch_ndim(x->owner);
+      if (nd < 0) return -1;
+      if (nd == 1) continue;
     }
-    return 0;
-  }
-  *fast = PySequence_Fast(seq, "expected a list of arrays");
-  if (!*fast) return -1;
-  if (PySequence_Fast_GET_SIZE(*fast) != n) {
-    PyErr_Format(mf_py_ValueError, "%s: expected %zd arrays (one per parameter), got %zd", what,
-                 n, PySequence_Fast_GET_SIZE(*fast));
+    const int same = mf_py_same_layout(p->owner, x->owner);
+    if (same < 0) return -1;
+    if (same) continue;
+    char pn[32], xn[32];
+    mf_py_index_name(pn, sizeof pn, "params", i);
+    mf_py_index_name(xn, sizeof xn, list_names[l], i);
+    if (l == L_GRADS)
+      PyErr_Format(mf_py_ValueError,
+                   "%s: must be contiguous (row-major), or dense with a gradient of the same "
+                   "strides, but %s has other strides; make the gradient match the parameter's "
+                   "memory format (e.g. p.grad = p.grad.contiguous(memory_format=torch."
+                   "channels_last)) or call .contiguous() on the parameter",
+                   pn, xn);
+    else
+      PyErr_Format(mf_py_ValueError,
+                   "%s: its strides differ from %s's: the states of a dense parameter that is "
+                   "not row-major follow its memory layout (make it with torch.zeros_like(p))",
+                   xn, pn);
     return -1;
-  }
-  for (Py_ssize_t i = 0; i < n; i++) {
-    objs[*k] = PySequence_Fast_GET_ITEM(*fast, i);
-    mf_py_index_name(names[*k], 32, what, i);
-    fl[(*k)++] = flags;
   }
   return 0;
 }
 
-/* optim_step(kind, bits, block_size, hparams, code1, code2, params, grads, state1, absmax1,
- *            state2, absmax2, steps, grad_scale, found_inf, stream[, comps])
- * hparams = (lr, beta1, beta2, eps, weight_decay, momentum, dampening, alpha, nesterov,
- *            maximize, sr_seed): sr_seed != 0 turns on stochastic rounding of half-precision
- *            parameters. Lists have one entry per parameter; state and absmax entries may
- * be None (states this optimizer does not keep). comps: None, or a list of Kahan
- * compensation buffers (None for a parameter without one; see optim.h). */
-static PyObject *py_optim_step(PyObject *self, PyObject *args) {
-  (void)self;
-  int kind, bits, nesterov, maximize;
-  long long block_size;
-  unsigned long long sr_seed;
-  mf_optim_hparams h = {0};
-  PyObject *lists[8], *ocode1, *ocode2, *oscale, *oinf;
-  unsigned long long stream;
-  lists[7] = Py_None; /* comps */
-  if (!PyArg_ParseTuple(args, "iiL(ddddddddppK)OOOOOOOOOOOK|O", &kind, &bits, &block_size, &h.lr,
-                        &h.beta1, &h.beta2, &h.eps, &h.weight_decay, &h.momentum, &h.dampening,
-                        &h.alpha, &nesterov, &maximize, &sr_seed, &ocode1, &ocode2, &lists[0],
-                        &lists[1], &lists[2], &lists[3], &lists[4], &lists[5], &lists[6], &oscale,
-                        &oinf, &stream, &lists[7]))
-    return NULL;
-  h.kind = (mf_optim_kind)kind;
-  h.nesterov = nesterov;
-  h.maximize = maximize;
-  /* the seed is 0 when stochastic rounding is off (hparams' last field) */
-  h.stochastic_round = sr_seed != 0;
-  h.sr_seed = sr_seed;
-  const uintptr_t s = (uintptr_t)stream;
-  const Py_ssize_t n = PySequence_Size(lists[0]);
-  if (n < 0) return NULL;
-
-  static const char *const list_names[8] = {"params", "grads", "state1", "absmax1",
-                                            "state2", "absmax2", "steps", "comps"};
-  static const int list_flags[8] = {MF_PY_WRITABLE, MF_PY_READ,
-                                    MF_PY_WRITABLE | MF_PY_OPTIONAL, MF_PY_WRITABLE | MF_PY_OPTIONAL,
-                                    MF_PY_WRITABLE | MF_PY_OPTIONAL, MF_PY_WRITABLE | MF_PY_OPTIONAL,
-                                    MF_PY_WRITABLE, MF_PY_WRITABLE | MF_PY_OPTIONAL};
-  const Py_ssize_t total = 8 * n + 4; /* + code1, code2, grad_scale, found_inf */
-  PyObject *result = NULL, *fast[8] = {NULL};
-  PyObject **objs = PyMem_Calloc((size_t)total, sizeof(PyObject *));
-  char (*names)[32] = PyMem_Calloc((size_t)total, 32);
-  const char **name_ptrs = PyMem_Calloc((size_t)total, sizeof(char *));
-  int *flags = PyMem_Calloc((size_t)total, sizeof(int));
-  mf_py_view *v = PyMem_Calloc((size_t)total, sizeof(mf_py_view));
-  mf_optim_tensor *ts = PyMem_Calloc(n > 0 ? (size_t)n : 1, sizeof(mf_optim_tensor));
-  int have_views = 0;
-  if (!objs || !names || !name_ptrs || !flags || !v || !ts) {
+static PyObject *step_call(const mf_optim_hparams *h, int bits, long long block_size,
+                           PyObject *const *objs, PyObject *ocode1, PyObject *ocode2,
+                           PyObject *oscale, PyObject *oinf, uintptr_t s) {
+  mf_py_view_list lists[L_COUNT] = {{0}};
+  mf_py_view code1 = {0}, code2 = {0}, scale = {0}, inf = {0};
+  mf_optim_tensor *ts = NULL;
+  mf_status st = MF_OK;
+  const Py_ssize_t n = PySequence_Size(objs[L_PARAMS]);
+  if (n < 0) goto finish;
+  for (int l = 0; l < L_COUNT; l++)
+    if (mf_py_view_list_get(objs[l], list_names[l], n, list_flags[l], s, &lists[l])) goto finish;
+  if (mf_py_view_get(ocode1, "code1", -1, MF_PY_OPTIONAL, s, &code1) ||
+      mf_py_view_get(ocode2, "code2", -1, MF_PY_OPTIONAL, s, &code2) ||
+      mf_py_view_get(oscale, "grad_scale", -1, MF_PY_OPTIONAL, s, &scale) ||
+      mf_py_view_get(oinf, "found_inf", -1, MF_PY_OPTIONAL, s, &inf))
+    goto finish;
+  if (!(ts = PyMem_Calloc(n > 0 ? (size_t)n : 1, sizeof(mf_optim_tensor)))) {
     PyErr_NoMemory();
     goto finish;
   }
-  Py_ssize_t k = 0;
-  for (int l = 0; l < 8; l++)
-    if (add_list(lists[l], list_names[l], n, list_flags[l], &fast[l], objs, names, flags, &k))
-      goto finish;
-  PyObject *extra[4] = {ocode1, ocode2, oscale, oinf};
-  static const char *const extra_names[4] = {"code1", "code2", "grad_scale", "found_inf"};
-  for (int e = 0; e < 4; e++) {
-    objs[k] = extra[e];
-    snprintf(names[k], 32, "%s", extra_names[e]);
-    flags[k++] = MF_PY_READ | MF_PY_OPTIONAL;
-  }
-  for (Py_ssize_t i = 0; i < total; i++) name_ptrs[i] = names[i];
-  if (mf_py_views_get((int)total, objs, name_ptrs, flags, s, v)) goto finish;
-  have_views = 1;
   for (Py_ssize_t i = 0; i < n; i++) {
-    ts[i].param = v[0 * n + i].t;
-    ts[i].grad = v[1 * n + i].t;
-    ts[i].state1 = v[2 * n + i].t; /* absent views are all zero: data NULL, numel 0 */
-    ts[i].absmax1 = v[3 * n + i].t;
-    ts[i].state2 = v[4 * n + i].t;
-    ts[i].absmax2 = v[5 * n + i].t;
-    ts[i].step = v[6 * n + i].t;
-    ts[i].comp = v[7 * n + i].t;
+    if (check_layouts(lists, i, bits)) goto finish;
+    ts[i].param = lists[L_PARAMS].t[i];
+    ts[i].grad = lists[L_GRADS].t[i];
+    ts[i].state1 = lists[L_STATE1].t[i]; /* absent views are all zero: data NULL, numel 0 */
+    ts[i].absmax1 = lists[L_ABSMAX1].t[i];
+    ts[i].state2 = lists[L_STATE2].t[i];
+    ts[i].absmax2 = lists[L_ABSMAX2].t[i];
+    ts[i].step = lists[L_STEPS].t[i];
+    ts[i].comp = lists[L_COMPS].t[i];
     ts[i].sr_stream = (int32_t)i;
   }
-  mf_py_view *x = &v[8 * n];
-  mf_status st;
   Py_BEGIN_ALLOW_THREADS
-  st = mf_optim_step(&h, (mf_state_format)bits, (int64_t)block_size, mf_py_tensor_or_null(&x[0]),
-                     mf_py_tensor_or_null(&x[1]), ts, (int64_t)n, mf_py_tensor_or_null(&x[2]),
-                     mf_py_tensor_or_null(&x[3]), (void *)s);
+  st = mf_optim_step(h, (mf_state_format)bits, (int64_t)block_size, mf_py_tensor_or_null(&code1),
+                     mf_py_tensor_or_null(&code2), ts, (int64_t)n, mf_py_tensor_or_null(&scale),
+                     mf_py_tensor_or_null(&inf), (void *)s);
   Py_END_ALLOW_THREADS
-  if (st) {
-    mf_py_raise(st);
-    goto finish;
-  }
-  result = Py_NewRef(Py_None);
 finish:
-  if (have_views) mf_py_views_release((int)total, v);
-  for (int l = 0; l < 8; l++) Py_XDECREF(fast[l]);
   PyMem_Free(ts);
-  PyMem_Free(v);
-  PyMem_Free(flags);
-  PyMem_Free(name_ptrs);
-  PyMem_Free(names);
-  PyMem_Free(objs);
-  return result;
+  mf_py_view_release(&inf);
+  mf_py_view_release(&scale);
+  mf_py_view_release(&code2);
+  mf_py_view_release(&code1);
+  for (int l = L_COUNT - 1; l >= 0; l--) mf_py_view_list_release(&lists[l]);
+  return mf_py_result(st);
+}
+
+/* Hyperparameters by name: a dict with any of the keys below (absent ones are 0 or
+ * False); sr_seed != 0 turns on stochastic rounding of half-precision parameters. */
+static int parse_hparams(int kind, PyObject *dict, mf_optim_hparams *h) {
+  static char *kw[] = {"lr", "beta1", "beta2", "eps", "weight_decay", "momentum", "dampening",
+                       "alpha", "nesterov", "maximize", "sr_seed", NULL};
+  static PyObject *no_args;
+  if (!no_args && !(no_args = PyTuple_New(0))) return -1;
+  if (!PyDict_Check(dict)) {
+    PyErr_Format(mf_py_TypeError, "hparams: expected a dict of hyperparameters by name, got %s",
+                 Py_TYPE(dict)->tp_name);
+    return -1;
+  }
+  int nesterov = 0, maximize = 0;
+  unsigned long long sr_seed = 0;
+  memset(h, 0, sizeof *h);
+  if (!PyArg_ParseTupleAndKeywords(no_args, dict, "|ddddddddppK:hparams", kw, &h->lr, &h->beta1,
+                                   &h->beta2, &h->eps, &h->weight_decay, &h->momentum,
+                                   &h->dampening, &h->alpha, &nesterov, &maximize, &sr_seed))
+    return -1;
+  h->kind = (mf_optim_kind)kind;
+  h->nesterov = nesterov;
+  h->maximize = maximize;
+  h->stochastic_round = sr_seed != 0;
+  h->sr_seed = sr_seed;
+  return 0;
+}
+
+/* optim_step(kind, bits, block_size, hparams, params, grads, state1, absmax1, state2,
+ *            absmax2, steps, code1=None, code2=None, grad_scale=None, found_inf=None,
+ *            stream=0, comps=None), any argument by name.
+ * hparams: a dict (parse_hparams). Lists have one entry per parameter; state and absmax
+ * entries may be None (states this optimizer does not keep). comps: None, or a list of
+ * Kahan compensation buffers (None for a parameter without one; see optim.h). */
+static PyObject *py_optim_step(PyObject *self, PyObject *args, PyObject *kwargs) {
+  (void)self;
+  static char *kw[] = {"kind", "bits", "block_size", "hparams", "params", "grads", "state1",
+                       "absmax1", "state2", "absmax2", "steps", "code1", "code2", "grad_scale",
+                       "found_inf", "stream", "comps", NULL};
+  int kind, bits;
+  long long block_size;
+  mf_optim_hparams h;
+  PyObject *ohp, *lists[L_COUNT], *ocode1 = Py_None, *ocode2 = Py_None, *oscale = Py_None,
+                                  *oinf = Py_None;
+  unsigned long long stream = 0;
+  lists[L_COMPS] = Py_None;
+  if (!PyArg_ParseTupleAndKeywords(args, kwargs, "iiLOOOOOOOO|OOOOKO:optim_step", kw, &kind, &bits,
+                                   &block_size, &ohp, &lists[L_PARAMS], &lists[L_GRADS],
+                                   &lists[L_STATE1], &lists[L_ABSMAX1], &lists[L_STATE2],
+                                   &lists[L_ABSMAX2], &lists[L_STEPS], &ocode1, &ocode2, &oscale,
+                                   &oinf, &stream, &lists[L_COMPS]))
+    return NULL;
+  if (parse_hparams(kind, ohp, &h)) return NULL;
+  return step_call(&h, bits, block_size, lists, ocode1, ocode2, oscale, oinf, (uintptr_t)stream);
 }
 
 /* optim_check(kind, hparams): raises for out-of-range hyperparameters (the optimizer
  * constructors call it so a bad lr fails at construction, as in torch). */
 static PyObject *py_optim_check(PyObject *self, PyObject *args) {
   (void)self;
-  int kind, nesterov, maximize;
-  unsigned long long sr_seed;
-  mf_optim_hparams h = {0};
-  if (!PyArg_ParseTuple(args, "i(ddddddddppK)", &kind, &h.lr, &h.beta1, &h.beta2, &h.eps,
-                        &h.weight_decay, &h.momentum, &h.dampening, &h.alpha, &nesterov,
-                        &maximize, &sr_seed))
+  int kind;
+  PyObject *ohp;
+  mf_optim_hparams h;
+  if (!PyArg_ParseTuple(args, "iO:optim_check", &kind, &ohp) || parse_hparams(kind, ohp, &h))
     return NULL;
-  h.kind = (mf_optim_kind)kind;
-  h.nesterov = nesterov;
-  h.maximize = maximize;
   mf_status st = mf_optim_check_hparams(&h);
   if (st) return mf_py_raise(st);
   Py_RETURN_NONE;
 }
 
+/* optim_state_layout(kind, bits, block_size, numel, momentum=0.0) -> dict: the states a
+ * parameter of numel elements needs (mf_optim_state_layout, the definition the step
+ * checks): num_states, signed (per state), state_dtype ("float32" or "uint8"),
+ * state_numel and absmax_numel (per state). */
+static PyObject *py_optim_state_layout(PyObject *self, PyObject *args, PyObject *kwargs) {
+  (void)self;
+  static char *kw[] = {"kind", "bits", "block_size", "numel", "momentum", NULL};
+  int kind, bits;
+  long long block_size, numel;
+  mf_optim_hparams h = {0};
+  mf_optim_layout l;
+  if (!PyArg_ParseTupleAndKeywords(args, kwargs, "iiLL|d:optim_state_layout", kw, &kind, &bits,
+                                   &block_size, &numel, &h.momentum))
+    return NULL;
+  h.kind = (mf_optim_kind)kind;
+  mf_status st = mf_optim_state_layout(&h, (mf_state_format)bits, (int64_t)block_size,
+                                       (int64_t)numel, &l);
+  if (st) return mf_py_raise(st);
+  return Py_BuildValue("{s:i,s:(OO),s:s,s:L,s:L}", "num_states", l.num_states, "signed",
+                       l.is_signed[0] ? Py_True : Py_False, l.is_signed[1] ? Py_True : Py_False,
+                       "state_dtype", mf_dtype_name(l.state_dtype), "state_numel",
+                       (long long)l.state_numel, "absmax_numel", (long long)l.absmax_numel);
+}
+
+/* optim_constants() -> dict: the kind numbers (mf_optim_kind, by torch's class names
+ * without "8bit"), the state formats and the default block size of each format. */
+static PyObject *py_optim_constants(PyObject *self, PyObject *noargs) {
+  (void)self;
+  (void)noargs;
+  return Py_BuildValue("{s:{s:i,s:i,s:i,s:i,s:i},s:(iii),s:{i:i,i:i,i:i}}", "kinds", "AdamW",
+                       MF_OPT_ADAMW, "Adam", MF_OPT_ADAM, "Lion", MF_OPT_LION, "SGD", MF_OPT_SGD,
+                       "RMSprop", MF_OPT_RMSPROP, "formats", MF_STATE_8BIT, MF_STATE_4BIT,
+                       MF_STATE_FP32, "default_block_size", MF_STATE_8BIT, MF_OPTIM_BLOCK_8BIT,
+                       MF_STATE_4BIT, MF_OPTIM_BLOCK_4BIT, MF_STATE_FP32, MF_OPTIM_BLOCK_8BIT);
+}
+
 PyMethodDef mf_optim_methods[] = {
-    {"optim_step", py_optim_step, METH_VARARGS,
-     "optim_step(kind, bits, block_size, hparams, code1, code2, params, grads, state1, "
-     "absmax1, state2, absmax2, steps, grad_scale, found_inf, stream[, comps])"},
+    {"optim_step", (PyCFunction)(void (*)(void))py_optim_step, METH_VARARGS | METH_KEYWORDS,
+     "optim_step(kind, bits, block_size, hparams, params, grads, state1, absmax1, state2, "
+     "absmax2, steps, code1=None, code2=None, grad_scale=None, found_inf=None, stream=0, "
+     "comps=None)"},
     {"optim_check", py_optim_check, METH_VARARGS, "optim_check(kind, hparams)"},
+    {"optim_state_layout", (PyCFunction)(void (*)(void))py_optim_state_layout,
+     METH_VARARGS | METH_KEYWORDS, "optim_state_layout(kind, bits, block_size, numel, momentum=0.0)"},
+    {"optim_constants", py_optim_constants, METH_NOARGS,
+     "Kind numbers, state formats and default block sizes."},
     {NULL, NULL, 0, NULL}};

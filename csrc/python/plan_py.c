@@ -8,25 +8,36 @@
 
 #include <stdlib.h>
 
-/* Copies a sequence of integers (anything with __index__) into a new int64
- * array. Returns 0, or -1 with an exception naming `name`. */
-static int int64_list(PyObject *obj, const char *name, int64_t **out, Py_ssize_t *n) {
+/* A sequence of numbers as a new malloc'ed C array: int64 (anything with __index__)
+ * when as_int, else double. Returns 0, or -1 with an exception naming `name` and the
+ * bad element. */
+static int number_list(PyObject *obj, const char *name, int as_int, void **out, Py_ssize_t *n) {
   *out = NULL;
   PyObject *seq = PySequence_Fast(obj, "");
   if (!seq) {
-    PyErr_Format(mf_py_TypeError, "%s: expected a sequence of ints, got %.100s", name,
-                 Py_TYPE(obj)->tp_name);
+    PyErr_Format(mf_py_TypeError, "%s: expected a sequence of %s, got %.100s", name,
+                 as_int ? "ints" : "numbers", Py_TYPE(obj)->tp_name);
     return -1;
   }
   int rc = -1;
   Py_ssize_t len = PySequence_Fast_GET_SIZE(seq);
-  int64_t *arr = malloc(sizeof(int64_t) * (size_t)(len > 0 ? len : 1));
+  void *arr = malloc((as_int ? sizeof(int64_t) : sizeof(double)) * (size_t)(len > 0 ? len : 1));
   if (!arr) {
     PyErr_NoMemory();
     goto finish;
   }
   for (Py_ssize_t i = 0; i < len; i++) {
     PyObject *item = PySequence_Fast_GET_ITEM(seq, i); /* borrowed */
+    if (!as_int) {
+      double v = PyFloat_AsDouble(item);
+      if (v == -1.0 && PyErr_Occurred()) {
+        PyErr_Format(mf_py_TypeError, "%s[%zd]: expected a number, got %.100s", name, i,
+                     Py_TYPE(item)->tp_name);
+        goto finish;
+      }
+      ((double *)arr)[i] = v;
+      continue;
+    }
     PyObject *idx = PyNumber_Index(item);
     if (!idx) {
       PyErr_Format(mf_py_TypeError, "%s[%zd]: expected an int number of bytes, got %.100s",
@@ -39,7 +50,7 @@ static int int64_list(PyObject *obj, const char *name, int64_t **out, Py_ssize_t
       PyErr_Format(mf_py_ValueError, "%s[%zd]: does not fit in 64 bits", name, i);
       goto finish;
     }
-    arr[i] = (int64_t)v;
+    ((int64_t *)arr)[i] = (int64_t)v;
   }
   *out = arr;
   *n = len;
@@ -51,39 +62,12 @@ finish:
   return rc;
 }
 
+static int int64_list(PyObject *obj, const char *name, int64_t **out, Py_ssize_t *n) {
+  return number_list(obj, name, 1, (void **)out, n);
+}
+
 static int double_list(PyObject *obj, const char *name, double **out, Py_ssize_t *n) {
-  *out = NULL;
-  PyObject *seq = PySequence_Fast(obj, "");
-  if (!seq) {
-    PyErr_Format(mf_py_TypeError, "%s: expected a sequence of numbers, got %.100s", name,
-                 Py_TYPE(obj)->tp_name);
-    return -1;
-  }
-  int rc = -1;
-  Py_ssize_t len = PySequence_Fast_GET_SIZE(seq);
-  double *arr = malloc(sizeof(double) * (size_t)(len > 0 ? len : 1));
-  if (!arr) {
-    PyErr_NoMemory();
-    goto finish;
-  }
-  for (Py_ssize_t i = 0; i < len; i++) {
-    PyObject *item = PySequence_Fast_GET_ITEM(seq, i);
-    double v = PyFloat_AsDouble(item);
-    if (v == -1.0 && PyErr_Occurred()) {
-      PyErr_Format(mf_py_TypeError, "%s[%zd]: expected a number, got %.100s", name, i,
-                   Py_TYPE(item)->tp_name);
-      goto finish;
-    }
-    arr[i] = v;
-  }
-  *out = arr;
-  *n = len;
-  arr = NULL;
-  rc = 0;
-finish:
-  free(arr);
-  Py_DECREF(seq);
-  return rc;
+  return number_list(obj, name, 0, (void **)out, n);
 }
 
 static int check_len(Py_ssize_t got, Py_ssize_t want, const char *name) {

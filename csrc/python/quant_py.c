@@ -52,18 +52,18 @@ static PyObject *py_dequantize_blockwise(PyObject *self, PyObject *args) {
 
 /* Fills a float32 CPU array with a code table. */
 static PyObject *fill_map(PyObject *oout, int is_signed, int total_bits, int max_exp, int dynamic) {
-  mf_py_view out;
-  if (mf_py_view_get(oout, "out", 1, 0, &out)) return NULL;
-  mf_status st;
+  mf_py_view out = {0};
+  mf_status st = MF_OK;
+  if (mf_py_view_get(oout, "out", -1, MF_PY_WRITABLE, 0, &out)) goto finish;
   if (out.t.dtype != MF_FLOAT32 || out.t.device != MF_CPU)
     st = mf_error(MF_ERR_TYPE, "out: expected a float32 CPU array");
   else if (dynamic)
     st = mf_dynamic_map((float *)out.t.data, out.t.numel, is_signed, total_bits, max_exp);
   else
     st = mf_linear_map((float *)out.t.data, out.t.numel, is_signed, total_bits);
+finish:
   mf_py_view_release(&out);
-  if (st) return mf_py_raise(st);
-  Py_RETURN_NONE;
+  return mf_py_result(st);
 }
 
 static PyObject *py_dynamic_map(PyObject *self, PyObject *args) {
@@ -82,7 +82,25 @@ static PyObject *py_linear_map(PyObject *self, PyObject *args) {
   return fill_map(out, is_signed, total_bits, 0, 0);
 }
 
+/* quant_block_sizes() -> the block sizes the kernels accept (mf_quant_block_size_ok). */
+static PyObject *py_quant_block_sizes(PyObject *self, PyObject *noargs) {
+  (void)self;
+  (void)noargs;
+  PyObject *sizes = PyList_New(0);
+  for (int64_t b = MF_QUANT_MIN_BLOCK; sizes && b <= MF_QUANT_MAX_BLOCK; b *= 2) {
+    if (!mf_quant_block_size_ok(b)) continue;
+    PyObject *v = PyLong_FromLongLong((long long)b);
+    if (!v || PyList_Append(sizes, v)) Py_CLEAR(sizes);
+    Py_XDECREF(v);
+  }
+  PyObject *t = sizes ? PyList_AsTuple(sizes) : NULL;
+  Py_XDECREF(sizes);
+  return t;
+}
+
 PyMethodDef mf_quant_methods[] = {
+    {"quant_block_sizes", py_quant_block_sizes, METH_NOARGS,
+     "quant_block_sizes(): the block sizes the kernels accept"},
     {"quantize_blockwise", py_quantize_blockwise, METH_VARARGS,
      "quantize_blockwise(x, code, codes, absmax, block_size, stochastic, seed, stream)"},
     {"dequantize_blockwise", py_dequantize_blockwise, METH_VARARGS,

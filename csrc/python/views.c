@@ -2,34 +2,25 @@
  * Python arrays -> mf_tensor views, with no copies.
  *
  * Order of attempts:
- *   1. NumPy-style objects (have __array_interface__): read pointer, shape, strides and
+ *   1. torch tensors (plain Tensor or Parameter, CPU or CUDA, once torch is imported):
+ *      read dtype, device, shape, stride() and data_ptr() from the tensor itself: one
+ *      path for every device, a fraction of the cost of a DLPack export.
+ *   2. NumPy-style objects (have __array_interface__): read pointer, shape, strides and
  *      typestr directly. This path also understands ml_dtypes.bfloat16, which NumPy
  *      cannot export through DLPack.
- *   2. Anything with __dlpack__ (torch, CuPy, JAX): ask for a versioned capsule
- *      (max_version=(1, 0)) and fall back to the legacy one for older producers.
+ *   3. Anything else with __dlpack__ (CuPy, JAX, torch subclasses): ask for a versioned
+ *      capsule (max_version=(1, 0)) and fall back to the legacy one for older producers.
  * Capsules are renamed to "used_*" once we own the tensor (as the DLPack protocol
  * requires) and the producer's deleter runs in mf_py_view_release(), with the GIL held.
- * We reject, rather than copy, what the kernels cannot take: non-contiguous memory,
- * unsupported dtypes and devices, read-only outputs.
+ * We reject, rather than copy, what the kernels cannot take: non-contiguous memory
+ * (dense torch tensors in another order only where the caller asks, MF_PY_DENSE),
+ * unsupported dtypes and devices, read-only outputs. An argument's name is formatted
+ * only when an error needs it.
  */
 #include <string.h>
 
 #include "bindings.h"
 #include "dlpack_abi.h"
-
-void mf_py_view_release(mf_py_view *v) {
-  if (v->managed) {
-    if (v->versioned) {
-      mf_dl_managed_versioned *m = (mf_dl_managed_versioned *)v->managed;
-      if (m->deleter) m->deleter(m);
-    } else {
-      mf_dl_managed *m = (mf_dl_managed *)v->managed;
-      if (m->deleter) m->deleter(m);
-    }
-    v->managed = NULL;
-  }
-  Py_CLEAR(v->owner);
-}
 
 static int is_c_contiguous(int ndim, const int64_t *shape, const int64_t *strides,
                            int64_t itemsize_units) {
@@ -206,7 +197,8 @@ const mf_py_torch_refs *mf_py_torch(void) {
     struct { PyObject **slot; const char *name; } names[] = {
         {&r.s_requires_grad, "requires_grad"}, {&r.s_is_cpu, "is_cpu"}, {&r.s_is_cuda, "is_cuda"},
         {&r.s_get_device, "get_device"}, {&r.s_dtype, "dtype"}, {&r.s_layout, "layout"},
-        {&r.s_is_contiguous, "is_contiguous"}, {&r.s_numel, "numel"}, {&r.s_data_ptr, "data_ptr"}};
+        {&r.s_is_contiguous, "is_contiguous"}, {&r.s_numel, "numel"}, {&r.s_shape, "shape"},
+        {&r.s_stride, "stride"}, {&r.s_dim, "dim"}, {&r.s_data_ptr, "data_ptr"}};
     for (size_t i = 0; i < sizeof names / sizeof names[0]; i++)
       ok = (*names[i].slot = PyUnicode_InternFromString(names[i].name)) && ok;
     Py_XDECREF(nn);
@@ -217,73 +209,250 @@ const mf_py_torch_refs *mf_py_torch(void) {
   return state == 1 ? &r : NULL;
 }
 
-/* The fast path for CPU torch tensors. torch's __dlpack__ and __dlpack_device__ are
- * Python functions that together cost ~3.5 us per array, paid five to seven times per
- * parameter by an optimizer step (hundreds of parameters in a real model); a DLPack
- * export through their C core, torch._C._to_dlpack_versioned, still cost ~0.65 us per
- * array with its capsule and deleter. Here we read what a view needs from the tensor's
- * own C-level attributes (dtype, is_contiguous(), numel(), data_ptr(): ~0.3 us) and
- * hold a reference to the tensor for the call. Taken once torch is imported, for a
- * plain Tensor or Parameter that does not require grad, on the CPU, contiguous, of a
- * dtype memfit takes: the cases where __dlpack__ would export this same memory with no
- * stream semantics. Anything else, or any failure, returns 0 with no error set and the
- * caller takes the general path (and its error messages). Returns 1 when it filled v.
- * (amp_py.c has its own fast path over the same mf_py_torch() references, for lists of
- * gradients on CPU or CUDA, which names what is wrong instead of falling back.) */
-static int view_from_torch_cpu(PyObject *obj, mf_py_view *v) {
+/* out <- "what[index]", or "what" when index < 0: an argument's name, formatted only
+ * when an error needs it. */
+static const char *arg_name(char *out, size_t cap, const char *what, Py_ssize_t index) {
+  if (index < 0) return what;
+  mf_py_index_name(out, cap, what, index);
+  return out;
+}
+
+/* Raises, and returns 1, for a sparse or other non-strided tensor (whose strides, if
+ * it has any, describe no dense memory): says what it is, replacing any pending error. */
+static int not_strided(PyObject *obj, const mf_py_torch_refs *T, const char *what,
+                       Py_ssize_t index) {
+  PyObject *type, *value, *tb;
+  PyErr_Fetch(&type, &value, &tb);
+  PyObject *layout = PyObject_GetAttr(obj, T->s_layout);
+  const int strided = !layout || layout == T->strided;
+  Py_XDECREF(layout);
+  PyErr_Clear();
+  PyErr_Restore(type, value, tb);
+  if (strided) return 0;
+  char buf[96];
+  PyErr_Clear();
+  PyErr_Format(mf_py_ValueError, "%s: sparse or other non-strided tensors are not supported "
+               "(pass the values of a sparse gradient)", arg_name(buf, sizeof buf, what, index));
+  return 1;
+}
+
+/* obj.shape and obj.stride() of a torch tensor into shape/strides (elements), with
+ * every conversion checked. Returns 0; or -1 with an error set (a sparse or other
+ * non-strided tensor, a negative or overflowing size). */
+static int torch_dims(PyObject *obj, const mf_py_torch_refs *T, const char *what,
+                      Py_ssize_t index, int *ndim, int64_t *shape, int64_t *strides,
+                      int64_t *numel) {
+  char buf[96];
+  PyObject *sz = PyObject_GetAttr(obj, T->s_shape);
+  PyObject *st = sz ? PyObject_CallMethodNoArgs(obj, T->s_stride) : NULL;
+  int rc = -1;
+  if (!st) {
+    not_strided(obj, T, what, index); /* else keeps torch's own error */
+    goto finish;
+  }
+  if (!PyTuple_Check(sz) || !PyTuple_Check(st) || PyTuple_GET_SIZE(sz) != PyTuple_GET_SIZE(st) ||
+      PyTuple_GET_SIZE(sz) > MF_PY_MAX_DIMS) {
+    PyErr_Format(mf_py_ValueError, "%s: unsupported shape/strides (at most %d dimensions)",
+                 arg_name(buf, sizeof buf, what, index), MF_PY_MAX_DIMS);
+    goto finish;
+  }
+  *ndim = (int)PyTuple_GET_SIZE(sz);
+  int64_t n = 1;
+  for (int d = 0; d < *ndim; d++) {
+    const Py_ssize_t a = PyLong_AsSsize_t(PyTuple_GET_ITEM(sz, d));
+    const Py_ssize_t b = PyLong_AsSsize_t(PyTuple_GET_ITEM(st, d));
+    if ((a == -1 || b == -1) && PyErr_Occurred()) goto finish;
+    if (a < 0) {
+      PyErr_Format(mf_py_ValueError, "%s: negative size %zd in dimension %d",
+                   arg_name(buf, sizeof buf, what, index), a, d);
+      goto finish;
+    }
+    if (a > 0 && n > INT64_MAX / a) {
+      PyErr_Format(mf_py_ValueError, "%s: too many elements (the size overflows 64 bits)",
+                   arg_name(buf, sizeof buf, what, index));
+      goto finish;
+    }
+    n *= a;
+    shape[d] = a;
+    strides[d] = b;
+  }
+  *numel = n;
+  rc = 0;
+finish:
+  Py_XDECREF(st);
+  Py_XDECREF(sz);
+  return rc;
+}
+
+/* Whether a strided layout is dense (every element once, no gaps: a permutation of a
+ * row-major layout) and whether it is row-major itself. Size-1 dimensions may have any
+ * stride. */
+static void classify_layout(int ndim, const int64_t *shape, const int64_t *strides, int *dense,
+                            int *row_major) {
+  *row_major = is_c_contiguous(ndim, shape, strides, 1);
+  if (*row_major) {
+    *dense = 1;
+    return;
+  }
+  /* dense <=> sorted by stride (size-1 dimensions left out), each stride is the
+   * product of the sizes below it; ndim <= MF_PY_MAX_DIMS, so an insertion sort */
+  int order[MF_PY_MAX_DIMS], m = 0;
+  for (int d = 0; d < ndim; d++) {
+    if (shape[d] == 1) continue;
+    int j = m++;
+    while (j > 0 && strides[order[j - 1]] > strides[d]) {
+      order[j] = order[j - 1];
+      j--;
+    }
+    order[j] = d;
+  }
+  int64_t expected = 1;
+  *dense = 1;
+  for (int k = 0; k < m && *dense; k++) {
+    *dense = strides[order[k]] == expected;
+    expected *= shape[order[k]];
+  }
+}
+
+/* The view path for torch tensors, on any device. torch's __dlpack__ and
+ * __dlpack_device__ are Python functions that together cost several microseconds per
+ * array (about 18 us for CUDA tensors), paid five to seven times per parameter by an
+ * optimizer step; here we read what a view needs from the tensor's own C-level
+ * attributes (dtype, device, shape, stride(), data_ptr()) and hold a reference to the
+ * tensor for the call. There is no stream handshake as in __dlpack__(stream=...): the
+ * torch adapters launch on torch's current stream, where torch has already ordered the
+ * work that produced the tensor, as its own operators assume. Taken once torch is imported, for a plain Tensor or Parameter
+ * on the CPU or a CUDA device. Returns 1 when it filled v, -1 with an error set (named
+ * what[index]), and 0 with no error set for what the general path should handle
+ * instead (other devices, subclasses, a writable tensor that requires grad: DLPack
+ * refuses it, and its message says why). */
+static int view_from_torch(PyObject *obj, const char *what, Py_ssize_t index, int flags,
+                           mf_py_view *v) {
   const mf_py_torch_refs *T = mf_py_torch();
   if (!T) return 0;
   if ((PyObject *)Py_TYPE(obj) != T->tensor_type && (PyObject *)Py_TYPE(obj) != T->parameter_type)
     return 0;
-  /* requires_grad, is_cpu and dtype are attributes; is_contiguous, numel and data_ptr
-   * methods. Each step bails out (general path) on anything unexpected. */
-  PyObject *a = PyObject_GetAttr(obj, T->s_requires_grad);
-  int ok = a == Py_False;
-  Py_XDECREF(a);
-  if (ok) {
-    a = PyObject_GetAttr(obj, T->s_is_cpu);
-    ok = a == Py_True;
-    Py_XDECREF(a);
+  char buf[96];
+  PyObject *a;
+  int truth;
+  if (flags & MF_PY_WRITABLE) {
+    /* writing behind autograd's back: refused, as DLPack refuses it */
+    if (!(a = PyObject_GetAttr(obj, T->s_requires_grad))) return -1;
+    truth = a == Py_True;
+    Py_DECREF(a);
+    if (truth) return 0;
   }
-  if (ok) {
-    a = PyObject_GetAttr(obj, T->s_dtype);
-    if (a == T->float32) v->t.dtype = MF_FLOAT32;
-    else if (a == T->float16) v->t.dtype = MF_FLOAT16;
-    else if (a == T->bfloat16) v->t.dtype = MF_BFLOAT16;
-    else if (a == T->uint8) v->t.dtype = MF_UINT8;
-    else ok = 0;
-    Py_XDECREF(a);
+  if (!(a = PyObject_GetAttr(obj, T->s_dtype))) return -1;
+  Py_DECREF(a); /* torch's dtype objects live as long as torch: identity is safe */
+  if (a == T->float32) v->t.dtype = MF_FLOAT32;
+  else if (a == T->float16) v->t.dtype = MF_FLOAT16;
+  else if (a == T->bfloat16) v->t.dtype = MF_BFLOAT16;
+  else if (a == T->uint8) v->t.dtype = MF_UINT8;
+  else {
+    PyObject *str = PyObject_Str(a);
+    PyErr_Format(mf_py_TypeError, "%s: unsupported dtype %s; memfit takes float32, float16, "
+                 "bfloat16 and uint8", arg_name(buf, sizeof buf, what, index),
+                 str ? PyUnicode_AsUTF8(str) : "?");
+    Py_XDECREF(str);
+    return -1;
   }
-  if (ok) {
-    a = PyObject_CallMethodNoArgs(obj, T->s_is_contiguous);
-    ok = a == Py_True;
-    Py_XDECREF(a);
+  /* is_cpu first: one read for a CPU tensor, two for a CUDA one (whose step pays a
+   * kernel launch per call anyway) */
+  if (!(a = PyObject_GetAttr(obj, T->s_is_cpu))) return -1;
+  truth = a == Py_True;
+  Py_DECREF(a);
+  if (truth) {
+    v->t.device = MF_CPU;
+    v->t.device_id = 0;
+  } else {
+    if (!(a = PyObject_GetAttr(obj, T->s_is_cuda))) return -1;
+    truth = a == Py_True;
+    Py_DECREF(a);
+    if (!truth) return 0; /* meta, mps, xpu...: the general path names the device */
+    if (!(a = PyObject_CallMethodNoArgs(obj, T->s_get_device))) return -1;
+    const long dev = PyLong_AsLong(a);
+    Py_DECREF(a);
+    if (dev == -1 && PyErr_Occurred()) return -1;
+    if (dev < 0 || dev > INT32_MAX) {
+      PyErr_Format(mf_py_ValueError, "%s: invalid CUDA device index %ld",
+                   arg_name(buf, sizeof buf, what, index), dev);
+      return -1;
+    }
+    v->t.device = MF_CUDA;
+    v->t.device_id = (int)dev;
   }
-  long long numel = -1;
-  if (ok) {
-    a = PyObject_CallMethodNoArgs(obj, T->s_numel);
-    numel = a && PyLong_Check(a) ? PyLong_AsLongLong(a) : -1;
-    Py_XDECREF(a);
-    ok = numel >= 0;
+  /* is_contiguous() and numel() first: cheaper than building shape and stride() tuples,
+   * which only a tensor that is not row-major needs */
+  int dense = 1, row_major;
+  long long numel;
+  if (!(a = PyObject_CallMethodNoArgs(obj, T->s_is_contiguous))) {
+    not_strided(obj, T, what, index);
+    return -1;
   }
-  void *data = NULL;
-  if (ok) {
-    a = PyObject_CallMethodNoArgs(obj, T->s_data_ptr);
-    data = a && PyLong_Check(a) ? PyLong_AsVoidPtr(a) : NULL;
-    ok = a && PyLong_Check(a) && !PyErr_Occurred();
-    Py_XDECREF(a);
+  row_major = a == Py_True;
+  Py_DECREF(a);
+  if (row_major) {
+    if (!(a = PyObject_CallMethodNoArgs(obj, T->s_numel))) return -1;
+    numel = PyLong_AsLongLong(a);
+    Py_DECREF(a);
+    if (numel == -1 && PyErr_Occurred()) return -1;
+  } else {
+    int ndim;
+    int64_t shape[MF_PY_MAX_DIMS], strides[MF_PY_MAX_DIMS], n;
+    if (torch_dims(obj, T, what, index, &ndim, shape, strides, &n)) return -1;
+    classify_layout(ndim, shape, strides, &dense, &row_major);
+    numel = n;
   }
-  if (!ok) {
-    PyErr_Clear();
-    memset(v, 0, sizeof *v);
-    return 0;
+  if (numel > 0 && (!dense || (!row_major && !(flags & MF_PY_DENSE)))) {
+    if (not_strided(obj, T, what, index)) return -1;
+    PyErr_Format(mf_py_ValueError,
+                 dense ? "%s: must be contiguous (row-major); call .contiguous() first"
+                       : "%s: must be contiguous (this tensor has gaps or overlapping elements: "
+                         "a slice, an expand() or a view of part of a tensor); call "
+                         ".contiguous() first",
+                 arg_name(buf, sizeof buf, what, index));
+    return -1;
+  }
+  if (!(a = PyObject_CallMethodNoArgs(obj, T->s_data_ptr))) {
+    not_strided(obj, T, what, index);
+    return -1;
+  }
+  void *data = PyLong_AsVoidPtr(a);
+  Py_DECREF(a);
+  if (!data && PyErr_Occurred()) return -1;
+  if (!data && numel > 0) {
+    PyErr_Format(mf_py_ValueError, "%s: tensor has no data", arg_name(buf, sizeof buf, what, index));
+    return -1;
   }
   v->t.data = data;
-  v->t.numel = (int64_t)numel;
-  v->t.device = MF_CPU;
-  v->t.device_id = 0;
-  Py_INCREF(obj);
-  v->owner = obj; /* keeps the tensor (and its memory) alive while we use it */
+  v->t.numel = numel;
+  v->permuted = numel > 0 && !row_major;
+  v->owner = Py_NewRef(obj); /* keeps the tensor (and its memory) alive while we use it */
+  return 1;
+}
+
+int mf_py_torch_ndim(PyObject *obj) {
+  const mf_py_torch_refs *T = mf_py_torch();
+  if (!T || !PyObject_TypeCheck(obj, (PyTypeObject *)T->tensor_type)) return 0;
+  PyObject *r = PyObject_CallMethodNoArgs(obj, T->s_dim);
+  if (!r) return -1;
+  const long d = PyLong_AsLong(r);
+  Py_DECREF(r);
+  return d == -1 && PyErr_Occurred() ? -1 : (int)d;
+}
+
+int mf_py_same_layout(PyObject *a, PyObject *b) {
+  const mf_py_torch_refs *T = mf_py_torch();
+  if (!T || !PyObject_TypeCheck(a, (PyTypeObject *)T->tensor_type) ||
+      !PyObject_TypeCheck(b, (PyTypeObject *)T->tensor_type))
+    return 0;
+  int na, nb;
+  int64_t sa[MF_PY_MAX_DIMS], ta[MF_PY_MAX_DIMS], sb[MF_PY_MAX_DIMS], tb[MF_PY_MAX_DIMS], ma, mb;
+  if (torch_dims(a, T, "a", -1, &na, sa, ta, &ma) || torch_dims(b, T, "b", -1, &nb, sb, tb, &mb))
+    return -1;
+  if (na != nb) return 0;
+  for (int d = 0; d < na; d++)
+    if (sa[d] != sb[d] || (sa[d] != 1 && ta[d] != tb[d])) return 0;
   return 1;
 }
 
@@ -376,36 +545,47 @@ static int view_from_array_interface(PyObject *obj, PyObject *iface, const char 
   return 0;
 }
 
-/* Releases a half-filled view without clobbering the pending error. */
-static void release_keeping_error(mf_py_view *v) {
-  PyObject *type, *value, *tb;
-  PyErr_Fetch(&type, &value, &tb);
-  mf_py_view_release(v);
-  PyErr_Restore(type, value, tb);
-}
-
-int mf_py_view_get(PyObject *obj, const char *name, int writable, uintptr_t stream,
-                   mf_py_view *v) {
-  memset(v, 0, sizeof *v);
-  if (view_from_torch_cpu(obj, v)) return 0;
+int mf_py_view_get(PyObject *obj, const char *what, Py_ssize_t index, int flags,
+                   uintptr_t stream, mf_py_view *v) {
+  if (obj == Py_None && (flags & MF_PY_OPTIONAL)) return 0; /* absent: v stays zero */
+  const int rc = view_from_torch(obj, what, index, flags, v);
+  if (rc) return rc < 0 ? -1 : 0;
+  /* the general paths cost microseconds anyway: name the argument up front */
+  char buf[96];
+  const char *name = arg_name(buf, sizeof buf, what, index);
+  const int writable = flags & MF_PY_WRITABLE;
   PyObject *iface = PyObject_GetAttrString(obj, "__array_interface__");
   if (iface) {
-    const int rc = view_from_array_interface(obj, iface, name, writable, v);
+    const int r = view_from_array_interface(obj, iface, name, writable, v);
     Py_DECREF(iface);
-    if (rc) mf_py_view_release(v);
-    return rc;
+    return r;
   }
   PyErr_Clear();
-  if (PyObject_HasAttrString(obj, "__dlpack__")) {
-    const int rc = view_from_dlpack(obj, name, writable, stream, v);
-    if (rc) release_keeping_error(v); /* the deleter must not clobber the error */
-    return rc;
-  }
+  if (PyObject_HasAttrString(obj, "__dlpack__")) return view_from_dlpack(obj, name, writable, stream, v);
   PyErr_Format(mf_py_TypeError,
                "%s: expected an array (torch.Tensor, numpy.ndarray or any object with "
                "__dlpack__), got %s",
                name, Py_TYPE(obj)->tp_name);
   return -1;
+}
+
+void mf_py_view_release(mf_py_view *v) {
+  if (v->managed) {
+    /* a producer's deleter may run Python code: keep a pending error across it */
+    PyObject *type, *value, *tb;
+    PyErr_Fetch(&type, &value, &tb);
+    if (v->versioned) {
+      mf_dl_managed_versioned *m = (mf_dl_managed_versioned *)v->managed;
+      if (m->deleter) m->deleter(m);
+    } else {
+      mf_dl_managed *m = (mf_dl_managed *)v->managed;
+      if (m->deleter) m->deleter(m);
+    }
+    PyErr_Restore(type, value, tb);
+  }
+  PyObject *owner = v->owner;
+  memset(v, 0, sizeof *v);
+  Py_XDECREF(owner); /* deallocators (finalizers included) keep a pending exception */
 }
 
 void mf_py_views_release(int n, mf_py_view *views) {
@@ -414,18 +594,58 @@ void mf_py_views_release(int n, mf_py_view *views) {
 
 int mf_py_views_get(int n, PyObject *const *objs, const char *const *names, const int *flags,
                     uintptr_t stream, mf_py_view *views) {
+  memset(views, 0, (size_t)n * sizeof *views);
   for (int i = 0; i < n; i++) {
-    if (objs[i] == Py_None && (flags[i] & MF_PY_OPTIONAL)) {
-      memset(&views[i], 0, sizeof views[i]);
-      continue;
-    }
-    if (mf_py_view_get(objs[i], names[i], flags[i] & MF_PY_WRITABLE, stream, &views[i])) {
-      PyObject *type, *value, *tb;
-      PyErr_Fetch(&type, &value, &tb); /* releasing runs producers' deleters */
-      mf_py_views_release(i, views);
-      PyErr_Restore(type, value, tb);
+    if (mf_py_view_get(objs[i], names[i], -1, flags[i], stream, &views[i])) {
+      mf_py_views_release(i + 1, views);
       return -1;
     }
+  }
+  return 0;
+}
+
+void mf_py_view_list_release(mf_py_view_list *l) {
+  if (l->v)
+    for (Py_ssize_t i = l->n - 1; i >= 0; i--) mf_py_view_release(&l->v[i]);
+  PyMem_Free(l->v);
+  PyMem_Free(l->t);
+  Py_CLEAR(l->seq);
+  memset(l, 0, sizeof *l);
+}
+
+int mf_py_view_list_get(PyObject *obj, const char *what, Py_ssize_t expect_n, int flags,
+                        uintptr_t stream, mf_py_view_list *l) {
+  if (obj == Py_None && (flags & MF_PY_OPTIONAL) && expect_n >= 0) {
+    l->n = expect_n; /* no arrays: n absent views */
+  } else {
+    /* only lists and tuples: an array is iterable too, and its rows are not arrays */
+    if (!PyList_Check(obj) && !PyTuple_Check(obj)) {
+      PyErr_Format(mf_py_TypeError, "%s: expected a list or tuple of arrays, got %s", what,
+                   Py_TYPE(obj)->tp_name);
+      return -1;
+    }
+    /* a tuple of our own: it keeps every array alive while the GIL is released, even
+     * if another thread empties the caller's list meanwhile */
+    l->seq = PyTuple_Check(obj) ? Py_NewRef(obj) : PyList_AsTuple(obj);
+    if (!l->seq) return -1;
+    l->n = PyTuple_GET_SIZE(l->seq);
+    if (expect_n >= 0 && l->n != expect_n) {
+      PyErr_Format(mf_py_ValueError, "%s: expected %zd arrays (one per parameter), got %zd",
+                   what, expect_n, l->n);
+      return -1;
+    }
+  }
+  const size_t cap = l->n > 0 ? (size_t)l->n : 1;
+  l->v = (mf_py_view *)PyMem_Calloc(cap, sizeof(mf_py_view));
+  l->t = (mf_tensor *)PyMem_Calloc(cap, sizeof(mf_tensor));
+  if (!l->v || !l->t) {
+    PyErr_NoMemory();
+    return -1;
+  }
+  if (!l->seq) return 0;
+  for (Py_ssize_t i = 0; i < l->n; i++) {
+    if (mf_py_view_get(PyTuple_GET_ITEM(l->seq, i), what, i, flags, stream, &l->v[i])) return -1;
+    l->t[i] = l->v[i].t;
   }
   return 0;
 }

@@ -43,7 +43,7 @@ __all__ = [
     "quantize_blockwise",
 ]
 
-BLOCK_SIZES = (64, 128, 256, 512, 1024, 2048, 4096)
+BLOCK_SIZES = _C.quant_block_sizes()  # 64, 128, ..., 4096 (csrc/include/memfit/quant.h)
 
 
 def dynamic_map(signed: bool = True, total_bits: int = 8, max_exponent_bits: int = 7) -> np.ndarray:

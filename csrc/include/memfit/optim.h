@@ -361,6 +361,22 @@ const char *mf_optim_cpu_kernel(void);
 /* Elements a state array of format fmt holds for a parameter of n elements. */
 int64_t mf_optim_state_numel(mf_state_format fmt, int64_t n);
 
+/* The states one parameter of n elements needs: the one definition of the layout that
+ * mf_optim_step checks and that the Python layer allocates (memfit.optim). States k =
+ * 1..num_states each have state_numel elements of state_dtype (float32 for FP32, else
+ * uint8 codes) and, when quantized, absmax_numel float32 block maxima. */
+typedef struct {
+  int num_states;          /* 0, 1 or 2: mf_optim_num_states */
+  int is_signed[2];        /* state k uses the signed code: mf_optim_state_signed */
+  mf_dtype state_dtype;
+  int64_t state_numel;     /* mf_optim_state_numel */
+  int64_t absmax_numel;    /* mf_quant_num_blocks(n, block_size); 0 for FP32 */
+} mf_optim_layout;
+
+/* Fills *out; checks fmt, block_size (quantized formats) and n >= 0, naming the bad one. */
+mf_status mf_optim_state_layout(const mf_optim_hparams *h, mf_state_format fmt,
+                                int64_t block_size, int64_t n, mf_optim_layout *out);
+
 #ifdef __cplusplus
 }
 #endif

@@ -11,11 +11,14 @@ import threading
 import numpy as np
 
 from memfit import _C, _arrays
-from memfit.quant import dynamic_map
+from memfit import quant as _quant
+
+_CONSTANTS = _C.optim_constants()
 
 # Kinds, as numbered in csrc/include/memfit/optim.h (mf_optim_kind).
-ADAMW, ADAM, LION, SGD, RMSPROP = 0, 1, 2, 3, 4
-KIND_NAMES = {ADAMW: "AdamW", ADAM: "Adam", LION: "Lion", SGD: "SGD", RMSPROP: "RMSprop"}
+_KIND = _CONSTANTS["kinds"]
+ADAMW, ADAM, LION, SGD, RMSPROP = (_KIND[k] for k in ("AdamW", "Adam", "Lion", "SGD", "RMSprop"))
+KIND_NAMES = {number: name for name, number in _KIND.items()}
 
 # torch's names for state1 / state2 of each kind (what dequantized_state returns).
 STATE_NAMES = {
@@ -26,31 +29,17 @@ STATE_NAMES = {
     RMSPROP: ("square_avg", "momentum_buffer"),
 }
 
-DEFAULT_BLOCK = {8: 256, 4: 128, 32: 256}
+# {bits: default block size} (MF_OPTIM_BLOCK_8BIT/4BIT) and the block sizes the kernels take.
+DEFAULT_BLOCK = _CONSTANTS["default_block_size"]
+BLOCK_SIZES = _quant.BLOCK_SIZES
 
 
-def num_states(kind: int, momentum: float = 0.0) -> int:
-    """States per element (mf_optim_num_states)."""
-    if kind in (ADAMW, ADAM):
-        return 2
-    if kind == LION:
-        return 1
-    if kind == SGD:
-        return 1 if momentum != 0 else 0
-    return 2 if momentum != 0 else 1
-
-
-def state_signed(kind: int, k: int) -> bool:
-    """Whether state k (1 or 2) is signed (mf_optim_state_signed)."""
-    return k == 2 if kind == RMSPROP else k == 1
-
-
-def state_numel(bits: int, n: int) -> int:
-    return (n + 1) // 2 if bits == 4 else n
-
-
-def num_blocks(n: int, block_size: int) -> int:
-    return (n + block_size - 1) // block_size
+def state_layout(kind: int, bits: int, block_size: int, numel: int, momentum: float = 0.0) -> dict:
+    """The states a parameter of ``numel`` elements needs, as the C core defines and
+    checks them (mf_optim_state_layout): ``num_states`` (0, 1 or 2), ``signed`` (per
+    state), ``state_dtype`` ("float32" or "uint8"), ``state_numel`` and
+    ``absmax_numel`` (per state; 0 for float32 states)."""
+    return _C.optim_state_layout(kind, bits, block_size, numel, float(momentum))
 
 
 def code_table(bits: int, signed: bool) -> np.ndarray:
@@ -64,10 +53,10 @@ def code_table(bits: int, signed: bool) -> np.ndarray:
     moment by eps.
     """
     if bits == 8:
-        return dynamic_map(signed=signed)
+        return _quant.dynamic_map(signed=signed)
     if bits == 4:
         if signed:
-            return dynamic_map(signed=True, total_bits=4, max_exponent_bits=3)
+            return _quant.dynamic_map(signed=True, total_bits=4, max_exponent_bits=3)
         return (np.arange(1, 17, dtype=np.float64) / 16.0).astype(np.float32)
     raise ValueError(f"bits: expected 8 or 4, got {bits}")
 
@@ -88,12 +77,14 @@ def code_like(bits: int, signed: bool, like):
 
 
 def hparams(lr=0.0, beta1=0.0, beta2=0.0, eps=0.0, weight_decay=0.0, momentum=0.0,
-            dampening=0.0, alpha=0.0, nesterov=False, maximize=False, sr_seed=0) -> tuple:
-    """The tuple the C binding takes (mf_optim_hparams). ``sr_seed`` != 0 writes
-    half-precision parameters with stochastic rounding seeded by it."""
-    return (float(lr), float(beta1), float(beta2), float(eps), float(weight_decay),
-            float(momentum), float(dampening), float(alpha), bool(nesterov), bool(maximize),
-            int(sr_seed) & ((1 << 64) - 1))
+            dampening=0.0, alpha=0.0, nesterov=False, maximize=False, sr_seed=0) -> dict:
+    """The hyperparameters by name, as the C binding parses them (mf_optim_hparams).
+    ``sr_seed`` != 0 writes half-precision parameters with stochastic rounding seeded
+    by it."""
+    return {"lr": float(lr), "beta1": float(beta1), "beta2": float(beta2), "eps": float(eps),
+            "weight_decay": float(weight_decay), "momentum": float(momentum),
+            "dampening": float(dampening), "alpha": float(alpha), "nesterov": bool(nesterov),
+            "maximize": bool(maximize), "sr_seed": int(sr_seed) & ((1 << 64) - 1)}
 
 
 def sr_seed(base: int, step: int, bucket: int) -> int:
@@ -104,24 +95,30 @@ def sr_seed(base: int, step: int, bucket: int) -> int:
     return (z ^ (z >> 31)) | 1
 
 
-def check(kind: int, hp: tuple) -> None:
+def check(kind: int, hp: dict) -> None:
     """Raises ValueError (naming the argument) for out-of-range hyperparameters."""
     _C.optim_check(kind, hp)
 
 
+def codes_for(kind: int, bits: int, hp: dict, like) -> tuple:
+    """(code1, code2): the code tables of the quantized states of this optimizer, in
+    ``like``'s framework and device (None where there is no such state)."""
+    if bits == 32:
+        return None, None
+    layout = state_layout(kind, bits, DEFAULT_BLOCK[bits], 0, hp["momentum"])
+    return tuple(code_like(bits, layout["signed"][k], like) if k < layout["num_states"] else None
+                 for k in range(2))
+
+
 def step(kind, bits, block_size, hp, params, grads, state1, absmax1, state2, absmax2,
          steps, grad_scale=None, found_inf=None, stream=0, comps=None):
-    """One fused step over lists of arrays on one device (see mf_optim_step).
-    ``comps``: None, or one Kahan compensation buffer (or None) per parameter: an array
-    of the parameter's float16/bfloat16 dtype and size (see csrc/include/memfit/optim.h)."""
-    ns = num_states(kind, hp[5])
-    code1 = code2 = None
-    if bits != 32 and params:
-        if ns >= 1:
-            code1 = code_like(bits, state_signed(kind, 1), params[0])
-        if ns >= 2:
-            code2 = code_like(bits, state_signed(kind, 2), params[0])
+    """One fused step over lists of arrays on one device (see mf_optim_step). ``hp``: a
+    dict from :func:`hparams`. ``comps``: None, or one Kahan compensation buffer (or
+    None) per parameter: an array of the parameter's float16/bfloat16 dtype and size
+    (see csrc/include/memfit/optim.h)."""
+    code1, code2 = codes_for(kind, bits, hp, params[0]) if params else (None, None)
     if comps is not None and all(c is None for c in comps):
         comps = None
-    _C.optim_step(kind, bits, block_size, hp, code1, code2, params, grads, state1, absmax1,
-                  state2, absmax2, steps, grad_scale, found_inf, stream, comps)
+    _C.optim_step(kind, bits, block_size, hp, params, grads, state1, absmax1, state2, absmax2,
+                  steps, code1=code1, code2=code2, grad_scale=grad_scale, found_inf=found_inf,
+                  stream=stream, comps=comps)

@@ -5,8 +5,10 @@ from __future__ import annotations
 import itertools
 from collections import defaultdict
 
+import numpy as np
 import torch
 
+from memfit import _arrays, _C
 from memfit.optim import _core
 
 _FORMAT_VERSION = 1
@@ -33,23 +35,24 @@ class _MemfitOptimizer(torch.optim.Optimizer):
     # syncing on found_inf itself: the kernels unscale and skip on the device.
     _step_supports_amp_scaling = True
 
-    def __init__(self, params, defaults):
-        defaults = dict(defaults)
+    def __init__(self, params, hyper, *, maximize=False, block_size=None, min_8bit_size=4096,
+                 bf16_stochastic_round=None, kahan=False):
+        """``hyper``: the subclass's own hyperparameters (lr, betas, ...); the keyword
+        options are the ones every memfit optimizer takes (see memfit.optim.optimizers)."""
+        defaults = dict(hyper, maximize=maximize, min_8bit_size=min_8bit_size,
+                        bf16_stochastic_round=bf16_stochastic_round, kahan=kahan)
         defaults.setdefault("bits", self._bits)
-        defaults.setdefault("block_size", _core.DEFAULT_BLOCK[defaults["bits"]])
-        defaults.setdefault("min_8bit_size", 4096)
-        defaults.setdefault("maximize", False)
+        defaults["block_size"] = (_core.DEFAULT_BLOCK[defaults["bits"]] if block_size is None
+                                  else block_size)
         # bfloat16/float16 parameters are written with stochastic rounding (no fp32 master
         # copy needed); the seed and a per-group step counter live in the param group,
         # so a resumed run draws the same random bits. None: stochastic unless kahan.
-        defaults.setdefault("bf16_stochastic_round", None)
         defaults.setdefault("sr_seed", 0)
-        defaults.setdefault("kahan", False)
         super().__init__(params, defaults)  # checks each group (add_param_group)
 
     # -- hyperparameters -------------------------------------------------------------
 
-    def _hparams(self, group) -> tuple:  # pragma: no cover - abstract
+    def _hparams(self, group) -> dict:  # pragma: no cover - abstract
         raise NotImplementedError
 
     def _check_group(self, group) -> None:
@@ -57,8 +60,9 @@ class _MemfitOptimizer(torch.optim.Optimizer):
         if bits not in (4, 8, 32):
             raise ValueError(f"bits: expected 4, 8 or 32, got {bits!r}")
         bs = group["block_size"]
-        if bits != 32 and bs not in (64, 128, 256, 512, 1024, 2048, 4096):
-            raise ValueError(f"block_size: must be one of 64, 128, 256, 512, 1024, 2048, 4096, got {bs!r}")
+        if bits != 32 and bs not in _core.BLOCK_SIZES:
+            raise ValueError(f"block_size: must be one of {', '.join(map(str, _core.BLOCK_SIZES))}, "
+                             f"got {bs!r}")
         if not isinstance(group["min_8bit_size"], int) or group["min_8bit_size"] < 0:
             raise ValueError(f"min_8bit_size: expected an int >= 0, got {group['min_8bit_size']!r}")
         kahan, sr = group.get("kahan", False), group.get("bf16_stochastic_round")
@@ -96,18 +100,18 @@ class _MemfitOptimizer(torch.optim.Optimizer):
         return bits if bits != 32 and p.numel() >= group["min_8bit_size"] else 32
 
     def _expected_state(self, group, p) -> dict:
-        """{key: (shape, dtype)} of the state this parameter needs in this group."""
+        """{key: (shape, dtype)} of the state this parameter needs in this group, from
+        the C core's layout (mf_optim_state_layout). A state of one value per element
+        has p's shape (and, once made, p's memory layout); 4-bit codes are flat."""
         fmt = self._format(group, p)
-        ns = _core.num_states(self._kind, self._hparams(group)[5])
+        layout = _core.state_layout(self._kind, fmt, group["block_size"], p.numel(),
+                                    self._hparams(group)["momentum"])
         out = {"step": ((), torch.float32)}
-        n = p.numel()
-        for k in range(1, ns + 1):
-            if fmt == 32:
-                out[f"state{k}"] = (tuple(p.shape), torch.float32)
-            else:
-                shape = tuple(p.shape) if fmt == 8 else (_core.state_numel(4, n),)
-                out[f"state{k}"] = (shape, torch.uint8)
-                out[f"absmax{k}"] = ((_core.num_blocks(n, group["block_size"]),), torch.float32)
+        shape = (layout["state_numel"],) if fmt == 4 else tuple(p.shape)
+        for k in range(1, layout["num_states"] + 1):
+            out[f"state{k}"] = (shape, getattr(torch, layout["state_dtype"]))
+            if layout["absmax_numel"]:
+                out[f"absmax{k}"] = ((layout["absmax_numel"],), torch.float32)
         if self._rounding(group) == "kahan" and p.dtype in (torch.bfloat16, torch.float16):
             out["kahan_comp"] = (tuple(p.shape), p.dtype)
         return out
@@ -117,7 +121,11 @@ class _MemfitOptimizer(torch.optim.Optimizer):
         expected = self._expected_state(group, p)
         for key, (shape, dtype) in expected.items():
             if key not in state:
-                state[key] = torch.zeros(shape, dtype=dtype, device=p.device)
+                # states of p's shape follow p's memory layout (zeros_like keeps the
+                # strides of a dense tensor, channels_last included): the kernels run
+                # over the storage in memory order, the same for p, its grad and these
+                state[key] = (torch.zeros_like(p, dtype=dtype) if shape == tuple(p.shape) and key != "step"
+                              else torch.zeros(shape, dtype=dtype, device=p.device))
         if "kahan_comp" in state and "kahan_comp" not in expected:
             # kahan was switched off (or p is float32 now): p is already the nearest value
             # of p + kahan_comp, so the buffer is simply dropped
@@ -148,7 +156,8 @@ class _MemfitOptimizer(torch.optim.Optimizer):
         for group in self.param_groups:
             hp = self._hparams(group)
             rounding = self._rounding(group)
-            layout = (group["bits"], group.get("block_size"), group["min_8bit_size"], rounding, hp[5])
+            layout = (group["bits"], group.get("block_size"), group["min_8bit_size"], rounding,
+                      hp["momentum"])
             buckets = {}  # (device, format) -> [(p, grad, state)], in first-seen order
             for p in group["params"]:
                 g = p.grad
@@ -174,7 +183,7 @@ class _MemfitOptimizer(torch.optim.Optimizer):
             for b, ((device, fmt), items) in enumerate(buckets.items()):
                 bhp = hp
                 if rounding == "stochastic" and any(p.dtype != torch.float32 for p, _, _ in items):
-                    bhp = hp[:-1] + (_core.sr_seed(group.get("sr_seed", 0), sr_step, b),)
+                    bhp = dict(hp, sr_seed=_core.sr_seed(group.get("sr_seed", 0), sr_step, b))
                 self._step_bucket(group, bhp, device, fmt, items, grad_scale, found_inf)
             group["sr_step"] = sr_step + 1
         return loss
@@ -183,7 +192,8 @@ class _MemfitOptimizer(torch.optim.Optimizer):
         """One call into the core for the (parameter, gradient, state) triples of one
         device and state format."""
         params = [p.data for p, _, _ in items]
-        grads = [g if g.is_contiguous() else g.contiguous() for _, g, _ in items]
+        grads = [g if g.is_contiguous() and not g.requires_grad else _grad_view(p, g)
+                 for p, g, _ in items]
         s1 = [st.get("state1") for _, _, st in items]
         s2 = [st.get("state2") for _, _, st in items]
         steps = [st["step"] for _, _, st in items]
@@ -266,12 +276,49 @@ class _MemfitOptimizer(torch.optim.Optimizer):
         self.__dict__.pop("_state_checked", None)  # new states: check them on the next step
 
 
+def _grad_view(p, g):
+    """The gradient as the kernels take it: detached (a gradient made with
+    create_graph=True requires grad; detach() is a view, not a copy) and, for a
+    row-major parameter, row-major (a copy only where it is not). A parameter that is
+    dense in another order (channels_last) needs a gradient of its own strides: the
+    binding checks that and says what to do."""
+    if g.requires_grad:
+        g = g.detach()
+    if not g.is_contiguous() and p.is_contiguous():
+        g = g.contiguous()
+    return g
+
+
 def _on(t, device):
     if t is None:
         return None
     if t.device != device or t.dtype != torch.float32:
         t = t.to(device=device, dtype=torch.float32, non_blocking=True)
     return t.reshape(1) if t.dim() != 1 else t
+
+
+def _storage(t):
+    """A dense tensor's storage as a flat tensor, in memory order (the order the
+    kernels run over; for row-major tensors the usual flat view)."""
+    return t.view(-1) if t.is_contiguous() else t.as_strided((t.numel(),), (1,))
+
+
+def _dequantize(codes, absmax, bits, code, block_size, param):
+    """float32 values of quantized states ``codes`` (uint8: one code per element, or two
+    per byte for 4 bits) in ``param``'s shape and memory layout, through the C
+    dequantizer (code[codes[i]] * absmax[i // block_size] over the storage)."""
+    n = param.numel()
+    out = torch.empty_like(param, dtype=torch.float32)
+    if n == 0:
+        return out
+    if bits == 4:
+        # two codes per byte, element 2j in the low nibble: one code per element, and the
+        # 16-entry code widened to the 256 entries the dequantizer takes (indices stay < 16)
+        codes = torch.stack((codes & 15, codes >> 4), dim=1).reshape(-1)[:n]
+        code = np.concatenate([code, np.full(256 - code.size, code[-1], dtype=np.float32)])
+    _C.dequantize_blockwise(_storage(codes), absmax, torch.from_numpy(code).to(codes.device),
+                            _storage(out), block_size, _arrays.stream_of(out))
+    return out
 
 
 def dequantized_state(optimizer, param) -> dict:
@@ -290,8 +337,10 @@ def dequantized_state(optimizer, param) -> dict:
     if group is None:
         raise ValueError("param: not a parameter of this optimizer")
     names = _core.STATE_NAMES[optimizer._kind]
+    bits, bs = group["bits"], group["block_size"]
+    signed = _core.state_layout(optimizer._kind, bits, bs, 0,
+                                optimizer._hparams(group)["momentum"])["signed"]
     out = {}
-    n = param.numel()
     for k, nm in enumerate(names, start=1):
         s = state.get(f"state{k}")
         if s is None:
@@ -299,15 +348,8 @@ def dequantized_state(optimizer, param) -> dict:
         if s.dtype == torch.float32:
             out[nm] = s.detach().clone().reshape(param.shape)
             continue
-        bits = group["bits"]
-        code = torch.from_numpy(_core.code_table(bits, _core.state_signed(optimizer._kind, k))).to(s.device)
-        idx = s.reshape(-1).to(torch.int32)
-        if bits == 4:
-            idx = torch.stack((idx & 15, idx >> 4), dim=1).reshape(-1)[:n]
-        absmax = state[f"absmax{k}"]
-        bs = group["block_size"]
-        vals = torch.nn.functional.pad(code[idx], (0, absmax.numel() * bs - n))
-        out[nm] = (vals.view(-1, bs) * absmax[:, None]).view(-1)[:n].reshape(param.shape)
+        out[nm] = _dequantize(s.detach(), state[f"absmax{k}"].detach(), bits,
+                              _core.code_table(bits, signed[k - 1]), bs, param)
     if "kahan_comp" in state:
         out["kahan_comp"] = state["kahan_comp"].detach().float().reshape(param.shape)
     return out

@@ -70,17 +70,16 @@ def init(kind: str, param, bits: int = 8, block_size: int | None = None, momentu
     if bits != 32 and n < min_8bit_size:
         bits = 32
     bs = int(block_size) if block_size is not None else _core.DEFAULT_BLOCK[bits]
+    layout = _core.state_layout(k, bits, bs, n, momentum)
     st = {"step": _zeros(src, (1,), "float32"), "bits": bits, "block_size": bs, "kind": kind,
           "state1": None, "absmax1": None, "state2": None, "absmax2": None, "kahan_comp": None}
     dt = _arrays.dtype_name(src.dtype)
     if kahan and dt in ("float16", "bfloat16"):
         st["kahan_comp"] = _zeros(src, (n,), dt)
-    for j in range(1, _core.num_states(k, momentum) + 1):
-        if bits == 32:
-            st[f"state{j}"] = _zeros(src, (n,), "float32")
-        else:
-            st[f"state{j}"] = _zeros(src, (_core.state_numel(bits, n),), "uint8")
-            st[f"absmax{j}"] = _zeros(src, (_core.num_blocks(n, bs),), "float32")
+    for j in range(1, layout["num_states"] + 1):
+        st[f"state{j}"] = _zeros(src, (layout["state_numel"],), layout["state_dtype"])
+        if layout["absmax_numel"]:
+            st[f"absmax{j}"] = _zeros(src, (layout["absmax_numel"],), "float32")
     return st
 
 
@@ -100,7 +99,7 @@ def step(kind: str, param, grad, state: dict, *, grad_scale=None, found_inf=None
     k = _KINDS[kind]
     h = _core.hparams(**hp)
     p = _arrays.as_input(param)
-    ns = _core.num_states(k, h[5])
+    ns = _core.state_layout(k, state["bits"], state["block_size"], 0, h["momentum"])["num_states"]
     for j in range(1, ns + 1):
         if state.get(f"state{j}") is None:
             raise ValueError(f"state: has no state{j}; make it with {kind}'s init and the same momentum")

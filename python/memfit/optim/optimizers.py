@@ -50,12 +50,10 @@ class _AdamBase(_MemfitOptimizer):
                  amsgrad=False, *, maximize=False, block_size=None, min_8bit_size=4096,
                  bf16_stochastic_round=None, kahan=False):
         _no_amsgrad(amsgrad)
-        defaults = dict(lr=lr, betas=_betas(betas), eps=eps, weight_decay=weight_decay,
-                        amsgrad=False, maximize=maximize, min_8bit_size=min_8bit_size,
-                        bf16_stochastic_round=bf16_stochastic_round, kahan=kahan)
-        if block_size is not None:
-            defaults["block_size"] = block_size
-        super().__init__(params, defaults)
+        super().__init__(params, dict(lr=lr, betas=_betas(betas), eps=eps,
+                                      weight_decay=weight_decay, amsgrad=False),
+                         maximize=maximize, block_size=block_size, min_8bit_size=min_8bit_size,
+                         bf16_stochastic_round=bf16_stochastic_round, kahan=kahan)
 
     def _hparams(self, group):
         b1, b2 = _betas(group["betas"])
@@ -87,7 +85,7 @@ class _AdamL2Base(_AdamBase):
                  bf16_stochastic_round=None, kahan=False):
         super().__init__(params, lr, betas, eps, weight_decay, amsgrad, maximize=maximize,
                          block_size=block_size, min_8bit_size=min_8bit_size,
-                        bf16_stochastic_round=bf16_stochastic_round, kahan=kahan)
+                         bf16_stochastic_round=bf16_stochastic_round, kahan=kahan)
 
 
 class Adam8bit(_AdamL2Base):
@@ -129,12 +127,9 @@ class Lion8bit(_MemfitOptimizer):
     def __init__(self, params, lr=1e-4, betas=(0.9, 0.99), weight_decay=0.0, *,
                  maximize=False, block_size=None, min_8bit_size=4096,
                  bf16_stochastic_round=None, kahan=False):
-        defaults = dict(lr=lr, betas=_betas(betas), weight_decay=weight_decay,
-                        maximize=maximize, min_8bit_size=min_8bit_size,
-                        bf16_stochastic_round=bf16_stochastic_round, kahan=kahan)
-        if block_size is not None:
-            defaults["block_size"] = block_size
-        super().__init__(params, defaults)
+        super().__init__(params, dict(lr=lr, betas=_betas(betas), weight_decay=weight_decay),
+                         maximize=maximize, block_size=block_size, min_8bit_size=min_8bit_size,
+                         bf16_stochastic_round=bf16_stochastic_round, kahan=kahan)
 
     def _hparams(self, group):
         b1, b2 = _betas(group["betas"])
@@ -152,13 +147,10 @@ class SGD8bit(_MemfitOptimizer):
     def __init__(self, params, lr=1e-3, momentum=0.0, dampening=0.0, weight_decay=0.0,
                  nesterov=False, *, maximize=False, block_size=None, min_8bit_size=4096,
                  bf16_stochastic_round=None, kahan=False):
-        defaults = dict(lr=lr, momentum=momentum, dampening=dampening,
-                        weight_decay=weight_decay, nesterov=nesterov, maximize=maximize,
-                        min_8bit_size=min_8bit_size,
-                        bf16_stochastic_round=bf16_stochastic_round, kahan=kahan)
-        if block_size is not None:
-            defaults["block_size"] = block_size
-        super().__init__(params, defaults)
+        super().__init__(params, dict(lr=lr, momentum=momentum, dampening=dampening,
+                                      weight_decay=weight_decay, nesterov=nesterov),
+                         maximize=maximize, block_size=block_size, min_8bit_size=min_8bit_size,
+                         bf16_stochastic_round=bf16_stochastic_round, kahan=kahan)
 
     def _hparams(self, group):
         return _core.hparams(lr=group["lr"], momentum=group["momentum"],
@@ -178,13 +170,10 @@ class RMSprop8bit(_MemfitOptimizer):
                  bf16_stochastic_round=None, kahan=False):
         if centered:
             raise ValueError("centered=True is not supported by RMSprop8bit")
-        defaults = dict(lr=lr, alpha=alpha, eps=eps, weight_decay=weight_decay,
-                        momentum=momentum, centered=False, maximize=maximize,
-                        min_8bit_size=min_8bit_size,
-                        bf16_stochastic_round=bf16_stochastic_round, kahan=kahan)
-        if block_size is not None:
-            defaults["block_size"] = block_size
-        super().__init__(params, defaults)
+        super().__init__(params, dict(lr=lr, alpha=alpha, eps=eps, weight_decay=weight_decay,
+                                      momentum=momentum, centered=False),
+                         maximize=maximize, block_size=block_size, min_8bit_size=min_8bit_size,
+                         bf16_stochastic_round=bf16_stochastic_round, kahan=kahan)
 
     def _hparams(self, group):
         return _core.hparams(lr=group["lr"], alpha=group["alpha"], eps=group["eps"],
