@@ -83,14 +83,14 @@ def test_c_optimizer_benchmark_builds_and_runs(core_build):
     arguments get a usage error, not a crash."""
     exe = str(core_build / "bench_optim_step")
     env = dict(os.environ, **SANITIZER_ENV)
-    for bits in (8, 4):
+    for bits in (32, 8, 4):
         out = subprocess.run([exe, "9000", "2", "2", "3", str(bits)], capture_output=True,
                              text=True, check=True, env=env).stdout
         r = json.loads(out)
         assert (r["numel"], r["threads"], r["bits"]) == (9000, 2, bits)
         assert 0 < r["best_ms"] <= r["median_ms"]
     bad = subprocess.run([exe, "9000", "2", "2", "3", "5"], capture_output=True, text=True, env=env)
-    assert bad.returncode == 2 and "BITS 8 or 4" in bad.stderr
+    assert bad.returncode == 2 and "BITS 32, 8 or 4" in bad.stderr
     assert subprocess.run([exe], capture_output=True, text=True, env=env).returncode == 2
 
 
