@@ -17,28 +17,9 @@ from pathlib import Path
 OUT_DIR = Path(__file__).resolve().parent / "out"
 
 
-def cpu_model() -> str:
-    """The CPU's marketing name ("AMD EPYC 7R13 48-Core Processor"): /proc/cpuinfo's
-    "model name" (x86) or lscpu's "Model name" (also aarch64), else "unknown"."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.lower().startswith("model name"):
-                    return line.split(":", 1)[1].strip() or "unknown"
-    except OSError:
-        pass
-    try:
-        out = subprocess.run(["lscpu"], capture_output=True, text=True, timeout=10).stdout
-    except (OSError, subprocess.SubprocessError):
-        return "unknown"
-    for line in out.splitlines():
-        if line.strip().lower().startswith("model name:"):
-            return line.split(":", 1)[1].strip() or "unknown"
-    return "unknown"
-
-
 def metadata(device: str) -> dict:
     import memfit
+    from memfit.hardware import cpu_info
 
     try:
         commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
@@ -51,7 +32,7 @@ def metadata(device: str) -> dict:
         "memfit": memfit.__version__,
         "python": platform.python_version(),
         "cpu": platform.processor() or platform.machine(),
-        "cpu_model": cpu_model(),
+        "cpu_model": cpu_info()["model_name"],
         "cores": os.cpu_count(),
         "memfit_threads": memfit.get_num_threads(),
         "memfit_cpu_kernels": memfit.cpu_kernels(),
