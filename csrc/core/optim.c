@@ -5,7 +5,9 @@
  * of all tensors (2048 elements, 16384 for the fused kernel, or one quantization block
  * if larger) are numbered across tensors and handed out dynamically (see step_cpu), so
  * a call with many small tensors pays one fork/join, and a slower core takes fewer
- * items. An item goes through short loops over per-thread buffers (L1/L2 resident):
+ * items. A tensor whose rows are not whole quantization blocks (mf_optim_row,
+ * mf_optim_split_rows) is cut row by row, and each item sees its row as a tensor of its
+ * own (row_view), so no kernel knows about rows. An item goes through short loops over per-thread buffers (L1/L2 resident):
  *   1. load:     widen f16/bf16 params and grads to float; dequantize the states
  *                (code[index] * absmax, per quantization block)
  *   2. update:   mf_optim_update_one() for every element (optim.h, shared with CUDA)
