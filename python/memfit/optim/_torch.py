@@ -9,7 +9,7 @@ import numpy as np
 import torch
 
 from memfit import _arrays, _C
-from memfit.optim import _core
+from memfit.optim import _blocks, _core, convert
 
 _FORMAT_VERSION = 1
 
@@ -220,7 +220,10 @@ class _MemfitOptimizer(torch.optim.Optimizer):
     def load_state_dict(self, state_dict):
         """Loads a state dict saved by the same memfit optimizer class for parameters of
         the same shapes. Codes, absmax and step are restored exactly (no dtype casts),
-        so training resumes bit-identically. Anything else is refused with ValueError."""
+        so training resumes bit-identically. A torch.optim or bitsandbytes state dict of
+        the same kind, or one of an older memfit format, is converted first (see
+        :mod:`memfit.optim.convert`). Anything else is refused with ValueError."""
+        state_dict = convert.to_current(self, state_dict)
         name = type(self).__name__
         meta = state_dict.get("memfit") if isinstance(state_dict, dict) else None
         if not isinstance(meta, dict) or "optimizer" not in meta:
