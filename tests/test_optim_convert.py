@@ -173,3 +173,305 @@ def test_code_quantize_binding_checks_arguments():
         _C.code_quantize(code, x, np.empty(101, np.float32))
     with pytest.raises(ValueError, match="x: must be contiguous"):
         _C.code_quantize(code, x[::2], out[:51])
+
+
+# ---- state-dict conversion ---------------------------------------------------------------
+# weights (96, 63) and (10, 96): rows of 63 (odd, not a multiple of any block size) and
+# 96 elements get 8-/4-bit states with min_8bit_size=500; the biases keep float32 states
+
+def model(seed=0):
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(63, 96), torch.nn.Tanh(), torch.nn.Linear(96, 10))
+
+
+def train(m, opt, steps, seed=1):
+    gen = torch.Generator().manual_seed(seed)
+    for _ in range(steps):
+        x = torch.randn(32, 63, generator=gen)
+        y = torch.randint(0, 10, (32,), generator=gen)
+        opt.zero_grad()
+        torch.nn.functional.cross_entropy(m(x), y).backward()
+        opt.step()
+
+
+def clone_model(m):
+    m2 = model()
+    m2.load_state_dict(m.state_dict())
+    return m2
+
+
+def group_of(opt, p):
+    return next(g for g in opt.param_groups if any(q is p for q in g["params"]))
+
+
+def assert_quantized_from(opt, p, floats):
+    """opt's states of p are exactly quantize_state(floats) (float32 states: floats
+    themselves), and dequantized_state is within the codes' error of floats."""
+    g = group_of(opt, p)
+    st, deq = opt.state[p], mo.dequantized_state(opt, p)
+    names = _core.STATE_NAMES[opt._kind]
+    quantized = 0
+    for k, nm in enumerate(names, start=1):
+        want = floats[nm].float()
+        if st[f"state{k}"].dtype == torch.float32:
+            assert torch.equal(st[f"state{k}"], want)
+            assert torch.equal(deq[nm], want)
+            continue
+        quantized += 1
+        signed = _core.state_layout(opt._kind, g["bits"], g["block_size"], 0,
+                                    opt._hparams(g)["momentum"])["signed"][k - 1]
+        code = _core.code_table(g["bits"], signed)
+        codes, absmax = _blocks.quantize_state(want, g["bits"], code, g["block_size"],
+                                               _blocks.state_rows(p))
+        assert torch.equal(st[f"state{k}"], codes) and torch.equal(st[f"absmax{k}"], absmax)
+        rows = _blocks.state_rows(p)
+        bound = absmax.repeat_interleave(g["block_size"], dim=1)[:, :p.numel() // rows]
+        bound = bound.reshape(p.shape) * (code_radius(code, signed) + 2.0**-21)
+        assert ((deq[nm] - want).abs() <= bound).all(), nm
+    return quantized
+
+
+@pytest.mark.parametrize("cls,torch_cls", [(mo.AdamW8bit, torch.optim.AdamW),
+                                           (mo.AdamW4bit, torch.optim.AdamW),
+                                           (mo.Adam8bit, torch.optim.Adam),
+                                           (mo.AdamW, torch.optim.AdamW)])
+def test_torch_state_dict_into_memfit(cls, torch_cls):
+    m = model()
+    t = torch_cls(m.parameters(), lr=3e-3, betas=(0.8, 0.99), eps=1e-7, weight_decay=0.05)
+    train(m, t, 3)
+    opt = cls(m.parameters(), min_8bit_size=500)
+    bits, bs = opt.param_groups[0]["bits"], opt.param_groups[0]["block_size"]
+    opt.load_state_dict(t.state_dict())
+    g = opt.param_groups[0]
+    assert (g["lr"], tuple(g["betas"]), g["eps"], g["weight_decay"]) == (3e-3, (0.8, 0.99), 1e-7, 0.05)
+    assert (g["bits"], g["block_size"], g["min_8bit_size"]) == (bits, bs, 500)
+    quantized = 0
+    for p in m.parameters():
+        assert opt.state[p]["step"].dtype == torch.float32 and opt.state[p]["step"].item() == 3
+        quantized += assert_quantized_from(opt, p, t.state[p])
+    assert quantized == (0 if bits == 32 else 4)  # two states of the two weights
+    # training goes on from there, close to torch's own continuation
+    m_t = clone_model(m)
+    t_cont = torch_cls(m_t.parameters())
+    t_cont.load_state_dict(t.state_dict())
+    train(m, opt, 3, seed=2)
+    train(m_t, t_cont, 3, seed=2)
+    for p, q in zip(m.parameters(), m_t.parameters()):
+        # each step moves a weight by at most about lr = 3e-3
+        assert (p - q).abs().max() < (1e-6 if bits == 32 else 3e-3), (p - q).abs().max()
+
+
+@pytest.mark.parametrize("cls,torch_cls", [(mo.AdamW8bit, torch.optim.AdamW),
+                                           (mo.AdamW4bit, torch.optim.AdamW),
+                                           (mo.Adam8bit, torch.optim.Adam)])
+def test_memfit_state_dict_into_torch(cls, torch_cls):
+    m = model()
+    opt = cls(m.parameters(), lr=3e-3, weight_decay=0.05, min_8bit_size=500)
+    train(m, opt, 3)
+    sd = mo.to_torch_state_dict(opt)
+    assert not set(sd["param_groups"][0]) & {"bits", "block_size", "min_8bit_size", "sr_seed"}
+    m_t = clone_model(m)
+    t = torch_cls(m_t.parameters())
+    t.load_state_dict(sd)
+    tg = t.param_groups[0]
+    assert (tg["lr"], tg["weight_decay"], tg["amsgrad"]) == (3e-3, 0.05, False)
+    assert tg["decoupled_weight_decay"] == (torch_cls is torch.optim.AdamW)
+    for p, q in zip(m.parameters(), m_t.parameters()):
+        deq = mo.dequantized_state(opt, p)
+        assert torch.equal(t.state[q]["exp_avg"], deq["exp_avg"])
+        assert torch.equal(t.state[q]["exp_avg_sq"], deq["exp_avg_sq"])
+        assert torch.equal(t.state[q]["step"], opt.state[p]["step"])
+    train(m, opt, 3, seed=2)
+    train(m_t, t, 3, seed=2)
+    for p, q in zip(m.parameters(), m_t.parameters()):
+        assert (p - q).abs().max() < 3e-3, (p - q).abs().max()
+
+
+def test_fp32_states_cross_bit_exactly():
+    m = model()
+    t = torch.optim.AdamW(m.parameters(), lr=1e-2)
+    train(m, t, 2)
+    opt = mo.AdamW(m.parameters())
+    opt.load_state_dict(t.state_dict())
+    for p in m.parameters():
+        assert torch.equal(opt.state[p]["state1"], t.state[p]["exp_avg"])
+        assert torch.equal(opt.state[p]["state2"], t.state[p]["exp_avg_sq"])
+        assert torch.equal(opt.state[p]["step"], t.state[p]["step"])
+    train(m, opt, 2)
+    t2 = torch.optim.AdamW(m.parameters())
+    t2.load_state_dict(mo.to_torch_state_dict(opt))
+    for p in m.parameters():
+        assert torch.equal(t2.state[p]["exp_avg"], opt.state[p]["state1"])
+        assert torch.equal(t2.state[p]["exp_avg_sq"], opt.state[p]["state2"])
+    # and back: the same memfit state dict
+    opt2 = mo.AdamW(m.parameters())
+    opt2.load_state_dict(t2.state_dict())
+    a, b = opt.state_dict(), opt2.state_dict()
+    for pid in a["state"]:
+        for k, v in a["state"][pid].items():
+            assert torch.equal(v, b["state"][pid][k]), k
+    assert a["param_groups"][0]["lr"] == b["param_groups"][0]["lr"]
+
+
+def test_sgd_momentum_round_trip():
+    m = model()
+    t = torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9, nesterov=True)
+    train(m, t, 2)
+    opt = mo.SGD8bit(m.parameters(), lr=0.01, momentum=0.5, min_8bit_size=500)
+    opt.load_state_dict(t.state_dict())
+    g = opt.param_groups[0]
+    assert (g["lr"], g["momentum"], g["nesterov"]) == (0.05, 0.9, True)
+    for p in m.parameters():
+        assert opt.state[p]["step"].item() == 1  # torch's SGD counts no steps
+        assert_quantized_from(opt, p, t.state[p])
+    m_t = clone_model(m)
+    t_cont = torch.optim.SGD(m_t.parameters(), lr=0.05, momentum=0.9, nesterov=True)
+    t_cont.load_state_dict(t.state_dict())
+    train(m, opt, 2, seed=2)
+    train(m_t, t_cont, 2, seed=2)
+    for p, q in zip(m.parameters(), m_t.parameters()):
+        assert (p - q).abs().max() < 2e-3, (p - q).abs().max()
+    sd = mo.to_torch_state_dict(opt)
+    assert all(set(s) == {"momentum_buffer"} for s in sd["state"].values())
+    torch.optim.SGD(m_t.parameters(), lr=0.05, momentum=0.9).load_state_dict(sd)
+
+
+def test_conversion_refusals():
+    m = model()
+    t = torch.optim.AdamW(m.parameters(), amsgrad=True)
+    train(m, t, 1)
+    with pytest.raises(ValueError, match="amsgrad"):
+        mo.AdamW8bit(m.parameters()).load_state_dict(t.state_dict())
+    t = torch.optim.Adam(m.parameters(), weight_decay=0.1)
+    train(m, t, 1)
+    with pytest.raises(ValueError, match="saved by Adam with weight decay.*Adam8bit"):
+        mo.AdamW8bit(m.parameters()).load_state_dict(t.state_dict())
+    t = torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9)
+    train(m, t, 1)
+    with pytest.raises(ValueError, match="not by a torch.optim optimizer of the same kind"):
+        mo.AdamW8bit(m.parameters()).load_state_dict(t.state_dict())
+    t = torch.optim.AdamW(m.parameters())
+    train(m, t, 1)
+    sd = t.state_dict()
+    with pytest.raises(ValueError, match="same kind as Lion8bit"):
+        mo.Lion8bit(m.parameters()).load_state_dict(sd)
+    other = torch.nn.Sequential(torch.nn.Linear(63, 95), torch.nn.Tanh(), torch.nn.Linear(95, 10))
+    with pytest.raises(ValueError, match="different model"):
+        mo.AdamW8bit(other.parameters()).load_state_dict(sd)
+    bad = {**sd, "state": {**sd["state"], 0: {**sd["state"][0]}}}
+    bad["state"][0]["exp_avg"] = sd["state"][0]["exp_avg"].clone()
+    bad["state"][0]["exp_avg"][0, 0] = float("nan")
+    opt = mo.AdamW8bit(m.parameters())
+    with pytest.raises(ValueError, match="'exp_avg' of parameter 0 has non-finite values"):
+        opt.load_state_dict(bad)
+    assert not opt.state  # nothing half-loaded
+    with pytest.raises(TypeError, match="optimizer: expected a memfit.optim optimizer"):
+        mo.to_torch_state_dict(t)
+
+
+def test_bitsandbytes_adamw8bit_state_dict():
+    bnb = pytest.importorskip("bitsandbytes")
+    m = model()
+    b = bnb.optim.AdamW8bit(m.parameters(), lr=2e-3, weight_decay=0.02, min_8bit_size=500)
+    train(m, b, 3)
+    sd = b.state_dict()
+    opt = mo.AdamW8bit(m.parameters(), min_8bit_size=500)
+    opt.load_state_dict(sd)
+    assert (opt.param_groups[0]["lr"], opt.param_groups[0]["weight_decay"]) == (2e-3, 0.02)
+    quantized = 0
+    for p in m.parameters():
+        st = b.state[p]
+        floats = {}
+        for k, nm in ((1, "exp_avg"), (2, "exp_avg_sq")):
+            s = st[f"state{k}"]
+            if s.dtype == torch.uint8:
+                # bitsandbytes' own dequantizer: qmap[code] * absmax[i // 256]
+                q = bnb.functional.QuantState(absmax=st[f"absmax{k}"], code=st[f"qmap{k}"],
+                                              blocksize=256, dtype=torch.float32)
+                floats[nm] = bnb.functional.dequantize_blockwise(s, quant_state=q)
+            else:
+                floats[nm] = s
+        assert opt.state[p]["step"].item() == 3
+        quantized += assert_quantized_from(opt, p, floats)
+    assert quantized == 4
+    train(m, opt, 2, seed=2)  # and training goes on
+
+
+def test_format_1_state_dicts_load():
+    """tests/data/optim_state_v1.pt: AdamW8bit/AdamW4bit state dicts saved by memfit's
+    format 1 (flat blocks), min_8bit_size=256, for parameters w_even (4, 256) (rows of
+    whole blocks), w_odd (6, 101) and b (300,) (a 1-D tensor with quantized states in
+    format 1, float32 states now)."""
+    data = torch.load(os.path.join(DATA, "optim_state_v1.pt"), weights_only=True)
+    for cls in (mo.AdamW8bit, mo.AdamW4bit):
+        saved = data[cls.__name__]
+        v1 = saved["optimizer"]
+        assert v1["memfit"]["format_version"] == 1
+        ps = [torch.nn.Parameter(v.clone()) for v in saved["params_after"]]
+        opt = cls(ps, lr=1e-2, min_8bit_size=256)
+        opt.load_state_dict(v1)
+        bits, bs = opt.param_groups[0]["bits"], opt.param_groups[0]["block_size"]
+        w_even, w_odd, b = ps
+        for k, signed in ((1, True), (2, False)):
+            code = _core.code_table(bits, signed)
+            old_codes, old_absmax = (v1["state"][i][f"state{k}"] for i in range(3)), None
+            for i, p in enumerate(ps):
+                codes, absmax = v1["state"][i][f"state{k}"], v1["state"][i][f"absmax{k}"]
+                flat = _blocks.dequantize_state(codes, absmax, bits, code, bs, p, rows=1)
+                st = opt.state[p]
+                if p is b:
+                    assert st[f"state{k}"].dtype == torch.float32 and f"absmax{k}" not in st
+                    assert torch.equal(st[f"state{k}"], flat)
+                    continue
+                assert st[f"absmax{k}"].shape == (p.shape[0], -(-p.shape[1] // bs))
+                if p is w_even:  # byte for byte
+                    assert torch.equal(st[f"state{k}"].reshape(-1), codes.reshape(-1))
+                    assert torch.equal(st[f"absmax{k}"].reshape(-1), absmax)
+                    assert torch.equal(mo.dequantized_state(opt, p)["exp_avg_sq" if k == 2
+                                                                    else "exp_avg"], flat)
+                else:  # requantized in rows
+                    want, _ = _blocks.quantize_state(flat, bits, code, bs, p.shape[0])
+                    assert torch.equal(st[f"state{k}"], want)
+        for p in ps:
+            assert opt.state[p]["step"].item() == 3
+        assert opt.state_dict()["memfit"]["format_version"] != 1
+        gen = torch.Generator().manual_seed(3)
+        for p in ps:
+            p.grad = torch.randn(p.shape, generator=gen)
+        opt.step()
+        assert all(torch.isfinite(p).all() for p in ps)
+        assert opt.state[ps[0]]["step"].item() == 4
+
+
+@pytest.mark.parametrize("cls", [mo.AdamW8bit, mo.AdamW4bit, mo.Lion8bit])
+def test_requantizing_dequantized_states_after_steps(cls):
+    """quantize_state(dequantized_state(...)) after real steps reproduces the kernel's
+    codes and absmax wherever a block's largest |value| dequantizes to absmax itself
+    (code entry 1.0: every block of the non-negative second moments; the blocks of
+    signed states whose largest magnitude is positive, as the signed codes have no -1)."""
+    m = model()
+    opt = cls(m.parameters(), min_8bit_size=500)
+    train(m, opt, 3)
+    checked = 0
+    for p in m.parameters():
+        st = opt.state[p]
+        if st["state1"].dtype != torch.uint8:
+            continue
+        g = group_of(opt, p)
+        deq = mo.dequantized_state(opt, p)
+        layout = _core.state_layout(opt._kind, g["bits"], g["block_size"], 0, 0.0)
+        for k, nm in enumerate(_core.STATE_NAMES[opt._kind], start=1):
+            signed = layout["signed"][k - 1]
+            code = _core.code_table(g["bits"], signed)
+            codes, absmax = _blocks.quantize_state(deq[nm], g["bits"], code, g["block_size"],
+                                                   _blocks.state_rows(p))
+            same = absmax == st[f"absmax{k}"]
+            if not signed:
+                assert same.all()
+            assert same.float().mean() > 0.25
+            length = p.numel() // p.shape[0]
+            elems = same.repeat_interleave(g["block_size"], dim=1)[:, :length].numpy()
+            assert np.array_equal(_indices(codes, g["bits"], length)[elems],
+                                  _indices(st[f"state{k}"], g["bits"], length)[elems])
+            checked += 1
+    assert checked >= 2

@@ -66,6 +66,8 @@ _TORCH_STATE_NAMES = {"exp_avg", "exp_avg_sq", "max_exp_avg_sq", "momentum_buffe
                       "square_avg", "grad_avg", "step"}
 _BNB_STATE_KEYS = {"state1", "state2", "absmax1", "absmax2", "qmap1", "qmap2", "step",
                    "gnorm_vec", "unorm_vec"}
+# where bitsandbytes' state_dict() nests the quantized states (hidden from FSDP's gather)
+_BNB_WRAPPED = "__bnb_optimizer_quant_state__"
 
 
 def _name(optimizer) -> str:
@@ -96,7 +98,7 @@ def to_current(optimizer, state_dict):
     for saved in state_dict["state"].values():
         if isinstance(saved, dict):
             keys.update(saved)
-    if "state1" in keys or "qmap1" in keys:
+    if keys & {"state1", "qmap1", _BNB_WRAPPED}:
         return from_bitsandbytes(optimizer, state_dict)
     return from_torch(optimizer, state_dict)
 
@@ -268,6 +270,8 @@ def from_bitsandbytes(optimizer, state_dict, block_size=None):
     for pid, saved in state_dict["state"].items():
         if pid not in params:
             continue
+        saved = {**{k: v for k, v in saved.items() if k != _BNB_WRAPPED},
+                 **saved.get(_BNB_WRAPPED, {})}
         unknown = sorted(set(saved) - _BNB_STATE_KEYS)
         if unknown:
             raise ValueError(f"{name}.load_state_dict: bitsandbytes state {unknown[0]!r} of parameter "
