@@ -60,8 +60,12 @@ def _storage(t):
     copy: the order the kernels run over; for row-major tensors the usual flat view)."""
     if t.is_contiguous():
         return t.view(-1)
-    if not t.is_non_overlapping_and_dense():
-        raise ValueError(f"expected a dense tensor, got one of strides {tuple(t.stride())}")
+    expected = 1  # dense: the strides, sorted, are the running products of the sizes
+    for stride, size in sorted((st, sz) for st, sz in zip(t.stride(), t.shape) if sz != 1):
+        if stride != expected:
+            raise ValueError(f"expected a dense tensor, got one of shape {tuple(t.shape)} and "
+                             f"strides {tuple(t.stride())}")
+        expected *= size
     return t.as_strided((t.numel(),), (1,))
 
 
