@@ -3,8 +3,8 @@ in torch: the one Python definition of which elements share a block and how a va
 becomes a code, bit for bit as the C kernels do it.
 
 For a parameter ``p`` of ``n`` elements there are ``rows = p.shape[0]`` rows when
-``p.dim() >= 2``, else one, of ``L = n // rows`` elements each, in storage (memory)
-order. A row is cut into ``bpr = ceil(L / block_size)`` blocks (the last one may be
+``p.dim() >= 2`` (and dim 0 is outermost in memory), else one, of ``L = n // rows``
+elements each, in storage (memory) order. A row is cut into ``bpr = ceil(L / block_size)`` blocks (the last one may be
 partial): blocks never cross a row, so sharding ``p`` along dim 0 shards every state
 and absmax the same way.
 
@@ -40,10 +40,15 @@ __all__ = ["dequantize_state", "quantize_state", "row_length", "state_rows"]
 
 
 def state_rows(p) -> int:
-    """Rows of ``p``'s quantized states: ``p.shape[0]`` for ``p.dim() >= 2``, else 1
-    (dim 0 is the outermost dimension in memory for row-major and channels_last
-    tensors, so a row is a contiguous run of the storage)."""
-    return int(p.shape[0]) if p.dim() >= 2 else 1
+    """Rows of ``p``'s quantized states (blocks never cross one): ``p.shape[0]`` for a
+    tensor of two or more dimensions whose dim 0 is the outermost in memory (row-major
+    or channels_last: a row is then a contiguous run of the storage), else 1."""
+    if p.dim() < 2:
+        return 1
+    dense_rows = p.is_contiguous() \
+        or (p.dim() == 4 and p.is_contiguous(memory_format=torch.channels_last)) \
+        or (p.dim() == 5 and p.is_contiguous(memory_format=torch.channels_last_3d))
+    return max(int(p.shape[0]), 1) if dense_rows else 1
 
 
 def row_length(numel: int, rows: int) -> int:

@@ -183,13 +183,8 @@ def _memfit_state(optimizer, group, p, floats, step, extra=None):
     """The state of p in ``group`` as this optimizer keeps it, from float32 values under
     torch's names (quantized where the layout says so)."""
     expected = optimizer._expected_state(group, p)
-    names = _core.STATE_NAMES[optimizer._kind]
-    bits = group["bits"]
-    signed = (_core.state_layout(optimizer._kind, bits, group["block_size"], 0,
-                                 optimizer._hparams(group)["momentum"])["signed"]
-              if bits != 32 else None)
     out = {"step": step}
-    for k, nm in enumerate(names, start=1):
+    for k, (nm, code) in enumerate(_torch._state_codes(optimizer, group), start=1):
         if f"state{k}" not in expected:
             continue
         value = floats.get(nm)
@@ -201,8 +196,7 @@ def _memfit_state(optimizer, group, p, floats, step, extra=None):
             out[f"state{k}"] = dense
             continue
         out[f"state{k}"], absmax = _blocks.quantize_state(
-            dense, bits, _core.code_table(bits, signed[k - 1]), group["block_size"],
-            _blocks.state_rows(p))
+            dense, group["bits"], code, group["block_size"], _blocks.state_rows(p))
         out[f"absmax{k}"] = absmax.reshape(expected[f"absmax{k}"][0])
     out.update(extra or {})
     return out
@@ -337,7 +331,6 @@ def upgrade_v1(optimizer, state_dict):
     params = _params_by_saved_id(optimizer, state_dict)
     saved_groups = state_dict["param_groups"]
     group_of = {id(params[pid]): sg for sg in saved_groups for pid in sg["params"]}
-    names = _core.STATE_NAMES[optimizer._kind]
     state = {}
     for pid, saved in state_dict["state"].items():
         if pid not in params:
@@ -361,20 +354,9 @@ def upgrade_v1(optimizer, state_dict):
                         new[f"state{k}"] = saved[f"state{k}"].reshape(expected[f"state{k}"][0])
             state[pid] = new
             continue
-        signed = _core.state_layout(optimizer._kind, bits, bs, 0,
-                                    optimizer._hparams(sg)["momentum"])["signed"]
-        floats = {}
-        for k, nm in enumerate(names, start=1):
-            codes = saved.get(f"state{k}")
-            if codes is None:
-                continue
-            if codes.dtype == torch.float32:
-                floats[nm] = codes
-                continue
-            local = codes.to(p.device) if bits == 4 else codes.to(p.device).view(p.shape)
-            floats[nm] = _blocks.dequantize_state(local, saved[f"absmax{k}"].to(p.device), bits,
-                                                  _core.code_table(bits, signed[k - 1]), bs, p,
-                                                  rows=1)
+        # format 1 is the row-block layout with one row (its flat blocks)
+        local = {k: v.to(p.device) for k, v in saved.items() if k.startswith(("state", "absmax"))}
+        floats = _torch._dequantize_states(optimizer, sg, local, p, rows=1)
         extra = {k: v for k, v in saved.items() if k == "kahan_comp"}
         state[pid] = _memfit_state(optimizer, {**sg, "params": []}, p, floats,
                                    saved["step"], extra)
