@@ -334,6 +334,34 @@ def test_sgd_momentum_round_trip():
     torch.optim.SGD(m_t.parameters(), lr=0.05, momentum=0.9).load_state_dict(sd)
 
 
+def test_rmsprop_and_lion_exports():
+    m = model()
+    t = torch.optim.RMSprop(m.parameters(), lr=1e-3, alpha=0.9, momentum=0.5)
+    train(m, t, 2)
+    opt = mo.RMSprop8bit(m.parameters(), momentum=0.1, min_8bit_size=500)
+    opt.load_state_dict(t.state_dict())
+    assert (opt.param_groups[0]["alpha"], opt.param_groups[0]["momentum"]) == (0.9, 0.5)
+    for p in m.parameters():
+        assert opt.state[p]["step"].item() == 2
+        assert assert_quantized_from(opt, p, t.state[p]) == (2 if p.dim() == 2 else 0)
+    sd = mo.to_torch_state_dict(opt)
+    t2 = torch.optim.RMSprop(model().parameters())
+    t2.load_state_dict(sd)
+    assert t2.param_groups[0]["centered"] is False
+    lion = mo.Lion8bit(m.parameters(), min_8bit_size=500)
+    train(m, lion, 2)
+    sd = mo.to_torch_state_dict(lion)
+    assert all(set(st) == {"step", "exp_avg"} for st in sd["state"].values())
+    assert set(sd["param_groups"][0]) == {"lr", "betas", "weight_decay", "maximize", "params"}
+    back = mo.Lion8bit(m.parameters(), min_8bit_size=500)
+    back.load_state_dict(sd)  # lion-pytorch's format: exp_avg under lr, betas, weight_decay
+    for p in m.parameters():
+        for k, v in lion.state[p].items():
+            # rows whose requantized absmax is unchanged keep their bytes; all stay close
+            if k == "absmax1":
+                assert ((back.state[p][k] - v).abs() <= v * 0.0071).all()
+
+
 def test_conversion_refusals():
     m = model()
     t = torch.optim.AdamW(m.parameters(), amsgrad=True)
@@ -393,6 +421,14 @@ def test_bitsandbytes_adamw8bit_state_dict():
         quantized += assert_quantized_from(opt, p, floats)
     assert quantized == 4
     train(m, opt, 2, seed=2)  # and training goes on
+    # bitsandbytes' 32-bit states cross exactly
+    b32 = bnb.optim.AdamW(m.parameters(), optim_bits=32)
+    train(m, b32, 2)
+    opt32 = mo.AdamW(m.parameters())
+    opt32.load_state_dict(b32.state_dict())
+    for p in m.parameters():
+        assert torch.equal(opt32.state[p]["state1"], b32.state[p]["state1"])
+        assert torch.equal(opt32.state[p]["state2"], b32.state[p]["state2"])
 
 
 def test_format_1_state_dicts_load():
