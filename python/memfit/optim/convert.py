@@ -45,7 +45,7 @@ __all__ = ["from_bitsandbytes", "from_torch", "to_current", "to_torch_state_dict
 # param-group keys that only memfit has: never exported, and kept from the optimizer
 # when a foreign state dict is loaded
 _MEMFIT_GROUP_KEYS = ("bits", "block_size", "min_8bit_size", "bf16_stochastic_round", "kahan",
-                      "sr_seed", "sr_step")
+                      "sr_seed", "sr_step", "format_version")
 # hyperparameters taken over from a foreign state dict where both name them
 _SHARED_HYPER = ("lr", "betas", "eps", "weight_decay", "maximize", "momentum", "dampening",
                  "nesterov", "alpha")
@@ -91,7 +91,7 @@ def to_current(optimizer, state_dict):
         return state_dict
     meta = state_dict.get("memfit")
     if isinstance(meta, dict):
-        if meta.get("format_version") == 1 and _torch._FORMAT_VERSION != 1:
+        if meta.get("format_version") == 1:
             return upgrade_v1(optimizer, state_dict)
         return state_dict
     keys = set()
