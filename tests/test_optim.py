@@ -188,9 +188,12 @@ def test_state_dict_refusals():
     with pytest.raises(ValueError, match="saved by memfit.optim.AdamW8bit"):
         mo.Lion8bit(model().parameters()).load_state_dict(sd)
     with pytest.raises(ValueError, match="not saved by a memfit optimizer"):
-        t = torch.optim.AdamW(m.parameters())
+        # (torch.optim.AdamW's state dicts are converted: tests/test_optim_convert.py)
+        t = torch.optim.Adagrad(m.parameters())
         train(m, t, 1)
         mo.AdamW8bit(m.parameters()).load_state_dict(t.state_dict())
+    with pytest.raises(ValueError, match="not saved by a memfit optimizer"):
+        mo.AdamW8bit(m.parameters()).load_state_dict({"state": {}, "param_groups": [{}]})
     other = torch.nn.Sequential(torch.nn.Linear(64, 95), torch.nn.Tanh(), torch.nn.Linear(95, 10))
     with pytest.raises(ValueError, match="different model"):
         mo.AdamW8bit(other.parameters(), min_8bit_size=1000).load_state_dict(sd)

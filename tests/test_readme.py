@@ -84,6 +84,15 @@ def check_gemm_backend(ns, shown):
     assert set(info["last"]) >= {"backend", "reason"}
 
 
+def check_switch_optimizers(ns, shown):
+    import memfit.optim as mo
+
+    opt, t, w = ns["opt"], ns["torch_adamw"], ns["model"].weight
+    assert opt.state[w]["state1"].dtype == torch.uint8  # "quantizes"
+    assert t.state[w]["step"].item() == 2  # one step in torch, one in memfit
+    assert torch.equal(t.state[w]["exp_avg"], mo.dequantized_state(opt, w)["exp_avg"])
+
+
 # Each block is recognised by a line it must contain, so a block added to the README
 # without a check here fails test_every_block_is_checked.
 CHECKS = {
@@ -92,6 +101,7 @@ CHECKS = {
     "w = torch.ones(1_000_000) + 1e-4": check_cast,
     'layer = memfit.nn.Linear(768, 3072, activation="gelu")': check_linear,
     "info = memfit.nn.gemm_backend()": check_gemm_backend,
+    "opt.load_state_dict(torch_adamw.state_dict())": check_switch_optimizers,
 }
 
 

@@ -1,6 +1,7 @@
 /* Bindings for blockwise quantization (csrc/core/quant.c, cuda/quant.cu). Outputs
  * are allocated by the Python layer in the caller's framework and passed in. */
 #include "bindings.h"
+#include "memfit/optim.h"
 #include "memfit/quant.h"
 
 /* quantize_blockwise(x, code, codes, absmax, block_size, stochastic, seed, stream) */
@@ -48,6 +49,44 @@ static PyObject *py_dequantize_blockwise(PyObject *self, PyObject *args) {
   mf_py_views_release(4, v);
   if (st) return mf_py_raise(st);
   Py_RETURN_NONE;
+}
+
+/* code_quantize(code, x, out): out[i] = index of the entry of `code` (16 or 256 sorted
+ * float32 values) nearest to x[i], by the optimizer kernels' own exact search
+ * (mf_optim_quantize_fast), so that states quantized outside a step carry the bits a
+ * step would give them. x: the values already scaled by 1/absmax. CPU float32 arrays
+ * and a uint8 out of x's size, all contiguous. */
+static PyObject *py_code_quantize(PyObject *self, PyObject *args) {
+  (void)self;
+  PyObject *o[3];
+  if (!PyArg_ParseTuple(args, "OOO", &o[0], &o[1], &o[2])) return NULL;
+  static const char *const names[] = {"code", "x", "out"};
+  static const int flags[] = {MF_PY_READ, MF_PY_READ, MF_PY_WRITABLE};
+  mf_py_view v[3];
+  if (mf_py_views_get(3, o, names, flags, 0, v)) return NULL;
+  mf_status st = MF_OK;
+  for (int i = 0; i < 3 && st == MF_OK; i++)
+    if (v[i].t.device != MF_CPU)
+      st = mf_error(MF_ERR_VALUE, "%s: expected a CPU array", names[i]);
+  if (st) goto finish;
+  if (v[0].t.dtype != MF_FLOAT32 || (v[0].t.numel != MF_CODE_SIZE && v[0].t.numel != MF_CODE4_SIZE))
+    st = mf_error(MF_ERR_VALUE, "code: expected 16 or 256 float32 values, got %lld of %s",
+                  (long long)v[0].t.numel, mf_dtype_name(v[0].t.dtype));
+  else if (v[1].t.dtype != MF_FLOAT32)
+    st = mf_error(MF_ERR_TYPE, "x: expected float32, got %s", mf_dtype_name(v[1].t.dtype));
+  else if (v[2].t.dtype != MF_UINT8)
+    st = mf_error(MF_ERR_TYPE, "out: expected uint8, got %s", mf_dtype_name(v[2].t.dtype));
+  else if (v[2].t.numel != v[1].t.numel)
+    st = mf_error(MF_ERR_VALUE, "out: expected %lld elements (those of x), got %lld",
+                  (long long)v[1].t.numel, (long long)v[2].t.numel);
+  if (st) goto finish;
+  Py_BEGIN_ALLOW_THREADS
+  st = mf_optim_quantize_fast((const float *)v[0].t.data, (int)v[0].t.numel,
+                              (const float *)v[1].t.data, v[1].t.numel, (uint8_t *)v[2].t.data);
+  Py_END_ALLOW_THREADS
+finish:
+  mf_py_views_release(3, v);
+  return mf_py_result(st);
 }
 
 /* Fills a float32 CPU array with a code table. */
@@ -105,6 +144,8 @@ PyMethodDef mf_quant_methods[] = {
      "quantize_blockwise(x, code, codes, absmax, block_size, stochastic, seed, stream)"},
     {"dequantize_blockwise", py_dequantize_blockwise, METH_VARARGS,
      "dequantize_blockwise(codes, absmax, code, out, block_size, stream)"},
+    {"code_quantize", py_code_quantize, METH_VARARGS,
+     "code_quantize(code, x, out): nearest code index of each x (16- or 256-entry code)"},
     {"dynamic_map", py_dynamic_map, METH_VARARGS,
      "dynamic_map(out, signed, total_bits, max_exponent_bits)"},
     {"linear_map", py_linear_map, METH_VARARGS, "linear_map(out, signed, total_bits)"},

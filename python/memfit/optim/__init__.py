@@ -8,6 +8,9 @@ One fused kernel per step and device (C with OpenMP on the CPU, a multi-tensor C
 launch on the GPU) dequantizes the states, applies the update in float32, writes the
 parameter and requantizes, block by block. See docs/optim.md.
 
+:func:`to_torch_state_dict` exports the states for torch.optim, and ``load_state_dict``
+also takes torch.optim's and bitsandbytes' state dicts (:mod:`memfit.optim.convert`).
+
 The optimizer classes import torch on first use; :mod:`memfit.optim.functional`, the
 array-level API for NumPy, CuPy and JAX users, does not need torch.
 """
@@ -21,8 +24,10 @@ __all__ = [
     "Lion8bit",
     "RMSprop8bit",
     "SGD8bit",
+    "convert",
     "dequantized_state",
     "functional",
+    "to_torch_state_dict",
 ]
 
 
@@ -30,14 +35,15 @@ _TORCH_NAMES = {
     "Adam": "optimizers", "Adam8bit": "optimizers", "AdamW": "optimizers",
     "AdamW4bit": "optimizers", "AdamW8bit": "optimizers", "Lion8bit": "optimizers",
     "RMSprop8bit": "optimizers", "SGD8bit": "optimizers", "dequantized_state": "_torch",
+    "to_torch_state_dict": "convert",
 }
 
 
 def __getattr__(name):
     import importlib
 
-    if name == "functional":
-        return importlib.import_module("memfit.optim.functional")
+    if name in ("functional", "convert"):
+        return importlib.import_module(f"memfit.optim.{name}")
     if name in _TORCH_NAMES:
         value = getattr(importlib.import_module(f"memfit.optim.{_TORCH_NAMES[name]}"), name)
         globals()[name] = value

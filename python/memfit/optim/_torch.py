@@ -5,11 +5,10 @@ from __future__ import annotations
 import itertools
 from collections import defaultdict
 
-import numpy as np
 import torch
 
-from memfit import _arrays, _C
-from memfit.optim import _core
+from memfit.optim import _blocks, _core, convert
+from memfit.optim._blocks import state_rows
 
 # 2: quantization blocks within rows (dim-0 slices), absmax of shape (rows, blocks per
 # row), 4-bit codes of shape (rows, ceil(row length / 2)), and float32 states for 1-D
@@ -234,7 +233,10 @@ class _MemfitOptimizer(torch.optim.Optimizer):
     def load_state_dict(self, state_dict):
         """Loads a state dict saved by the same memfit optimizer class for parameters of
         the same shapes. Codes, absmax and step are restored exactly (no dtype casts),
-        so training resumes bit-identically. Anything else is refused with ValueError."""
+        so training resumes bit-identically. A torch.optim or bitsandbytes state dict of
+        the same kind, or one of an older memfit format, is converted first (see
+        :mod:`memfit.optim.convert`). Anything else is refused with ValueError."""
+        state_dict = convert.to_current(self, state_dict)
         name = type(self).__name__
         meta = state_dict.get("memfit") if isinstance(state_dict, dict) else None
         if not isinstance(meta, dict) or "optimizer" not in meta:
@@ -290,17 +292,6 @@ class _MemfitOptimizer(torch.optim.Optimizer):
         self.__dict__.pop("_state_checked", None)  # new states: check them on the next step
 
 
-def state_rows(p) -> int:
-    """The rows of p's quantization blocks (blocks never cross one): ``p.shape[0]`` for
-    a tensor of two or more dimensions whose dim 0 is the outermost in memory (row-major
-    or channels_last), else 1."""
-    if p.dim() < 2:
-        return 1
-    dense_rows = p.is_contiguous() or (p.dim() == 4 and p.is_contiguous(memory_format=torch.channels_last)) \
-        or (p.dim() == 5 and p.is_contiguous(memory_format=torch.channels_last_3d))
-    return max(p.shape[0], 1) if dense_rows else 1
-
-
 def _grad_view(p, g):
     """The gradient as the kernels take it: detached (a gradient made with
     create_graph=True requires grad; detach() is a view, not a copy) and, for a
@@ -322,36 +313,32 @@ def _on(t, device):
     return t.reshape(1) if t.dim() != 1 else t
 
 
-def _storage(t):
-    """A dense tensor's storage as a flat tensor, in memory order (the order the
-    kernels run over; for row-major tensors the usual flat view)."""
-    return t.view(-1) if t.is_contiguous() else t.as_strided((t.numel(),), (1,))
+def _state_codes(optimizer, group) -> list:
+    """[(torch's name, code table or None)] of state1, state2, ... of ``optimizer``'s
+    kind: the code each quantized state uses in ``group`` (None for 32-bit groups)."""
+    bits = group["bits"]
+    signed = (_core.state_layout(optimizer._kind, bits, group["block_size"], 0,
+                                 optimizer._hparams(group)["momentum"])["signed"]
+              if bits != 32 else None)
+    return [(nm, _core.code_table(bits, signed[k]) if signed else None)
+            for k, nm in enumerate(_core.STATE_NAMES[optimizer._kind])]
 
 
-def _dequantize(codes, absmax, bits, code, block_size, param):
-    """float32 values of quantized states ``codes`` (uint8: one code per element, or
-    (rows, ceil(L/2)) bytes of two codes for 4 bits) with ``absmax`` (rows, blocks per
-    row), in ``param``'s shape and memory layout, through the C dequantizer
-    (code[index] * absmax of its block; rows padded to whole blocks, then cut back)."""
-    out = torch.empty_like(param, dtype=torch.float32)
-    rows, bpr = absmax.shape
-    if param.numel() == 0 or bpr == 0:
-        return out
-    row_len = param.numel() // rows
-    if bits == 4:
-        # two codes per byte, element 2j in the low nibble: one code per element, and the
-        # 16-entry code widened to the 256 entries the dequantizer takes (indices stay < 16)
-        codes = torch.stack((codes & 15, codes >> 4), dim=-1).reshape(rows, -1)[:, :row_len]
-        code = np.concatenate([code, np.full(256 - code.size, code[-1], dtype=np.float32)])
-    codes = _storage(codes).view(rows, row_len)
-    padded = bpr * block_size
-    if padded != row_len:
-        codes = torch.nn.functional.pad(codes, (0, padded - row_len))
-    flat = torch.empty((rows, padded), dtype=torch.float32, device=param.device)
-    _C.dequantize_blockwise(codes.contiguous().view(-1), absmax.contiguous().view(-1),
-                            torch.from_numpy(code).to(codes.device), flat.view(-1), block_size,
-                            _arrays.stream_of(out))
-    _storage(out).copy_(flat[:, :row_len].reshape(-1))
+def _dequantize_states(optimizer, group, state, param, rows=None) -> dict:
+    """float32 copies of the states in ``state`` (one parameter's, as ``group`` keeps
+    them), keyed by torch's names, each of ``param``'s shape and memory layout.
+    ``rows``: of the row-block layout, by default state_rows(param); 1 reads format 1."""
+    out = {}
+    for k, (nm, code) in enumerate(_state_codes(optimizer, group), start=1):
+        s = state.get(f"state{k}")
+        if s is None:
+            continue
+        if s.dtype == torch.float32:
+            out[nm] = s.detach().clone().reshape(param.shape)
+            continue
+        out[nm] = _blocks.dequantize_state(s.detach(), state[f"absmax{k}"].detach(),
+                                           group["bits"], code, group["block_size"], param,
+                                           rows=rows)
     return out
 
 
@@ -370,20 +357,7 @@ def dequantized_state(optimizer, param) -> dict:
     group = next((g for g in optimizer.param_groups if any(q is param for q in g["params"])), None)
     if group is None:
         raise ValueError("param: not a parameter of this optimizer")
-    names = _core.STATE_NAMES[optimizer._kind]
-    bits, bs = group["bits"], group["block_size"]
-    signed = _core.state_layout(optimizer._kind, bits, bs, 0,
-                                optimizer._hparams(group)["momentum"])["signed"]
-    out = {}
-    for k, nm in enumerate(names, start=1):
-        s = state.get(f"state{k}")
-        if s is None:
-            continue
-        if s.dtype == torch.float32:
-            out[nm] = s.detach().clone().reshape(param.shape)
-            continue
-        out[nm] = _dequantize(s.detach(), state[f"absmax{k}"].detach(), bits,
-                              _core.code_table(bits, signed[k - 1]), bs, param)
+    out = _dequantize_states(optimizer, group, state, param)
     if "kahan_comp" in state:
         out["kahan_comp"] = state["kahan_comp"].detach().float().reshape(param.shape)
     return out
