@@ -553,8 +553,11 @@ def test_cpu_cuda_agree_bitwise_many_tensors_scaled(cls, bs):
     with warp shuffles: still the CPU's bits, with 45 tensors (more than one launch
     holds), odd sizes, block sizes 64 to 4096, and a grad_scale read on the device."""
     gen = torch.Generator().manual_seed(18)
-    sizes = [int(s) for s in torch.randint(1, 3000, (44,), generator=gen)] + [3 * 4096 + 65]
-    cpu = [torch.nn.Parameter(torch.randn(n, generator=gen) * 0.1) for n in sizes]
+    # 2-D (1-D parameters keep float32 states): rows of odd lengths, and rows of a
+    # whole block of 4096 then a partial one
+    dims = torch.randint(1, 300, (44, 2), generator=gen)
+    shapes = [(int(r) // 10 + 1, int(c)) for r, c in dims] + [(3, 4096 + 65)]
+    cpu = [torch.nn.Parameter(torch.randn(s, generator=gen) * 0.1) for s in shapes]
     gpu = [torch.nn.Parameter(p.detach().cuda()) for p in cpu]
     oc = make(cls, cpu, lr=1e-2, min_8bit_size=1, block_size=bs)
     og = make(cls, gpu, lr=1e-2, min_8bit_size=1, block_size=bs)
@@ -569,6 +572,7 @@ def test_cpu_cuda_agree_bitwise_many_tensors_scaled(cls, bs):
             opt.step()
     for pc, pg in zip(cpu, gpu):
         assert torch.equal(pc.detach(), pg.detach().cpu())
+        assert oc.state[pc]["state1"].dtype == torch.uint8
         for k, v in oc.state[pc].items():
             assert torch.equal(v, og.state[pg][k].cpu()), k
 
@@ -628,8 +632,11 @@ for dtype in (torch.float32, torch.bfloat16, torch.float16):
     for rounding in ({"bf16_stochastic_round": True}, {"bf16_stochastic_round": False},
                      {"kahan": True}):
         for cls, kw in cases:
-            # whole blocks; a fused work item (16384) then an odd partial block; a small one
-            ps = [torch.nn.Parameter((torch.randn(n) * 0.1).to(dtype)) for n in (6144, 16384 + 301, 4096)]
+            # 2-D, as 1-D parameters keep float32 states: rows of whole blocks (block size
+            # 4096: one partial block); rows of a fused work item (16384) then an odd
+            # partial block; a small one (rows of 128: whole blocks of 64 and 128)
+            ps = [torch.nn.Parameter((torch.randn(s) * 0.1).to(dtype))
+                  for s in ((24, 256), (2, 16384 + 301), (32, 128))]
             opt = cls(ps, lr=1e-2, min_8bit_size=0, **rounding, **kw)
             for _ in range(3):
                 for p in ps:
@@ -637,6 +644,7 @@ for dtype in (torch.float32, torch.bfloat16, torch.float16):
                     p.grad[::97] = 0.0
                 opt.step()
             for p in ps:
+                assert opt.state[p]["state1"].dtype == torch.uint8
                 out.append(p.detach().view(-1).view(torch.uint8).numpy().tobytes())
                 for v in opt.state[p].values():
                     if torch.is_tensor(v):
