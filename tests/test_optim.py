@@ -115,30 +115,36 @@ def _nearest(code, x):
     return np.where(up, hi, lo).astype(np.uint8)
 
 
-@pytest.mark.parametrize("bits,numel", [(8, 5001), (4, 4097), (4, 1), (4, 255), (8, 1)])
-def test_first_step_codes_exact(bits, numel):
+@pytest.mark.parametrize("bits,shape", [(8, (5001,)), (4, (4097,)), (4, (1,)), (4, (255,)), (8, (1,)),
+                                         (8, (3, 1667)), (4, (5, 257)), (4, (3, 255)), (8, (4, 256))])
+def test_first_step_codes_exact(bits, shape):
     """After one step from zero states: exp_avg = (1-beta1)*g and exp_avg_sq =
     (1-beta2)*g*g in float32; absmax per block and the (4-bit: packed, odd sizes
-    included) nearest codes must match a NumPy computation bit for bit."""
+    included) nearest codes must match a NumPy computation bit for bit. Arrays of two
+    dimensions: blocks and 4-bit bytes per row (dim-0 slice), the last ones partial."""
+    numel = int(np.prod(shape))
     rng = np.random.default_rng(numel + bits)
-    g = (rng.standard_normal(numel) * 0.01).astype(np.float32)
-    p = rng.standard_normal(numel).astype(np.float32)
+    g = (rng.standard_normal(shape) * 0.01).astype(np.float32)
+    p = rng.standard_normal(shape).astype(np.float32)
     st = F.init("adamw", p, bits)
     F.step("adamw", p, g, st, lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0)
     bs = st["block_size"]
+    rows = shape[0] if len(shape) >= 2 else 1
+    row_len = numel // rows
     for k, val in ((1, np.float32(0.1) * g), (2, np.float32(1 - 0.999) * (g * g))):
         code = _core.code_table(bits, k == 1)
-        nb = (numel + bs - 1) // bs
-        padded = np.zeros(nb * bs, np.float32)
-        padded[:numel] = val
-        absmax = np.abs(padded).reshape(nb, bs).max(axis=1)
-        np.testing.assert_array_equal(st[f"absmax{k}"], absmax)
+        val = val.reshape(rows, row_len)
+        nb = (row_len + bs - 1) // bs  # blocks per row
+        padded = np.zeros((rows, nb * bs), np.float32)
+        padded[:, :row_len] = val
+        absmax = np.abs(padded).reshape(rows, nb, bs).max(axis=2)
+        np.testing.assert_array_equal(st[f"absmax{k}"], absmax.reshape(-1))
         inv = np.float32(1) / absmax
-        q = _nearest(code, val * np.repeat(inv, bs)[:numel])
+        q = _nearest(code, val * np.repeat(inv, bs, axis=1)[:, :row_len])
         if bits == 4:
-            q = np.concatenate([q, np.zeros(numel % 2, np.uint8)])
-            q = (q[0::2] | (q[1::2] << 4)).astype(np.uint8)
-        np.testing.assert_array_equal(st[f"state{k}"], q)
+            q = np.concatenate([q, np.zeros((rows, row_len % 2), np.uint8)], axis=1)
+            q = (q[:, 0::2] | (q[:, 1::2] << 4)).astype(np.uint8)
+        np.testing.assert_array_equal(st[f"state{k}"], q.reshape(-1))
 
 
 def test_dequantized_state_names():
