@@ -97,6 +97,14 @@ def test_min_8bit_size_boundary(shape, quantized):
     opt2 = mo.AdamW8bit([{"params": [q], "min_8bit_size": 100000}])
     opt2.step()
     assert opt2.state[q]["state1"].dtype == torch.float32
+    if len(shape) == 1:  # 1-D: float32 states even with no size threshold at all
+        for cls in (mo.AdamW8bit, mo.AdamW4bit):
+            r = torch.nn.Parameter(torch.randn(shape))
+            r.grad = torch.randn(shape)
+            opt3 = cls([r], min_8bit_size=0)
+            opt3.step()
+            assert opt3.state[r]["state1"].dtype == torch.float32, cls
+            assert "absmax1" not in opt3.state[r], cls
 
 
 def _nearest(code, x):
@@ -107,42 +115,49 @@ def _nearest(code, x):
     return np.where(up, hi, lo).astype(np.uint8)
 
 
-@pytest.mark.parametrize("bits,numel", [(8, 5001), (4, 4097), (4, 1), (4, 255), (8, 1)])
-def test_first_step_codes_exact(bits, numel):
+@pytest.mark.parametrize("bits,shape", [(8, (5001,)), (4, (4097,)), (4, (1,)), (4, (255,)), (8, (1,)),
+                                         (8, (3, 1667)), (4, (5, 257)), (4, (3, 255)), (8, (4, 256))])
+def test_first_step_codes_exact(bits, shape):
     """After one step from zero states: exp_avg = (1-beta1)*g and exp_avg_sq =
     (1-beta2)*g*g in float32; absmax per block and the (4-bit: packed, odd sizes
-    included) nearest codes must match a NumPy computation bit for bit."""
+    included) nearest codes must match a NumPy computation bit for bit. Arrays of two
+    dimensions: blocks and 4-bit bytes per row (dim-0 slice), the last ones partial."""
+    numel = int(np.prod(shape))
     rng = np.random.default_rng(numel + bits)
-    g = (rng.standard_normal(numel) * 0.01).astype(np.float32)
-    p = rng.standard_normal(numel).astype(np.float32)
+    g = (rng.standard_normal(shape) * 0.01).astype(np.float32)
+    p = rng.standard_normal(shape).astype(np.float32)
     st = F.init("adamw", p, bits)
     F.step("adamw", p, g, st, lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0)
     bs = st["block_size"]
+    rows = shape[0] if len(shape) >= 2 else 1
+    row_len = numel // rows
     for k, val in ((1, np.float32(0.1) * g), (2, np.float32(1 - 0.999) * (g * g))):
         code = _core.code_table(bits, k == 1)
-        nb = (numel + bs - 1) // bs
-        padded = np.zeros(nb * bs, np.float32)
-        padded[:numel] = val
-        absmax = np.abs(padded).reshape(nb, bs).max(axis=1)
-        np.testing.assert_array_equal(st[f"absmax{k}"], absmax)
+        val = val.reshape(rows, row_len)
+        nb = (row_len + bs - 1) // bs  # blocks per row
+        padded = np.zeros((rows, nb * bs), np.float32)
+        padded[:, :row_len] = val
+        absmax = np.abs(padded).reshape(rows, nb, bs).max(axis=2)
+        np.testing.assert_array_equal(st[f"absmax{k}"], absmax.reshape(-1))
         inv = np.float32(1) / absmax
-        q = _nearest(code, val * np.repeat(inv, bs)[:numel])
+        q = _nearest(code, val * np.repeat(inv, bs, axis=1)[:, :row_len])
         if bits == 4:
-            q = np.concatenate([q, np.zeros(numel % 2, np.uint8)])
-            q = (q[0::2] | (q[1::2] << 4)).astype(np.uint8)
-        np.testing.assert_array_equal(st[f"state{k}"], q)
+            q = np.concatenate([q, np.zeros((rows, row_len % 2), np.uint8)], axis=1)
+            q = (q[:, 0::2] | (q[:, 1::2] << 4)).astype(np.uint8)
+        np.testing.assert_array_equal(st[f"state{k}"], q.reshape(-1))
 
 
 def test_dequantized_state_names():
-    p = torch.nn.Parameter(torch.randn(8192))
+    p = torch.nn.Parameter(torch.randn(32, 257))  # rows of 257: a partial block per row
     names = {mo.AdamW8bit: {"exp_avg", "exp_avg_sq"}, mo.Lion8bit: {"exp_avg"},
              mo.SGD8bit: {"momentum_buffer"}, mo.RMSprop8bit: {"square_avg", "momentum_buffer"},
              mo.AdamW4bit: {"exp_avg", "exp_avg_sq"}, mo.AdamW: {"exp_avg", "exp_avg_sq"}}
     for cls, want in names.items():
         opt = make(cls, [p])
         assert mo.dequantized_state(opt, p) == {}
-        p.grad = torch.randn(8192) * 0.01
+        p.grad = torch.randn(p.shape) * 0.01
         opt.step()
+        assert opt.state[p]["state1"].dtype == (torch.float32 if cls is mo.AdamW else torch.uint8)
         st = mo.dequantized_state(opt, p)
         assert set(st) == want
         for v in st.values():
@@ -236,9 +251,13 @@ def test_param_groups_match_torch():
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
     assert o1.param_groups[0]["lr"] == 3e-3 and o1.param_groups[1]["lr"] == 1e-2
     # the 8-bit optimizer follows the same per-group hyperparameters, approximately
-    m3, m4, _, _ = _pair(lambda g, lr: mo.AdamW8bit(g, lr=lr, min_8bit_size=0), torch.optim.AdamW, kw)
+    m3, m4, o3, _ = _pair(lambda g, lr: mo.AdamW8bit(g, lr=lr, min_8bit_size=0), torch.optim.AdamW, kw)
     for a, b in zip(m3.parameters(), m4.parameters()):
         torch.testing.assert_close(a, b, rtol=0, atol=2e-3)
+    # the weights of both groups took the 8-bit path (the biases, 1-D, keep float32 states)
+    for g in o3.param_groups:
+        for p in g["params"]:
+            assert o3.state[p]["state1"].dtype == (torch.uint8 if p.dim() >= 2 else torch.float32)
 
 
 def test_lr_scheduler_and_add_param_group():
@@ -271,13 +290,14 @@ def test_maximize():
 # ---- gradients: None, zero, non-finite, sparse -------------------------------------------
 
 def test_none_and_zero_grads():
-    a = torch.nn.Parameter(torch.randn(5000))
-    b = torch.nn.Parameter(torch.randn(5000))
+    a = torch.nn.Parameter(torch.randn(40, 125))
+    b = torch.nn.Parameter(torch.randn(40, 125))
     a0, b0 = a.detach().clone(), b.detach().clone()
     opt = mo.AdamW8bit([a, b], lr=1e-2, weight_decay=0.1)
-    a.grad = torch.zeros(5000)  # b.grad stays None
+    a.grad = torch.zeros(40, 125)  # b.grad stays None
     opt.step()
     assert b not in opt.state and torch.equal(b, b0)
+    assert opt.state[a]["state1"].dtype == torch.uint8
     # zero gradient: only the decoupled weight decay moves a; states stay zero
     decay = torch.tensor(1 - 1e-2 * 0.1, dtype=torch.float32)
     assert torch.equal(a.detach(), a0 * decay)
@@ -289,26 +309,29 @@ def test_none_and_zero_grads():
 
 @pytest.mark.parametrize("cls", ALL, ids=lambda c: c.__name__)
 def test_nonfinite_grads_skip_elements(cls):
-    n = 8192
-    p = torch.nn.Parameter(torch.randn(n))
+    shape = (32, 256)  # rows of whole blocks (8 bits: 256, 4 bits: 2 x 128)
+    n = 32 * 256
+    p = torch.nn.Parameter(torch.randn(shape))
     opt = make(cls, [p], lr=1e-2)
-    p.grad = torch.randn(n) * 0.01
+    p.grad = torch.randn(shape) * 0.01
     opt.step()
-    before = p.detach().clone()
-    st_before = mo.dequantized_state(opt, p)
-    g = torch.randn(n) * 0.01
-    bad = torch.tensor([3, 700, 4000, 8191])
-    g[bad[:2]] = float("nan")
-    g[bad[2]] = float("inf")
-    g[bad[3]] = float("-inf")
+    if opt.param_groups[0]["bits"] != 32:
+        assert opt.state[p]["state1"].dtype == torch.uint8
+    before = p.detach().clone().view(-1)
+    st_before = {k: v.view(-1) for k, v in mo.dequantized_state(opt, p).items()}
+    g = torch.randn(shape) * 0.01
+    bad = torch.tensor([3, 700, 4000, 8191])  # element numbers in storage order
+    g.view(-1)[bad[:2]] = float("nan")
+    g.view(-1)[bad[2]] = float("inf")
+    g.view(-1)[bad[3]] = float("-inf")
     p.grad = g
     opt.step()
     assert opt.state[p]["step"].item() == 2.0
-    assert torch.equal(p.detach()[bad], before[bad])
+    assert torch.equal(p.detach().view(-1)[bad], before[bad])
     good = torch.ones(n, dtype=torch.bool)
     good[bad] = False
-    assert (p.detach()[good] != before[good]).float().mean() > 0.9
-    st = mo.dequantized_state(opt, p)
+    assert (p.detach().view(-1)[good] != before[good]).float().mean() > 0.9
+    st = {k: v.view(-1) for k, v in mo.dequantized_state(opt, p).items()}
     # skipped elements keep their old state values: exactly with fp32 states, up to
     # requantization with the block's new absmax otherwise
     tol = {32: 0.0, 8: 0.02, 4: 0.15}[opt.param_groups[0]["bits"]]
@@ -466,14 +489,18 @@ def test_functional_bf16_numpy():
     import ml_dtypes
 
     rng = np.random.default_rng(2)
-    p = rng.standard_normal(5000).astype(ml_dtypes.bfloat16)
-    g = (rng.standard_normal(5000) * 0.01).astype(ml_dtypes.bfloat16)
+    p = rng.standard_normal((20, 250)).astype(ml_dtypes.bfloat16)  # rows of 250: partial blocks
+    g = (rng.standard_normal((20, 250)) * 0.01).astype(ml_dtypes.bfloat16)
     pt = torch.nn.Parameter(torch.from_numpy(p.astype(np.float32)).bfloat16())
     pt.grad = torch.from_numpy(g.astype(np.float32)).bfloat16()
     st = F.adamw8bit_init(p)
     F.adamw8bit_step(p, g, st, lr=1e-2)
-    mo.AdamW8bit([pt], lr=1e-2, bf16_stochastic_round=False).step()  # the functional API rounds to nearest
+    opt = mo.AdamW8bit([pt], lr=1e-2, bf16_stochastic_round=False)  # the functional API rounds to nearest
+    opt.step()
     np.testing.assert_array_equal(p.astype(np.float32), pt.detach().float().numpy())
+    assert opt.state[pt]["state1"].dtype == torch.uint8
+    for k in ("state1", "absmax1", "state2", "absmax2"):
+        np.testing.assert_array_equal(st[k], opt.state[pt][k].reshape(-1).numpy())
 
 
 def test_functional_state_checks():
@@ -535,8 +562,11 @@ def test_cpu_cuda_agree_bitwise_many_tensors_scaled(cls, bs):
     with warp shuffles: still the CPU's bits, with 45 tensors (more than one launch
     holds), odd sizes, block sizes 64 to 4096, and a grad_scale read on the device."""
     gen = torch.Generator().manual_seed(18)
-    sizes = [int(s) for s in torch.randint(1, 3000, (44,), generator=gen)] + [3 * 4096 + 65]
-    cpu = [torch.nn.Parameter(torch.randn(n, generator=gen) * 0.1) for n in sizes]
+    # 2-D (1-D parameters keep float32 states): rows of odd lengths, and rows of a
+    # whole block of 4096 then a partial one
+    dims = torch.randint(1, 300, (44, 2), generator=gen)
+    shapes = [(int(r) // 10 + 1, int(c)) for r, c in dims] + [(3, 4096 + 65)]
+    cpu = [torch.nn.Parameter(torch.randn(s, generator=gen) * 0.1) for s in shapes]
     gpu = [torch.nn.Parameter(p.detach().cuda()) for p in cpu]
     oc = make(cls, cpu, lr=1e-2, min_8bit_size=1, block_size=bs)
     og = make(cls, gpu, lr=1e-2, min_8bit_size=1, block_size=bs)
@@ -551,6 +581,7 @@ def test_cpu_cuda_agree_bitwise_many_tensors_scaled(cls, bs):
             opt.step()
     for pc, pg in zip(cpu, gpu):
         assert torch.equal(pc.detach(), pg.detach().cpu())
+        assert oc.state[pc]["state1"].dtype == torch.uint8
         for k, v in oc.state[pc].items():
             assert torch.equal(v, og.state[pg][k].cpu()), k
 
@@ -610,8 +641,11 @@ for dtype in (torch.float32, torch.bfloat16, torch.float16):
     for rounding in ({"bf16_stochastic_round": True}, {"bf16_stochastic_round": False},
                      {"kahan": True}):
         for cls, kw in cases:
-            # whole blocks; a fused work item (16384) then an odd partial block; a small one
-            ps = [torch.nn.Parameter((torch.randn(n) * 0.1).to(dtype)) for n in (6144, 16384 + 301, 4096)]
+            # 2-D, as 1-D parameters keep float32 states: rows of whole blocks (block size
+            # 4096: one partial block); rows of a fused work item (16384) then an odd
+            # partial block; a small one (rows of 128: whole blocks of 64 and 128)
+            ps = [torch.nn.Parameter((torch.randn(s) * 0.1).to(dtype))
+                  for s in ((24, 256), (2, 16384 + 301), (32, 128))]
             opt = cls(ps, lr=1e-2, min_8bit_size=0, **rounding, **kw)
             for _ in range(3):
                 for p in ps:
@@ -619,6 +653,7 @@ for dtype in (torch.float32, torch.bfloat16, torch.float16):
                     p.grad[::97] = 0.0
                 opt.step()
             for p in ps:
+                assert opt.state[p]["state1"].dtype == torch.uint8
                 out.append(p.detach().view(-1).view(torch.uint8).numpy().tobytes())
                 for v in opt.state[p].values():
                     if torch.is_tensor(v):
@@ -655,9 +690,9 @@ def test_state_layout_rechecked_when_states_are_replaced():
     or loading a state dict, makes it check (and create) them again instead of stepping
     on stale ones."""
     torch.manual_seed(0)
-    p = torch.nn.Parameter(torch.randn(5000))
+    p = torch.nn.Parameter(torch.randn(40, 125))
     opt = mo.AdamW8bit([p], lr=1e-2)
-    p.grad = torch.randn(5000) * 0.01
+    p.grad = torch.randn(40, 125) * 0.01
     opt.step()
     sd = opt.state_dict()
     opt.state.clear()
@@ -678,11 +713,14 @@ def test_many_tensors_any_thread_count_same_bits(cls):
     together with 1, 2 or 3 threads, give the same bits as each tensor stepped alone."""
     import memfit
 
-    sizes = [70000, 0, 300, 16384 * 5, 4096, 16384 + 301, 1, 5000]
+    # rows of whole blocks and rows of partial ones (stepped row by row), an empty tensor
+    # and a tensor of empty rows
+    shapes = [(280, 250), (0, 16), (3, 100), (5, 16384), (16, 256), (5, 3337), (1, 1), (40, 125),
+              (4, 0)]
 
     def run(together, threads):
         torch.manual_seed(0)
-        ps = [torch.nn.Parameter(torch.randn(n) * 0.1) for n in sizes]
+        ps = [torch.nn.Parameter(torch.randn(s) * 0.1) for s in shapes]
         opts = ([cls(ps, lr=1e-2, min_8bit_size=0)] if together
                 else [cls([p], lr=1e-2, min_8bit_size=0) for p in ps])
         gen = torch.Generator().manual_seed(1)
@@ -699,6 +737,8 @@ def test_many_tensors_any_thread_count_same_bits(cls):
             memfit.set_num_threads(0 if old == 0 else old)
         states = [opts[0 if together else i].state[p] for i, p in enumerate(ps)]
         assert [float(s["step"]) for s in states] == [4 - i % 3 for i in range(len(ps))]
+        want = torch.float32 if cls is mo.AdamW else torch.uint8
+        assert all(s["state1"].dtype == want for s in states)
         return [p.detach().clone() for p in ps], [{k: v.clone() for k, v in s.items()} for s in states]
 
     alone = run(False, 1)
@@ -714,29 +754,31 @@ def test_torch_cpu_views_match_numpy_and_refuse_what_dlpack_refuses():
     error, naming the argument."""
     rng = np.random.default_rng(5)
     n = 5000
-    base = rng.standard_normal(n + 300).astype(np.float32)
-    g = (rng.standard_normal(n) * 0.01).astype(np.float32)
+    base = rng.standard_normal((53, 100)).astype(np.float32)  # rows of 100: partial blocks
+    g = (rng.standard_normal((50, 100)) * 0.01).astype(np.float32)
     for dtype in (torch.float32, torch.bfloat16):
         big = torch.from_numpy(base.copy()).to(dtype)
-        p_t, g_t = big[300:], torch.from_numpy(g).to(dtype)  # p_t: a view at a storage offset
+        p_t, g_t = big[3:], torch.from_numpy(g).to(dtype)  # p_t: a view at a storage offset (300)
         st_t = F.adamw8bit_init(p_t)
         for _ in range(2):
             F.adamw8bit_step(p_t, g_t, st_t, lr=1e-2)
         if dtype == torch.float32:  # the same step on NumPy arrays (__array_interface__)
-            p_n, st_n = base[300:].copy(), F.adamw8bit_init(base[300:].copy())
+            p_n, st_n = base[3:].copy(), F.adamw8bit_init(base[3:].copy())
             for _ in range(2):
                 F.adamw8bit_step(p_n, g, st_n, lr=1e-2)
             np.testing.assert_array_equal(p_t.numpy(), p_n)
             for k in ("state1", "absmax1", "state2", "absmax2"):
                 np.testing.assert_array_equal(st_t[k].numpy(), st_n[k])
         else:  # the optimizer class (nearest rounding, as the functional API) on a fresh copy
-            pt = torch.nn.Parameter(torch.from_numpy(base[300:].copy()).to(dtype))
+            pt = torch.nn.Parameter(torch.from_numpy(base[3:].copy()).to(dtype))
             opt = mo.AdamW8bit([pt], lr=1e-2, bf16_stochastic_round=False, min_8bit_size=0)
             for _ in range(2):
                 pt.grad = g_t.clone()
                 opt.step()
             assert torch.equal(pt.detach(), p_t)
-        assert torch.equal(big[:300], torch.from_numpy(base[:300]).to(dtype))  # untouched
+            for k in ("state1", "absmax1", "state2", "absmax2"):
+                assert torch.equal(opt.state[pt][k].reshape(-1), st_t[k].reshape(-1)), k
+        assert torch.equal(big[:3], torch.from_numpy(base[:3]).to(dtype))  # untouched
     p = torch.zeros(n)
     st = F.adamw8bit_init(p)
     st["absmax1"].requires_grad_()  # (the functional API detaches params and grads itself)

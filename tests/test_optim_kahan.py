@@ -90,14 +90,15 @@ def test_one_step_matches_float64_reference(cls, dtype):
     np_dtype = np.dtype(ml_dtypes.bfloat16) if dtype == torch.bfloat16 else np.dtype(np.float16)
     rtol = 2.0**-16 if dtype == torch.bfloat16 else 2.0**-20
     gen = torch.Generator().manual_seed(0)
-    n = 20000
-    p = torch.nn.Parameter((torch.randn(n, generator=gen) * 0.5).to(dtype))
+    shape = (80, 250)  # rows of 250: a partial block per row
+    n = 80 * 250
+    p = torch.nn.Parameter((torch.randn(shape, generator=gen) * 0.5).to(dtype))
     opt = make(cls, [p], lr=1e-3, weight_decay=0.1, kahan=True, min_8bit_size=0)
     group = opt.param_groups[0]
     kind = KIND[cls]
     p_miss = c_miss = 0
     for _ in range(6):
-        g = (torch.randn(n, generator=gen) * 0.1).to(dtype)
+        g = (torch.randn(shape, generator=gen) * 0.1).to(dtype)
         if opt.state[p]:
             x = value(opt, p).numpy()
             st = {k: v.double().numpy() for k, v in mo.dequantized_state(opt, p).items()}
@@ -109,6 +110,8 @@ def test_one_step_matches_float64_reference(cls, dtype):
         p.grad = g
         opt.step()
         assert "kahan_comp" in opt.state[p] and opt.state[p]["kahan_comp"].dtype == dtype
+        if opt.param_groups[0]["bits"] != 32:
+            assert opt.state[p]["state1"].dtype == torch.uint8
         got = value(opt, p).numpy()
         err = np.abs(got - x_ref)
         assert np.all(err <= rtol * np.abs(x_ref) + 1e-7), (err.max(), np.argmax(err))
@@ -130,16 +133,19 @@ def test_weight_decay_reads_param_plus_comp(cls):
     which splits exactly into p / 2 and comp / 2 (decay applied to p alone would zero
     the compensation)."""
     torch.manual_seed(1)
-    p = torch.nn.Parameter(torch.randn(5000).bfloat16())
+    shape = (40, 125)
+    p = torch.nn.Parameter(torch.randn(shape).bfloat16())
     kw = {"momentum": 0.0} if cls is mo.SGD8bit else {}
     opt = cls([p], lr=0.5, weight_decay=1.0, kahan=True, min_8bit_size=0, **kw)
     p.grad = torch.zeros_like(p)
     opt.step()  # creates the state; comp is 0, so this halves p exactly
+    if cls is mo.AdamW8bit:  # (SGD8bit without momentum keeps no state)
+        assert opt.state[p]["state1"].dtype == torch.uint8
     # comp = k/128 of a step of p, |k| < 32: below half a step even where p is a power
     # of two (the step below it is half as large), and p + comp is exact in float32 (a
     # comp far below p's last bit would be cut by the float32 sum)
-    ulp = torch.ldexp(torch.ones(5000), torch.frexp(p.detach().float()).exponent - 8)
-    comp = (torch.randint(-31, 32, (5000,)) * ulp / 128).bfloat16()
+    ulp = torch.ldexp(torch.ones(shape), torch.frexp(p.detach().float()).exponent - 8)
+    comp = (torch.randint(-31, 32, shape) * ulp / 128).bfloat16()
     opt.state[p]["kahan_comp"].copy_(comp)
     before = p.detach().clone()
     opt.step()
@@ -149,18 +155,21 @@ def test_weight_decay_reads_param_plus_comp(cls):
 
 # ---- what Kahan buys: small updates ---------------------------------------------------
 
-def push(cls, dtype, steps, lr, rounding, n=8192):
+def push(cls, dtype, steps, lr, rounding, shape=(32, 257)):
     """A constant gradient on parameters around 1 (values in [0.5, 1.5)): every step
     moves each element by about lr, far below half a step of dtype. Returns the final
-    value (p + comp with Kahan) and the initial value, in float64."""
+    value (p + comp with Kahan) and the initial value, in float64. Rows of 257: a
+    partial block per row (8 and 4 bits)."""
     gen = torch.Generator().manual_seed(0)
-    x0 = (torch.rand(n, generator=gen) + 0.5).bfloat16().double()  # exact in every dtype
+    x0 = (torch.rand(shape, generator=gen) + 0.5).bfloat16().double()  # exact in every dtype
     p = torch.nn.Parameter(x0.to(dtype))
     kw = {"kahan": True} if rounding == "kahan" else {"bf16_stochastic_round": rounding == "sr"}
     opt = make(cls, [p], lr=lr, weight_decay=0.0, **kw)
     for _ in range(steps):
         p.grad = -torch.ones_like(p)
         opt.step()
+    if cls not in (mo.AdamW, mo.Adam):  # the quantized states are what is tested
+        assert opt.state[p]["state1"].dtype == torch.uint8
     x = p.detach().double()
     if "kahan_comp" in opt.state[p]:
         x = x + opt.state[p]["kahan_comp"].double()
@@ -209,9 +218,9 @@ def test_float16_parameters():
 def test_mixed_groups_and_dtypes():
     """kahan per param group; bf16 and fp32 parameters in one Kahan group."""
     torch.manual_seed(3)
-    a = torch.nn.Parameter(torch.randn(5000).bfloat16())
-    b = torch.nn.Parameter(torch.randn(5000))
-    c = torch.nn.Parameter(torch.randn(5000).bfloat16())
+    a = torch.nn.Parameter(torch.randn(20, 250).bfloat16())
+    b = torch.nn.Parameter(torch.randn(20, 250))
+    c = torch.nn.Parameter(torch.randn(20, 250).bfloat16())
     opt = mo.AdamW8bit([{"params": [a, b], "kahan": True}, {"params": [c]}], lr=1e-3)
     for q in (a, b, c):
         q.grad = torch.randn_like(q)
@@ -219,6 +228,7 @@ def test_mixed_groups_and_dtypes():
     assert "kahan_comp" in opt.state[a] and "kahan_comp" not in opt.state[b]
     assert "kahan_comp" not in opt.state[c]  # stochastic rounding in the default group
     assert opt.state[a]["kahan_comp"].abs().max() > 0
+    assert all(opt.state[q]["state1"].dtype == torch.uint8 for q in (a, b, c))
 
 
 # ---- state dict ------------------------------------------------------------------------
@@ -323,10 +333,11 @@ def test_switching_kahan_off_drops_the_buffer():
 
 def test_skipped_step_and_nonfinite_elements_keep_the_value():
     torch.manual_seed(4)
-    p = torch.nn.Parameter(torch.randn(5000).bfloat16())
+    p = torch.nn.Parameter(torch.randn(50, 100).bfloat16())
     opt = mo.AdamW8bit([p], lr=1e-3, kahan=True, min_8bit_size=0)
     p.grad = torch.randn_like(p)
     opt.step()
+    assert opt.state[p]["state1"].dtype == torch.uint8
     x = value(opt, p)
     comp = opt.state[p]["kahan_comp"].clone()
     before = p.detach().clone()
@@ -337,11 +348,11 @@ def test_skipped_step_and_nonfinite_elements_keep_the_value():
     assert torch.equal(bits(p), bits(before)) and torch.equal(bits(opt.state[p]["kahan_comp"]), bits(comp))
     # NaN gradients: those elements keep p + comp
     g = torch.randn_like(p)
-    g[::7] = float("nan")
+    g.view(-1)[::7] = float("nan")
     p.grad = g
     opt.step()
-    assert torch.equal(value(opt, p)[::7], x[::7])
-    assert not torch.equal(value(opt, p)[1::7], x[1::7])
+    assert torch.equal(value(opt, p).view(-1)[::7], x.view(-1)[::7])
+    assert not torch.equal(value(opt, p).view(-1)[1::7], x.view(-1)[1::7])
     assert torch.isfinite(opt.state[p]["kahan_comp"].float()).all()
 
 
@@ -351,7 +362,8 @@ def test_skipped_step_and_nonfinite_elements_keep_the_value():
                                             ("sgd", 8, mo.SGD8bit), ("adamw", 4, mo.AdamW4bit)])
 def test_functional_matches_optimizer(kind, bits_, cls):
     rng = np.random.default_rng(5)
-    p_np = rng.standard_normal(10007).astype(ml_dtypes.bfloat16)
+    shape = (41, 244)  # rows of 244: a partial block per row (8 bits: 256, 4 bits: 128 + 116)
+    p_np = rng.standard_normal(shape).astype(ml_dtypes.bfloat16)
     p_t = torch.nn.Parameter(torch.from_numpy(p_np.astype(np.float32)).bfloat16())
     opt = cls([p_t], lr=1e-2, min_8bit_size=0, kahan=True,
               **({"momentum": 0.9} if cls is mo.SGD8bit else {}))
@@ -361,15 +373,18 @@ def test_functional_matches_optimizer(kind, bits_, cls):
     if "betas" in g0:
         hp["beta1"], hp["beta2"] = g0["betas"]
     st = F.init(kind, p_np, bits_, momentum=hp.get("momentum", 0.0), kahan=True)
-    assert st["kahan_comp"].dtype == p_np.dtype and st["kahan_comp"].shape == (10007,)
+    assert st["kahan_comp"].dtype == p_np.dtype and st["kahan_comp"].shape == (p_np.size,)  # flat
     for _ in range(3):
-        g = (rng.standard_normal(10007) * 0.01).astype(ml_dtypes.bfloat16)
+        g = (rng.standard_normal(shape) * 0.01).astype(ml_dtypes.bfloat16)
         p_t.grad = torch.from_numpy(g.astype(np.float32)).bfloat16()
         opt.step()
         F.step(kind, p_np, g, st, **hp)
     np.testing.assert_array_equal(p_np.view(np.int16), bits(p_t).numpy())
     np.testing.assert_array_equal(st["kahan_comp"].view(np.int16),
-                                  bits(opt.state[p_t]["kahan_comp"]).numpy())
+                                  bits(opt.state[p_t]["kahan_comp"]).reshape(-1).numpy())
+    for k in ("state1", "absmax1", "state2", "absmax2"):
+        if st[k] is not None:
+            np.testing.assert_array_equal(st[k], opt.state[p_t][k].reshape(-1).numpy())
 
 
 def test_functional_helpers_take_kahan():
