@@ -9,9 +9,13 @@ import numpy as np
 import torch
 
 from memfit import _arrays, _C
-from memfit.optim import _core
+from memfit.optim import _core, _dtensor
 
 _FORMAT_VERSION = 1
+# The key under which state_dict() records _FORMAT_VERSION in every param group as well
+# as at the top level: torch.distributed.checkpoint's get_state_dict/set_state_dict keep
+# only "state" and "param_groups".
+_GROUP_FORMAT_KEY = "memfit_format"
 
 
 class _MemfitOptimizer(torch.optim.Optimizer):
@@ -119,8 +123,15 @@ class _MemfitOptimizer(torch.optim.Optimizer):
     def _init_state(self, group, p) -> dict:
         state = self.state[p]
         expected = self._expected_state(group, p)
+        dtensor = _dtensor.is_dtensor(p)
+        if dtensor:
+            _dtensor.check_param(p, self._where)
         for key, (shape, dtype) in expected.items():
             if key not in state:
+                if dtensor and key != "step":
+                    # a DTensor of p's mesh and placements, of the global shape
+                    state[key] = _dtensor.zeros_state(p, shape, dtype, self._where)
+                    continue
                 # states of p's shape follow p's memory layout (zeros_like keeps the
                 # strides of a dense tensor, channels_last included): the kernels run
                 # over the storage in memory order, the same for p, its grad and these
@@ -131,6 +142,14 @@ class _MemfitOptimizer(torch.optim.Optimizer):
             # of p + kahan_comp, so the buffer is simply dropped
             del state["kahan_comp"]
         return state
+
+    def _where(self, p) -> str:
+        """Names parameter ``p`` in error messages: its place in param_groups."""
+        for i, g in enumerate(self.param_groups):
+            for j, q in enumerate(g["params"]):
+                if q is p:
+                    return f"{type(self).__name__}: param_groups[{i}]['params'][{j}]"
+        return f"{type(self).__name__}: a parameter"
 
     # -- the step --------------------------------------------------------------------------
 
@@ -145,8 +164,9 @@ class _MemfitOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        grad_scale = getattr(self, "grad_scale", None)
-        found_inf = getattr(self, "found_inf", None)
+        grad_scale = _dtensor.plain(getattr(self, "grad_scale", None))
+        found_inf = _dtensor.plain(getattr(self, "found_inf", None))
+        dtensor_type = _dtensor.DTensor
         # parameter -> (key, format) of the layout its state was last checked against, so
         # that a step over a model with hundreds of tensors does not rebuild every expected
         # layout every time (this loop and _step_bucket run per parameter per step: kept
@@ -165,16 +185,19 @@ class _MemfitOptimizer(torch.optim.Optimizer):
                     continue
                 if g.is_sparse:
                     raise RuntimeError(f"{type(self).__name__} does not support sparse gradients")
-                device = p.device
-                if g.device != device:
-                    raise ValueError(f"{type(self).__name__}: a gradient is on {g.device} but its "
-                                     f"parameter on {device}")
                 state = state_of[p]
                 key = (layout, p.dtype, p.shape)
                 seen = checked.get(p)
                 if seen is None or seen[0] != key or "step" not in state:
                     state = self._init_state(group, p)
                     seen = checked[p] = (key, self._format(group, p))
+                if dtensor_type is not None and isinstance(p, dtensor_type):
+                    # FSDP2 & co.: the kernels step the local rows, in place
+                    p, g, state = _dtensor.local_step_args(p, g, state, self._where)
+                device = p.device
+                if g.device != device:
+                    raise ValueError(f"{type(self).__name__}: a gradient is on {g.device} but its "
+                                     f"parameter on {device}")
                 items = buckets.get((device, seen[1]))
                 if items is None:
                     items = buckets[(device, seen[1])] = []
@@ -215,24 +238,41 @@ class _MemfitOptimizer(torch.optim.Optimizer):
     def state_dict(self):
         sd = super().state_dict()
         sd["memfit"] = {"optimizer": type(self).__name__, "format_version": _FORMAT_VERSION}
+        for g in sd["param_groups"]:  # new dicts (torch packs each group anew)
+            g[_GROUP_FORMAT_KEY] = _FORMAT_VERSION
         return sd
+
+    def _check_saved_format(self, state_dict) -> None:
+        """Refuses a state dict that memfit did not save in this format: it carries the
+        top-level "memfit" record (optimizer class, format_version) or, after
+        torch.distributed.checkpoint's get_state_dict/set_state_dict (which keep only
+        "state" and "param_groups"), the format in every param group."""
+        name = type(self).__name__
+        meta = state_dict.get("memfit") if isinstance(state_dict, dict) else None
+        groups = state_dict.get("param_groups") if isinstance(state_dict, dict) else None
+        if isinstance(meta, dict) and "optimizer" in meta:
+            if meta["optimizer"] != name:
+                raise ValueError(f"{name}.load_state_dict: the state dict was saved by memfit.optim."
+                                 f"{meta['optimizer']}, not {name}")
+            version = meta.get("format_version")
+        elif (isinstance(groups, list) and groups
+              and all(isinstance(g, dict) and _GROUP_FORMAT_KEY in g for g in groups)):
+            versions = {g[_GROUP_FORMAT_KEY] for g in groups}
+            version = versions.pop() if len(versions) == 1 else sorted(versions, key=repr)
+        else:
+            raise ValueError(
+                f"{name}.load_state_dict: this state dict was not saved by a memfit optimizer "
+                "(its optimizer states have a different layout); start the optimizer fresh or "
+                "load a state dict saved by memfit.optim." + name)
+        if version != _FORMAT_VERSION:
+            raise ValueError(f"{name}.load_state_dict: unknown format_version {version!r}")
 
     def load_state_dict(self, state_dict):
         """Loads a state dict saved by the same memfit optimizer class for parameters of
         the same shapes. Codes, absmax and step are restored exactly (no dtype casts),
         so training resumes bit-identically. Anything else is refused with ValueError."""
         name = type(self).__name__
-        meta = state_dict.get("memfit") if isinstance(state_dict, dict) else None
-        if not isinstance(meta, dict) or "optimizer" not in meta:
-            raise ValueError(
-                f"{name}.load_state_dict: this state dict was not saved by a memfit optimizer "
-                "(its optimizer states have a different layout); start the optimizer fresh or "
-                "load a state dict saved by memfit.optim." + name)
-        if meta["optimizer"] != name:
-            raise ValueError(f"{name}.load_state_dict: the state dict was saved by memfit.optim."
-                             f"{meta['optimizer']}, not {name}")
-        if meta.get("format_version") != _FORMAT_VERSION:
-            raise ValueError(f"{name}.load_state_dict: unknown format_version {meta.get('format_version')!r}")
+        self._check_saved_format(state_dict)
         groups = self.param_groups
         saved_groups = state_dict["param_groups"]
         if len(groups) != len(saved_groups):
@@ -245,6 +285,7 @@ class _MemfitOptimizer(torch.optim.Optimizer):
         new_groups = []
         for g, sg in zip(groups, saved_groups):
             ng = dict(sg)
+            ng.pop(_GROUP_FORMAT_KEY, None)  # recorded by state_dict(), not a setting
             ng["params"] = g["params"]
             new_groups.append(ng)
         group_of = {id(p): ng for ng in new_groups for p in ng["params"]}
@@ -269,11 +310,19 @@ class _MemfitOptimizer(torch.optim.Optimizer):
                         "saved for a different model or with different bits/block_size/min_8bit_size")
             if "step" not in saved:
                 raise ValueError(f"{name}.load_state_dict: parameter {pid} has no 'step'")
-            state[p] = {k: v.detach().to(device=p.device, copy=True) for k, v in saved.items()}
+            state[p] = self._loaded_state(saved, p)
         for ng in new_groups:
             self._check_group(ng)
         self.__setstate__({"state": state, "param_groups": new_groups})
         self.__dict__.pop("_state_checked", None)  # new states: check them on the next step
+
+    @staticmethod
+    def _loaded_state(saved: dict, p) -> dict:
+        """Fresh copies of one parameter's checked states, laid out as p's states are
+        (DTensors of p's placements for a DTensor p, whatever the saved layout)."""
+        if _dtensor.is_dtensor(p) or any(_dtensor.is_dtensor(v) for v in saved.values()):
+            return {k: _dtensor.loaded_value(k, v, p) for k, v in saved.items()}
+        return {k: v.detach().to(device=p.device, copy=True) for k, v in saved.items()}
 
 
 def _grad_view(p, g):
