@@ -103,8 +103,39 @@ def local_step_args(p, g, state: dict, where):
             f"{where(p)}: the gradient of a DTensor parameter with placements {_placements(p)} is "
             f"{got}; it must be a DTensor of the parameter's mesh and placements"
             + ("; reduce it first (redistribute to the parameter's placements)" if partial else ""))
-    return (p.to_local(), g.to_local(),
-            {k: v.to_local() if isinstance(v, DTensor) else v for k, v in state.items()})
+    return p.to_local(), g.to_local(), local_state(state)
+
+
+def local_state(state: dict) -> dict:
+    """{key: local tensor} of a DTensor parameter's states (step stays as it is)."""
+    return {k: v.to_local() if isinstance(v, DTensor) else v for k, v in state.items()}
+
+
+def like_param(local: torch.Tensor, p):
+    """A tensor of p's local shape as a DTensor laid out as ``p``."""
+    return _wrap(local, p, tuple(p.shape), p.stride())
+
+
+def first_row(p, where) -> int:
+    """The global index of the first of this rank's rows of the DTensor ``p``: Shard(0)
+    on mesh dimension d cuts the rows left by the earlier dimensions into chunks of
+    ceil(n / size) (torch.chunk, as DTensor and fully_shard do). Checked against the
+    local tensor: a layout that disagrees is refused rather than stepped with the wrong
+    random draws."""
+    coord = p.device_mesh.get_coordinate()
+    start, n = 0, p.shape[0] if p.dim() else 0
+    for d, pl in enumerate(p.placements):
+        if type(pl) is Shard:
+            size = p.device_mesh.size(d)
+            chunk = -(-n // size) if n else 0
+            lo = min(coord[d] * chunk, n)
+            start, n = start + lo, min(lo + chunk, n) - lo
+    local = p.to_local()
+    if p.dim() and n != local.shape[0]:
+        raise ValueError(f"{where(p)}: the local shard has {local.shape[0]} rows where "
+                         f"placements {_placements(p)} give {n}; memfit expects "
+                         "torch.chunk's split (fully_shard's and distribute_tensor's)")
+    return start
 
 
 def plain(t):

@@ -374,7 +374,8 @@ def dequantized_state(optimizer, param) -> dict:
     """fp32 copies of ``param``'s optimizer states, keyed by torch's names
     (``exp_avg``/``exp_avg_sq`` for Adam and AdamW, ``exp_avg`` for Lion,
     ``momentum_buffer`` for SGD, ``square_avg`` (and ``momentum_buffer``) for RMSprop),
-    each of ``param``'s shape and device, plus ``kahan_comp`` (the Kahan compensation,
+    each of ``param``'s shape and device (for a DTensor ``param``: DTensors of its
+    placements, each rank's rows computed locally), plus ``kahan_comp`` (the Kahan compensation,
     as float32; ``param.float() + kahan_comp`` is the parameter's value) for bfloat16 or
     float16 parameters of ``kahan=True`` groups. Empty before the first step."""
     if not isinstance(optimizer, _MemfitOptimizer):
@@ -385,6 +386,9 @@ def dequantized_state(optimizer, param) -> dict:
     group = next((g for g in optimizer.param_groups if any(q is param for q in g["params"])), None)
     if group is None:
         raise ValueError("param: not a parameter of this optimizer")
+    dparam = None
+    if _dtensor.is_dtensor(param):  # each rank dequantizes its rows (no block crosses a row)
+        dparam, param, state = param, param.to_local(), _dtensor.local_state(state)
     names = _core.STATE_NAMES[optimizer._kind]
     bits, bs = group["bits"], group["block_size"]
     signed = _core.state_layout(optimizer._kind, bits, bs, 0,
@@ -401,4 +405,4 @@ def dequantized_state(optimizer, param) -> dict:
                               _core.code_table(bits, signed[k - 1]), bs, param)
     if "kahan_comp" in state:
         out["kahan_comp"] = state["kahan_comp"].detach().float().reshape(param.shape)
-    return out
+    return out if dparam is None else {k: _dtensor.like_param(v, dparam) for k, v in out.items()}
