@@ -45,10 +45,12 @@
 #include "memfit/optim.h"
 #include "memfit/quant.h"
 
+#include <stdlib.h>
+
 namespace {
 
 constexpr int kThreads = 256;
-constexpr int kMaxTensors = 40;
+constexpr int kMaxTensors = 32;
 /* Elements one thread block updates: a whole number of tiles (a tile is max(BS, 256)
  * elements, BS <= 4096), so quantization blocks never straddle two thread blocks. */
 constexpr int64_t kItem = 4096;
@@ -61,8 +63,12 @@ struct TensorSlot {
   float *a1, *a2;
   const float *step;
   int64_t numel;
+  int64_t rows;       /* rows stepped one by one (mf_optim_split_rows); 1: the whole tensor */
+  int64_t index_base; /* mf_optim_tensor.index_base */
   int dtype;
   int sr_stream;
+  int bits;           /* state format (mf_state_format) */
+  int block_size;
 };
 
 /* Up to kMaxTensors tensors; thread block b works on tensor i with
@@ -75,12 +81,32 @@ struct LaunchList {
 static_assert(sizeof(LaunchList) + sizeof(mf_optim_hparams) + 64 <= 4096,
               "kernel arguments must stay below 4 KB");
 
-/* The tensor of this thread block and the first element of its item. */
-__device__ __forceinline__ const TensorSlot &locate(const LaunchList &L, int64_t *start) {
+/* The tensor of this thread block and the first element of its item. A tensor stepped
+ * row by row (rows > 1) comes back as the row of the item (mf_optim_row), so the
+ * kernels see one whole tensor whose blocks start at its element 0. */
+__device__ __forceinline__ TensorSlot locate(const LaunchList &L, int64_t *start) {
   const int64_t b = blockIdx.x;
   const int64_t i = mf_mt_tensor_of(L.start, L.n, b);
-  *start = (b - L.start[i]) * kItem;
-  return L.t[i];
+  TensorSlot t = L.t[i];
+  int64_t k = b - L.start[i];
+  if (t.rows > 1) {
+    const int64_t row_len = t.numel / t.rows, per_row = mf_mt_items(row_len, kItem);
+    const mf_optim_row_start at = mf_optim_row(row_len, t.block_size, k / per_row);
+    const int64_t esize = t.dtype == MF_FLOAT32 ? 4 : 2;
+    const int64_t code = t.bits == MF_STATE_4BIT ? at.code4 : at.elem;
+    k %= per_row;
+    t.p = (char *)t.p + at.elem * esize;
+    t.g = (const char *)t.g + at.elem * esize;
+    if (t.c) t.c = (char *)t.c + at.elem * esize;
+    if (t.s1) t.s1 = (uint8_t *)t.s1 + code;
+    if (t.s2) t.s2 = (uint8_t *)t.s2 + code;
+    if (t.a1) t.a1 += at.block;
+    if (t.a2) t.a2 += at.block;
+    t.numel = row_len;
+    t.index_base += at.elem;
+  }
+  *start = k * kItem;
+  return t;
 }
 
 constexpr int kMaxCountTensors = 480;
@@ -138,7 +164,7 @@ __global__ void __launch_bounds__(kThreads)
     if (ns >= 2) c2s[i] = code2[i];
   }
   int64_t cstart;
-  const TensorSlot &t = locate(L, &cstart);
+  const TensorSlot t = locate(L, &cstart);
   const int64_t cend = cstart + kItem < t.numel ? cstart + kItem : t.numel;
   prepare_once(&cs, h, t, grad_scale);
   const mf_dtype dt = (mf_dtype)t.dtype;
@@ -168,7 +194,7 @@ __global__ void __launch_bounds__(kThreads)
         }
         float p = mf_optim_load_param(t.p, t.c, i, dt);
         mf_optim_update_one(h.kind, &c, ns, &p, mf_load_f32(t.g, i, dt), &s1, &s2);
-        mf_optim_store_param(t.p, t.c, i, dt, p, &h, t.sr_stream);
+        mf_optim_store_param(t.p, t.c, i, dt, p, &h, t.sr_stream, t.index_base);
       }
       s1v[k] = s1;
       s2v[k] = s2;
@@ -231,7 +257,7 @@ __global__ void __launch_bounds__(kThreads)
   if (skipped(found_inf)) return;
   const int ns = mf_optim_num_states(&h);
   int64_t cstart;
-  const TensorSlot &t = locate(L, &cstart);
+  const TensorSlot t = locate(L, &cstart);
   const int64_t cend = cstart + kItem < t.numel ? cstart + kItem : t.numel;
   prepare_once(&cs, h, t, grad_scale);
   __syncthreads();
@@ -242,7 +268,7 @@ __global__ void __launch_bounds__(kThreads)
     float s1 = ns >= 1 ? s1p[i] : 0.0f, s2 = ns >= 2 ? s2p[i] : 0.0f;
     float p = mf_optim_load_param(t.p, t.c, i, dt);
     mf_optim_update_one(h.kind, &c, ns, &p, mf_load_f32(t.g, i, dt), &s1, &s2);
-    mf_optim_store_param(t.p, t.c, i, dt, p, &h, t.sr_stream);
+    mf_optim_store_param(t.p, t.c, i, dt, p, &h, t.sr_stream, t.index_base);
     if (ns >= 1) s1p[i] = s1;
     if (ns >= 2) s2p[i] = s2;
   }
@@ -303,11 +329,17 @@ extern "C" mf_status mf_cuda_optim_step(const mf_optim_hparams *h, mf_state_form
 
   /* pack tensors kMaxTensors at a time; a launch also stops before its grid would
    * exceed 2^31 - 1 blocks (a single larger tensor is refused first, before any launch) */
-  for (int64_t i = 0; i < n; i++)
-    if (mf_mt_items(ts[i].param.numel, kItem) > MF_MT_MAX_GRID)
+  int64_t *split = (int64_t *)malloc((size_t)n * sizeof *split);
+  if (!split) return mf_error(MF_ERR_NOMEM, "optimizer step: out of host memory");
+  for (int64_t i = 0; i < n; i++) {
+    split[i] = mf_optim_split_rows(fmt, block_size, ts[i].param.numel, ts[i].rows ? ts[i].rows : 1);
+    if (mf_mt_items_at(&ts[0].param.numel, sizeof *ts, split, i, kItem) > MF_MT_MAX_GRID) {
+      free(split);
       return mf_error(MF_ERR_VALUE, "params[%lld]: too many elements for one launch", (long long)i);
+    }
+  }
   mf_mt_packer pk;
-  mf_mt_pack_begin(&pk, &ts[0].param.numel, sizeof *ts, n, kItem);
+  mf_mt_pack_begin(&pk, &ts[0].param.numel, sizeof *ts, split, n, kItem);
   LaunchList L;
   int64_t first;
   mf_status st;
@@ -324,11 +356,19 @@ extern "C" mf_status mf_cuda_optim_step(const mf_optim_hparams *h, mf_state_form
       s.a2 = (float *)x.absmax2.data;
       s.step = (const float *)x.step.data;
       s.numel = x.param.numel;
+      s.rows = split[first + k];
+      s.index_base = x.index_base;
       s.dtype = (int)x.param.dtype;
       s.sr_stream = x.sr_stream;
+      s.bits = (int)fmt;
+      s.block_size = (int)block_size;
     }
-    if ((st = launch(L, h, fmt, block_size, c1, c2, scale, inf, stream))) return st;
+    if ((st = launch(L, h, fmt, block_size, c1, c2, scale, inf, stream))) {
+      free(split);
+      return st;
+    }
   }
+  free(split);
 
   /* the step counters move only after every chunk of every tensor has read them */
   StepList S;

@@ -182,7 +182,7 @@ mf_status for_each_launch(const mf_tensor *t, int64_t n, Launch launch) {
       return mf_error(MF_ERR_VALUE, "grads[%lld]: too large (%lld elements)", (long long)i,
                       (long long)t[i].numel);
   mf_mt_packer pk;
-  mf_mt_pack_begin(&pk, n > 0 ? &t[0].numel : nullptr, sizeof *t, n, MF_MT_CHUNK);
+  mf_mt_pack_begin(&pk, n > 0 ? &t[0].numel : nullptr, sizeof *t, nullptr, n, MF_MT_CHUNK);
   MtArgs a;
   for (;;) {
     a.base = pk.base;

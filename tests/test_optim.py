@@ -59,7 +59,7 @@ def assert_same(a, b):
 # ---- state layout -----------------------------------------------------------------
 
 def test_state_layout_and_memory():
-    w = torch.nn.Parameter(torch.randn(1000, 100))  # 100k elements: quantized
+    w = torch.nn.Parameter(torch.randn(400, 250))  # 100k elements: quantized
     b = torch.nn.Parameter(torch.randn(100))       # small: fp32 states
     opt = mo.AdamW8bit([w, b])
     w.grad = torch.randn_like(w)
@@ -67,7 +67,7 @@ def test_state_layout_and_memory():
     opt.step()
     st = opt.state[w]
     assert st["state1"].dtype == torch.uint8 and st["state1"].shape == w.shape
-    assert st["absmax1"].shape == (100000 // 256 + 1,)
+    assert st["absmax1"].shape == (400, 1)  # one block per row of 250: blocks never cross rows
     assert st["step"].dtype == torch.float32 and st["step"].item() == 1.0
     assert opt.state[b]["state1"].dtype == torch.float32
     nbytes = sum(v.numel() * v.element_size() for v in st.values())
@@ -76,21 +76,24 @@ def test_state_layout_and_memory():
     opt4 = mo.AdamW4bit([w])
     opt4.step()
     st4 = opt4.state[w]
-    assert st4["state1"].shape == (50000,) and st4["absmax1"].shape == (100000 // 128 + 1,)
+    assert st4["state1"].shape == (400, 125) and st4["absmax1"].shape == (400, 2)
 
 
-@pytest.mark.parametrize("numel,quantized", [(4095, False), (4096, True)])
-def test_min_8bit_size_boundary(numel, quantized):
-    p = torch.nn.Parameter(torch.randn(numel))
-    p.grad = torch.randn(numel)
+@pytest.mark.parametrize("shape,quantized", [((3, 1365), False), ((64, 64), True),
+                                             ((8192,), False)])
+def test_min_8bit_size_boundary(shape, quantized):
+    # quantized from min_8bit_size = 4096 elements on, for tensors of two or more
+    # dimensions; 1-D tensors keep float32 states at any size
+    p = torch.nn.Parameter(torch.randn(shape))
+    p.grad = torch.randn(shape)
     opt = mo.AdamW8bit([p])
     opt.step()
     want = torch.uint8 if quantized else torch.float32
     assert opt.state[p]["state1"].dtype == want
     assert opt.state[p]["state2"].dtype == want
     # a custom threshold, per group
-    q = torch.nn.Parameter(torch.randn(numel))
-    q.grad = torch.randn(numel)
+    q = torch.nn.Parameter(torch.randn(shape))
+    q.grad = torch.randn(shape)
     opt2 = mo.AdamW8bit([{"params": [q], "min_8bit_size": 100000}])
     opt2.step()
     assert opt2.state[q]["state1"].dtype == torch.float32
@@ -321,14 +324,14 @@ def test_sparse_and_dtype_mismatch_rejected():
     emb(torch.tensor([1, 2])).sum().backward()
     with pytest.raises(RuntimeError, match="sparse"):
         opt.step()
-    p = torch.nn.Parameter(torch.randn(5000, dtype=torch.bfloat16))
-    p.grad = torch.randn(5000, dtype=torch.bfloat16)
+    p = torch.nn.Parameter(torch.randn(5, 1000, dtype=torch.bfloat16))
+    p.grad = torch.randn(5, 1000, dtype=torch.bfloat16)
     opt = mo.AdamW8bit([p])
     opt.state[p]  # noqa: B018
     opt.step()
     p.grad = None
-    p.grad = torch.randn(5000, dtype=torch.bfloat16)
-    opt.state[p]["state1"] = torch.zeros(5000, dtype=torch.float32)
+    p.grad = torch.randn(5, 1000, dtype=torch.bfloat16)
+    opt.state[p]["state1"] = torch.zeros(5, 1000, dtype=torch.float32)
     with pytest.raises(TypeError, match=r"state1\[0\]: expected dtype uint8"):
         opt.step()
     with pytest.raises(TypeError, match=r"grads\[0\]: expected dtype bfloat16"):
@@ -434,7 +437,7 @@ def test_functional_matches_optimizer(kind, bits):
            ("lion", 8): mo.Lion8bit, ("sgd", 8): mo.SGD8bit, ("rmsprop", 8): mo.RMSprop8bit,
            ("adam", 8): mo.Adam8bit}[(kind, bits)]
     rng = np.random.default_rng(1)
-    p_np = rng.standard_normal(10007).astype(np.float32)
+    p_np = rng.standard_normal((13, 771)).astype(np.float32)  # rows of 771: partial blocks
     p_t = torch.nn.Parameter(torch.from_numpy(p_np.copy()))
     opt = make(cls, [p_t], lr=1e-2, min_8bit_size=0)
     hp = {k: v for k, v in opt.param_groups[0].items() if k in ("lr", "weight_decay", "maximize")}
@@ -446,12 +449,14 @@ def test_functional_matches_optimizer(kind, bits):
             hp[k] = g0[k]
     st = F.init(kind, p_np, bits, momentum=hp.get("momentum", 0.0))
     for _ in range(3):
-        g = (rng.standard_normal(10007) * 0.01).astype(np.float32)
+        g = (rng.standard_normal((13, 771)) * 0.01).astype(np.float32)
         p_t.grad = torch.from_numpy(g.copy())
         opt.step()
         F.step(kind, p_np, g, st, **hp)
     np.testing.assert_array_equal(p_np, p_t.detach().numpy())
     np.testing.assert_array_equal(st["state1"], opt.state[p_t]["state1"].reshape(-1).numpy())
+    if bits != 32:
+        np.testing.assert_array_equal(st["absmax1"], opt.state[p_t]["absmax1"].reshape(-1).numpy())
 
 
 def test_functional_bf16_numpy():

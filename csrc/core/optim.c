@@ -5,7 +5,9 @@
  * of all tensors (2048 elements, 16384 for the fused kernel, or one quantization block
  * if larger) are numbered across tensors and handed out dynamically (see step_cpu), so
  * a call with many small tensors pays one fork/join, and a slower core takes fewer
- * items. An item goes through short loops over per-thread buffers (L1/L2 resident):
+ * items. A tensor whose rows are not whole quantization blocks (mf_optim_row,
+ * mf_optim_split_rows) is cut row by row, and each item sees its row as a tensor of its
+ * own (row_view), so no kernel knows about rows. An item goes through short loops over per-thread buffers (L1/L2 resident):
  *   1. load:     widen f16/bf16 params and grads to float; dequantize the states
  *                (code[index] * absmax, per quantization block)
  *   2. update:   mf_optim_update_one() for every element (optim.h, shared with CUDA)
@@ -41,22 +43,25 @@
 
 /* ---- argument checks ------------------------------------------------------------ */
 
-int64_t mf_optim_state_numel(mf_state_format fmt, int64_t n) {
-  return fmt == MF_STATE_4BIT ? (n + 1) / 2 : n;
-}
-
 /* The layout without the argument checks (check_call has made them once per call). */
 static mf_optim_layout layout_of(const mf_optim_hparams *h, mf_state_format fmt, int64_t bs,
-                                 int64_t n) {
+                                 int64_t n, int64_t rows) {
   mf_optim_layout l;
+  const int64_t row_len = rows > 0 ? n / rows : 0;
   l.num_states = mf_optim_num_states(h);
   l.is_signed[0] = mf_optim_state_signed(h->kind, 1);
   l.is_signed[1] = mf_optim_state_signed(h->kind, 2);
   l.state_dtype = fmt == MF_STATE_FP32 ? MF_FLOAT32 : MF_UINT8;
-  l.state_numel = mf_optim_state_numel(fmt, n);
-  l.absmax_numel = fmt == MF_STATE_FP32 ? 0 : mf_quant_num_blocks(n, bs);
+  l.rows = rows;
+  l.state_row_numel = fmt == MF_STATE_4BIT ? (row_len + 1) / 2 : row_len;
+  l.blocks_per_row = fmt == MF_STATE_FP32 ? 0 : mf_quant_num_blocks(row_len, bs);
+  l.state_numel = rows * l.state_row_numel;
+  l.absmax_numel = rows * l.blocks_per_row;
   return l;
 }
+
+/* A tensor's rows (mf_optim_row): 0 is taken as 1, the whole tensor. */
+static int64_t rows_of(const mf_optim_tensor *t) { return t->rows ? t->rows : 1; }
 
 static mf_status check_format(mf_state_format fmt, int64_t bs) {
   if (fmt != MF_STATE_FP32 && fmt != MF_STATE_8BIT && fmt != MF_STATE_4BIT)
@@ -69,13 +74,18 @@ static mf_status check_format(mf_state_format fmt, int64_t bs) {
 }
 
 mf_status mf_optim_state_layout(const mf_optim_hparams *h, mf_state_format fmt,
-                                int64_t block_size, int64_t n, mf_optim_layout *out) {
+                                int64_t block_size, int64_t n, int64_t rows,
+                                mf_optim_layout *out) {
   mf_status st;
   if (h->kind < MF_OPT_ADAMW || h->kind > MF_OPT_RMSPROP)
     return mf_error(MF_ERR_VALUE, "kind: unknown optimizer %d", (int)h->kind);
   if ((st = check_format(fmt, block_size))) return st;
   if (n < 0) return mf_error(MF_ERR_VALUE, "numel: must be >= 0, got %lld", (long long)n);
-  *out = layout_of(h, fmt, block_size, n);
+  if (rows == 0) rows = 1;
+  if (rows < 1 || n % rows != 0)
+    return mf_error(MF_ERR_VALUE, "rows: %lld rows do not split %lld elements evenly",
+                    (long long)rows, (long long)n);
+  *out = layout_of(h, fmt, block_size, n, rows);
   return MF_OK;
 }
 
@@ -224,7 +234,15 @@ static mf_status check_call(const mf_optim_hparams *h, mf_state_format fmt, int6
                         "cannot be combined; use one or the other", (long long)i);
       if ((st = check_one(&t->comp, "comps", i, t->param.dtype, pn, dev))) return st;
     }
-    const mf_optim_layout L = layout_of(h, fmt, bs, pn);
+    const int64_t rows = rows_of(t);
+    if (rows < 1 || pn % rows != 0)
+      return mf_error(MF_ERR_VALUE, "rows[%lld]: %lld rows do not split the %lld elements of "
+                      "params[%lld] evenly", (long long)i, (long long)rows, (long long)pn,
+                      (long long)i);
+    if (t->index_base < 0)
+      return mf_error(MF_ERR_VALUE, "index_base[%lld]: must be >= 0, got %lld", (long long)i,
+                      (long long)t->index_base);
+    const mf_optim_layout L = layout_of(h, fmt, bs, pn, rows);
     const mf_tensor *states[2][2] = {{&t->state1, &t->absmax1}, {&t->state2, &t->absmax2}};
     static const char *const names[2][2] = {{"state1", "absmax1"}, {"state2", "absmax2"}};
     for (int k = 0; k < L.num_states; k++) {
@@ -422,6 +440,28 @@ const char *mf_optim_cpu_kernel(void) {
   return "generic";
 }
 
+/* Row r of tensor t (the rows of the block layout, mf_optim_row) as a tensor of its own,
+ * for tensors whose rows the kernels step one by one (mf_optim_split_rows). */
+static mf_optim_tensor row_view(const mf_optim_tensor *t, mf_state_format fmt, int64_t bs,
+                                int64_t rows, int64_t r) {
+  mf_optim_tensor v = *t;
+  const int64_t row_len = t->param.numel / rows;
+  const mf_optim_row_start at = mf_optim_row(row_len, bs, r);
+  const int64_t esize = mf_dtype_size(t->param.dtype);
+  const int64_t code = fmt == MF_STATE_4BIT ? at.code4 : at.elem;
+  v.param.data = (char *)t->param.data + at.elem * esize;
+  v.grad.data = (char *)t->grad.data + at.elem * esize;
+  if (t->comp.data) v.comp.data = (char *)t->comp.data + at.elem * esize;
+  if (t->state1.data) v.state1.data = (uint8_t *)t->state1.data + code;
+  if (t->state2.data) v.state2.data = (uint8_t *)t->state2.data + code;
+  if (t->absmax1.data) v.absmax1.data = (float *)t->absmax1.data + at.block;
+  if (t->absmax2.data) v.absmax2.data = (float *)t->absmax2.data + at.block;
+  v.param.numel = v.grad.numel = row_len;
+  v.rows = 1;
+  v.index_base = t->index_base + at.elem;
+  return v;
+}
+
 static mf_status step_cpu(const mf_optim_hparams *h, mf_state_format fmt, int64_t bs,
                           const mf_tensor *code1, const mf_tensor *code2,
                           const mf_optim_tensor *ts, int64_t n, const mf_tensor *grad_scale,
@@ -453,9 +493,12 @@ static mf_status step_cpu(const mf_optim_hparams *h, mf_state_format fmt, int64_
    * than split evenly up front: the kernels are compute-bound, and on shared machines
    * the cores do not run at the same speed (bench_optim_core.py's per-core line), so an
    * even split waits for the slow one. */
-  int64_t *start = (int64_t *)malloc((size_t)(n + 1) * sizeof *start);
+  int64_t *start = (int64_t *)malloc((size_t)(2 * n + 1) * sizeof *start);
   if (!start) return mf_error(MF_ERR_NOMEM, "optimizer step: out of host memory");
-  const int64_t total_items = mf_mt_prefix(&ts[0].param.numel, sizeof *ts, n, chunk, start);
+  int64_t *split = start + n + 1; /* rows stepped one by one, per tensor */
+  for (int64_t i = 0; i < n; i++)
+    split[i] = mf_optim_split_rows(fmt, bs, ts[i].param.numel, rows_of(&ts[i]));
+  const int64_t total_items = mf_mt_prefix(&ts[0].param.numel, sizeof *ts, split, n, chunk, start);
   const int grab = chunk >= GRAB_ELEMS ? 1 : (int)(GRAB_ELEMS / chunk);
 
   int failed = 0;
@@ -491,15 +534,23 @@ static mf_status step_cpu(const mf_optim_hparams *h, mf_state_format fmt, int64_
         c = mf_optim_prepare(h, *(const float *)t->step.data + 1.0f, inv_scale);
         cur = i;
       }
-      const int64_t numel = t->param.numel, first = (w - start[i]) * chunk;
-      const int64_t len = numel - first < chunk ? numel - first : chunk;
-#ifdef MF_X86_SIMD
-      if (fused && len % bs == 0) {
-        fused(h, &c, ns, bs, &qc, t, first, len, &b);
-        continue;
+      /* item k of a tensor stepped row by row is item k % per_row of row k / per_row */
+      int64_t k = w - start[i];
+      mf_optim_tensor row;
+      if (split[i] > 1) {
+        const int64_t per_row = mf_mt_items(t->param.numel / split[i], chunk);
+        row = row_view(t, fmt, bs, split[i], k / per_row);
+        t = &row;
+        k %= per_row;
       }
+      const int64_t numel = t->param.numel, first = k * chunk;
+      const int64_t len = numel - first < chunk ? numel - first : chunk;
+      /* the whole blocks to the fused kernel, a partial last one to the block kernel */
+      const int64_t whole = fused ? len - len % bs : 0;
+#ifdef MF_X86_SIMD
+      if (whole > 0) fused(h, &c, ns, bs, &qc, t, first, whole, &b);
 #endif
-      block_step(h, &c, ns, fmt, bs, &qc, t, first, len, &b);
+      if (whole < len) block_step(h, &c, ns, fmt, bs, &qc, t, first + whole, len - whole, &b);
     }
     free(mem);
     free(qmem);

@@ -104,7 +104,7 @@ MF_INLINE void store_params(const mf_optim_hparams *h, const mf_optim_tensor *t,
   if (h->stochastic_round || t->comp.data) {
     for (int64_t i = 0; i < n; i++)
       mf_optim_store_param(t->param.data, t->comp.data, first + i, t->param.dtype, v[i], h,
-                           t->sr_stream);
+                           t->sr_stream, t->index_base);
   } else {
     narrow(v, t->param.dtype, first, n, t->param.data);
   }

@@ -83,7 +83,7 @@ typedef struct {
 static mf_status chunk_table_make(const mf_tensor *t, int64_t n, chunk_table *ct) {
   ct->starts = (int64_t *)malloc((size_t)(n + 1) * sizeof(int64_t));
   if (!ct->starts) return mf_error(MF_ERR_NOMEM, "grads: out of host memory");
-  ct->total = mf_mt_prefix(n > 0 ? &t[0].numel : NULL, sizeof *t, n, MF_MT_CHUNK, ct->starts);
+  ct->total = mf_mt_prefix(n > 0 ? &t[0].numel : NULL, sizeof *t, NULL, n, MF_MT_CHUNK, ct->starts);
   return MF_OK;
 }
 

@@ -1,6 +1,7 @@
 /* Bindings for the optimizer steps (csrc/core/optim.c, cuda/optim.cu). The Python
  * layer (memfit.optim) allocates the states in the caller's framework and passes
  * them in; this file only turns the lists of arrays into views and calls the core. */
+#include <stddef.h>
 #include <string.h>
 
 #include "bindings.h"
@@ -62,9 +63,35 @@ static int check_layouts(const mf_py_view_list *lists, Py_ssize_t i, int fmt) {
   return 0;
 }
 
+/* An optional list of n integers (None: all 0) into field `off` of every tensor. */
+static int int_list(PyObject *obj, const char *name, Py_ssize_t n, mf_optim_tensor *ts,
+                    size_t off) {
+  if (obj == Py_None) return 0;
+  PyObject *seq = PySequence_Fast(obj, name);
+  if (!seq) return -1;
+  int rc = 0;
+  if (PySequence_Fast_GET_SIZE(seq) != n) {
+    PyErr_Format(mf_py_ValueError, "%s: expected %zd entries (one per parameter), got %zd", name,
+                 n, PySequence_Fast_GET_SIZE(seq));
+    rc = -1;
+  }
+  for (Py_ssize_t i = 0; rc == 0 && i < n; i++) {
+    const long long v = PyLong_AsLongLong(PySequence_Fast_GET_ITEM(seq, i));
+    if (v == -1 && PyErr_Occurred()) {
+      PyErr_Format(mf_py_TypeError, "%s[%zd]: expected an int", name, i);
+      rc = -1;
+    } else {
+      *(int64_t *)((char *)&ts[i] + off) = (int64_t)v;
+    }
+  }
+  Py_DECREF(seq);
+  return rc;
+}
+
 static PyObject *step_call(const mf_optim_hparams *h, int bits, long long block_size,
                            PyObject *const *objs, PyObject *ocode1, PyObject *ocode2,
-                           PyObject *oscale, PyObject *oinf, uintptr_t s) {
+                           PyObject *oscale, PyObject *oinf, uintptr_t s, PyObject *orows,
+                           PyObject *obase) {
   mf_py_view_list lists[L_COUNT] = {{0}};
   mf_py_view code1 = {0}, code2 = {0}, scale = {0}, inf = {0};
   mf_optim_tensor *ts = NULL;
@@ -94,6 +121,9 @@ static PyObject *step_call(const mf_optim_hparams *h, int bits, long long block_
     ts[i].comp = lists[L_COMPS].t[i];
     ts[i].sr_stream = (int32_t)i;
   }
+  if (int_list(orows, "rows", n, ts, offsetof(mf_optim_tensor, rows)) ||
+      int_list(obase, "index_base", n, ts, offsetof(mf_optim_tensor, index_base)))
+    goto finish;
   Py_BEGIN_ALLOW_THREADS
   st = mf_optim_step(h, (mf_state_format)bits, (int64_t)block_size, mf_py_tensor_or_null(&code1),
                      mf_py_tensor_or_null(&code2), ts, (int64_t)n, mf_py_tensor_or_null(&scale),
@@ -138,30 +168,33 @@ static int parse_hparams(int kind, PyObject *dict, mf_optim_hparams *h) {
 
 /* optim_step(kind, bits, block_size, hparams, params, grads, state1, absmax1, state2,
  *            absmax2, steps, code1=None, code2=None, grad_scale=None, found_inf=None,
- *            stream=0, comps=None), any argument by name.
+ *            stream=0, comps=None, rows=None, index_base=None), any argument by name.
  * hparams: a dict (parse_hparams). Lists have one entry per parameter; state and absmax
  * entries may be None (states this optimizer does not keep). comps: None, or a list of
- * Kahan compensation buffers (None for a parameter without one; see optim.h). */
+ * Kahan compensation buffers (None for a parameter without one; see optim.h). rows,
+ * index_base: None (all whole tensors), or one int per parameter (mf_optim_tensor). */
 static PyObject *py_optim_step(PyObject *self, PyObject *args, PyObject *kwargs) {
   (void)self;
   static char *kw[] = {"kind", "bits", "block_size", "hparams", "params", "grads", "state1",
                        "absmax1", "state2", "absmax2", "steps", "code1", "code2", "grad_scale",
-                       "found_inf", "stream", "comps", NULL};
+                       "found_inf", "stream", "comps", "rows", "index_base", NULL};
   int kind, bits;
   long long block_size;
   mf_optim_hparams h;
   PyObject *ohp, *lists[L_COUNT], *ocode1 = Py_None, *ocode2 = Py_None, *oscale = Py_None,
                                   *oinf = Py_None;
+  PyObject *orows = Py_None, *obase = Py_None;
   unsigned long long stream = 0;
   lists[L_COMPS] = Py_None;
-  if (!PyArg_ParseTupleAndKeywords(args, kwargs, "iiLOOOOOOOO|OOOOKO:optim_step", kw, &kind, &bits,
-                                   &block_size, &ohp, &lists[L_PARAMS], &lists[L_GRADS],
+  if (!PyArg_ParseTupleAndKeywords(args, kwargs, "iiLOOOOOOOO|OOOOKOOO:optim_step", kw, &kind,
+                                   &bits, &block_size, &ohp, &lists[L_PARAMS], &lists[L_GRADS],
                                    &lists[L_STATE1], &lists[L_ABSMAX1], &lists[L_STATE2],
                                    &lists[L_ABSMAX2], &lists[L_STEPS], &ocode1, &ocode2, &oscale,
-                                   &oinf, &stream, &lists[L_COMPS]))
+                                   &oinf, &stream, &lists[L_COMPS], &orows, &obase))
     return NULL;
   if (parse_hparams(kind, ohp, &h)) return NULL;
-  return step_call(&h, bits, block_size, lists, ocode1, ocode2, oscale, oinf, (uintptr_t)stream);
+  return step_call(&h, bits, block_size, lists, ocode1, ocode2, oscale, oinf, (uintptr_t)stream,
+                   orows, obase);
 }
 
 /* optim_check(kind, hparams): raises for out-of-range hyperparameters (the optimizer
@@ -178,28 +211,32 @@ static PyObject *py_optim_check(PyObject *self, PyObject *args) {
   Py_RETURN_NONE;
 }
 
-/* optim_state_layout(kind, bits, block_size, numel, momentum=0.0) -> dict: the states a
- * parameter of numel elements needs (mf_optim_state_layout, the definition the step
- * checks): num_states, signed (per state), state_dtype ("float32" or "uint8"),
- * state_numel and absmax_numel (per state). */
+/* optim_state_layout(kind, bits, block_size, numel, momentum=0.0, rows=1) -> dict: the
+ * states a parameter of numel elements in `rows` rows needs (mf_optim_state_layout,
+ * the definition the step checks): num_states, signed (per state), state_dtype
+ * ("float32" or "uint8"), rows, state_row_numel, blocks_per_row, state_numel and
+ * absmax_numel (per state). */
 static PyObject *py_optim_state_layout(PyObject *self, PyObject *args, PyObject *kwargs) {
   (void)self;
-  static char *kw[] = {"kind", "bits", "block_size", "numel", "momentum", NULL};
+  static char *kw[] = {"kind", "bits", "block_size", "numel", "momentum", "rows", NULL};
   int kind, bits;
-  long long block_size, numel;
+  long long block_size, numel, rows = 1;
   mf_optim_hparams h = {0};
   mf_optim_layout l;
-  if (!PyArg_ParseTupleAndKeywords(args, kwargs, "iiLL|d:optim_state_layout", kw, &kind, &bits,
-                                   &block_size, &numel, &h.momentum))
+  if (!PyArg_ParseTupleAndKeywords(args, kwargs, "iiLL|dL:optim_state_layout", kw, &kind, &bits,
+                                   &block_size, &numel, &h.momentum, &rows))
     return NULL;
   h.kind = (mf_optim_kind)kind;
   mf_status st = mf_optim_state_layout(&h, (mf_state_format)bits, (int64_t)block_size,
-                                       (int64_t)numel, &l);
+                                       (int64_t)numel, (int64_t)rows, &l);
   if (st) return mf_py_raise(st);
-  return Py_BuildValue("{s:i,s:(OO),s:s,s:L,s:L}", "num_states", l.num_states, "signed",
-                       l.is_signed[0] ? Py_True : Py_False, l.is_signed[1] ? Py_True : Py_False,
-                       "state_dtype", mf_dtype_name(l.state_dtype), "state_numel",
-                       (long long)l.state_numel, "absmax_numel", (long long)l.absmax_numel);
+  return Py_BuildValue("{s:i,s:(OO),s:s,s:L,s:L,s:L,s:L,s:L}", "num_states", l.num_states,
+                       "signed", l.is_signed[0] ? Py_True : Py_False,
+                       l.is_signed[1] ? Py_True : Py_False, "state_dtype",
+                       mf_dtype_name(l.state_dtype), "rows", (long long)l.rows, "state_row_numel",
+                       (long long)l.state_row_numel, "blocks_per_row", (long long)l.blocks_per_row,
+                       "state_numel", (long long)l.state_numel, "absmax_numel",
+                       (long long)l.absmax_numel);
 }
 
 /* optim_constants() -> dict: the kind numbers (mf_optim_kind, by torch's class names
@@ -221,7 +258,7 @@ PyMethodDef mf_optim_methods[] = {
      "comps=None)"},
     {"optim_check", py_optim_check, METH_VARARGS, "optim_check(kind, hparams)"},
     {"optim_state_layout", (PyCFunction)(void (*)(void))py_optim_state_layout,
-     METH_VARARGS | METH_KEYWORDS, "optim_state_layout(kind, bits, block_size, numel, momentum=0.0)"},
+     METH_VARARGS | METH_KEYWORDS, "optim_state_layout(kind, bits, block_size, numel, momentum=0.0, rows=1)"},
     {"optim_constants", py_optim_constants, METH_NOARGS,
      "Kind numbers, state formats and default block sizes."},
     {NULL, NULL, 0, NULL}};

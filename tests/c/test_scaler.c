@@ -156,9 +156,9 @@ static void test_unscale_and_norm_cpu(void) {
 static void check_packing(const mf_tensor *t, int64_t n, int64_t item, int64_t cap,
                           int64_t max_items) {
   static int64_t prefix[1001], start[1001];
-  const int64_t total = mf_mt_prefix(&t[0].numel, sizeof *t, n, item, prefix);
+  const int64_t total = mf_mt_prefix(&t[0].numel, sizeof *t, NULL, n, item, prefix);
   mf_mt_packer pk;
-  mf_mt_pack_begin(&pk, &t[0].numel, sizeof *t, n, item);
+  mf_mt_pack_begin(&pk, &t[0].numel, sizeof *t, NULL, n, item);
   int64_t global = 0, next = 0, first, count;
   int launches = 0, ok = 1;
   for (;;) {
@@ -207,9 +207,9 @@ static void test_multi_tensor_packing(void) {
   /* nothing at all, or only empty tensors: no launch */
   mf_mt_packer pk;
   int64_t start[4], first;
-  mf_mt_pack_begin(&pk, &t[0].numel, sizeof *t, 1, MF_MT_CHUNK);
+  mf_mt_pack_begin(&pk, &t[0].numel, sizeof *t, NULL, 1, MF_MT_CHUNK);
   CHECK(t[0].numel == 0 && mf_mt_pack_next(&pk, 3, MF_MT_MAX_GRID, start, &first) == 0);
-  mf_mt_pack_begin(&pk, &t[0].numel, sizeof *t, 0, MF_MT_CHUNK);
+  mf_mt_pack_begin(&pk, &t[0].numel, sizeof *t, NULL, 0, MF_MT_CHUNK);
   CHECK(mf_mt_pack_next(&pk, 3, MF_MT_MAX_GRID, start, &first) == 0);
 }
 

@@ -47,12 +47,23 @@ static inline int64_t mf_mt_numel_at(const int64_t *numel0, size_t stride, int64
   return *(const int64_t *)((const char *)numel0 + (size_t)i * stride);
 }
 
-/* start[i] = items of tensors 0 .. i-1, for i = 0 .. n (n + 1 entries); returns start[n]. */
-static inline int64_t mf_mt_prefix(const int64_t *numel0, size_t stride, int64_t n,
-                                   int64_t item, int64_t *start) {
+/* Items of tensor i: its rows are cut one by one when rows (n entries, or NULL for all
+ * 1) says it has several, so that no item crosses a row (the optimizer's row blocks:
+ * memfit/optim.h, mf_optim_row); item k of it is then item k % per_row of row
+ * k / per_row, per_row = mf_mt_items(numel / rows[i], item). */
+static inline int64_t mf_mt_items_at(const int64_t *numel0, size_t stride, const int64_t *rows,
+                                     int64_t i, int64_t item) {
+  const int64_t numel = mf_mt_numel_at(numel0, stride, i), r = rows ? rows[i] : 1;
+  return r > 1 ? r * mf_mt_items(numel / r, item) : mf_mt_items(numel, item);
+}
+
+/* start[i] = items of tensors 0 .. i-1, for i = 0 .. n (n + 1 entries); returns start[n].
+ * rows: NULL, or n row counts (mf_mt_items_at). */
+static inline int64_t mf_mt_prefix(const int64_t *numel0, size_t stride, const int64_t *rows,
+                                   int64_t n, int64_t item, int64_t *start) {
   start[0] = 0;
   for (int64_t i = 0; i < n; i++)
-    start[i + 1] = start[i] + mf_mt_items(mf_mt_numel_at(numel0, stride, i), item);
+    start[i + 1] = start[i] + mf_mt_items_at(numel0, stride, rows, i, item);
   return start[n];
 }
 
@@ -72,15 +83,17 @@ static inline MF_HD int64_t mf_mt_tensor_of(const int64_t *start, int64_t n, int
 typedef struct {
   const int64_t *numel0; /* see mf_mt_numel_at */
   size_t stride;
+  const int64_t *rows;   /* see mf_mt_items_at */
   int64_t n, item;
   int64_t next; /* first tensor not packed yet */
   int64_t base; /* items packed so far: the global index of the next launch's block 0 */
 } mf_mt_packer;
 
 static inline void mf_mt_pack_begin(mf_mt_packer *pk, const int64_t *numel0, size_t stride,
-                                    int64_t n, int64_t item) {
+                                    const int64_t *rows, int64_t n, int64_t item) {
   pk->numel0 = numel0;
   pk->stride = stride;
+  pk->rows = rows;
   pk->n = n;
   pk->item = item;
   pk->next = 0;
@@ -99,7 +112,7 @@ static inline int64_t mf_mt_pack_next(mf_mt_packer *pk, int64_t cap, int64_t max
   start[0] = 0;
   int64_t count = 0;
   while (pk->next < pk->n && count < cap) {
-    const int64_t items = mf_mt_items(mf_mt_numel_at(pk->numel0, pk->stride, pk->next), pk->item);
+    const int64_t items = mf_mt_items_at(pk->numel0, pk->stride, pk->rows, pk->next, pk->item);
     if (count > 0 && start[count] + items > max_items) break;
     start[count + 1] = start[count] + items;
     count++;

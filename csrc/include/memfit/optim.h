@@ -281,10 +281,47 @@ static inline MF_HD uint8_t mf_optim_quantize(const float *code, int size, float
 
 /* ---- entry points ------------------------------------------------------------- */
 
-/* One parameter tensor and its states. Unused states: data NULL, numel 0.
+/* Quantization blocks and rows. A tensor of n elements is `rows` rows of L = n / rows
+ * elements in storage order (the torch optimizers pass p.shape[0] for parameters of two
+ * or more dimensions: dim 0 is the outermost one in memory, so a row is a dim-0 slice).
+ * Blocks never cross a row: row r holds blocks (r, 0 .. bpr - 1), bpr = ceil(L / bs),
+ * block (r, j) being elements [r*L + j*bs, r*L + min((j+1)*bs, L)). The layout per row:
+ *   8BIT codes: uint8, one per element (row r starts at element r*L);
+ *   4BIT codes: uint8[ceil(L/2)] per row (row r starts at byte r*ceil(L/2)); element
+ *               2j of a row in the low nibble of its byte j, 2j+1 in the high one (the
+ *               high nibble of an odd row's last byte is 0);
+ *   absmax:     bpr float32 per row (row r starts at r*bpr).
+ * Sharding a tensor along dim 0 (FSDP2's Shard(0)) therefore cuts every state between
+ * rows: a rank's rows of the states are exactly the states of its rows of the
+ * parameter, and the bits do not depend on how many ranks there are. rows = 1 is the
+ * flat layout of blocks over the whole storage; so is any rows when bs divides L. */
+typedef struct {
+  int64_t elem;   /* first element of the row (param, grad, comp, 8-bit codes) */
+  int64_t code4;  /* first byte of the row's 4-bit codes */
+  int64_t block;  /* first absmax of the row */
+} mf_optim_row_start;
+
+static inline MF_HD mf_optim_row_start mf_optim_row(int64_t row_len, int64_t bs, int64_t r) {
+  mf_optim_row_start s;
+  s.elem = r * row_len;
+  s.code4 = r * ((row_len + 1) / 2);
+  s.block = r * ((row_len + bs - 1) / bs);
+  return s;
+}
+
+/* The rows a kernel must step one by one: `rows`, unless the flat layout's blocks are
+ * already the row blocks (FP32 states; bs dividing L), where the whole tensor is one. */
+static inline MF_HD int64_t mf_optim_split_rows(mf_state_format fmt, int64_t bs, int64_t n,
+                                               int64_t rows) {
+  if (fmt == MF_STATE_FP32 || rows <= 1) return 1;
+  return (n / rows) % bs == 0 ? 1 : rows;
+}
+
+/* One parameter tensor and its states. Unused states: data NULL, numel 0. With R rows
+ * of L elements (n = R*L; see mf_optim_row):
  *   param, grad: float32/float16/bfloat16, same dtype, same numel n
- *   state1/2:    FP32: float32[n];  8BIT: uint8[n];  4BIT: uint8[ceil(n/2)]
- *   absmax1/2:   float32[ceil(n / block_size)] (quantized formats only)
+ *   state1/2:    FP32: float32[n];  8BIT: uint8[n];  4BIT: uint8[R * ceil(L/2)]
+ *   absmax1/2:   float32[R * ceil(L / block_size)] (quantized formats only)
  *   step:        float32[1]
  *   comp:        optional, dtype of param, numel n (Kahan compensation) */
 typedef struct {
@@ -293,6 +330,11 @@ typedef struct {
   /* Kahan compensation (see the header comment): float16/bfloat16 like param, numel n;
    * data NULL for none. Not allowed with float32 params or stochastic rounding. */
   mf_tensor comp;
+  int64_t rows;       /* rows of the block layout (>= 1; must divide n; 0 is taken as 1) */
+  /* The number of this tensor's element 0 in the whole tensor it is a part of: the
+   * stochastic rounding of element i draws from index_base + i, so a shard (FSDP2)
+   * rounds each element as the unsharded tensor does. 0 for a whole tensor. */
+  int64_t index_base;
 } mf_optim_tensor;
 
 /* Kahan split of an updated value v into a half-precision pair (dt: float16 or
@@ -315,14 +357,17 @@ static inline MF_HD float mf_optim_load_param(const void *p, const void *comp, i
 }
 
 /* Stores an updated parameter value: Kahan-compensated when comp != NULL, else with
- * stochastic rounding (mf_optim_hparams.stochastic_round) or nearest-even. */
+ * stochastic rounding (mf_optim_hparams.stochastic_round) or nearest-even. The random
+ * bits of element i come from element number index_base + i of the tensor (see
+ * mf_optim_tensor.index_base). */
 static inline MF_HD void mf_optim_store_param(void *p, void *comp, int64_t i, mf_dtype dt,
                                               float v, const mf_optim_hparams *h,
-                                              int32_t stream) {
+                                              int32_t stream, int64_t index_base) {
   if (comp) {
     mf_optim_kahan_split(v, dt, &((uint16_t *)p)[i], &((uint16_t *)comp)[i]);
   } else if (h->stochastic_round && dt != MF_FLOAT32) {
-    uint64_t r = mf_hash64(h->sr_seed + 0x9e3779b97f4a7c15ull * (uint64_t)(stream + 1), (uint64_t)i);
+    uint64_t r = mf_hash64(h->sr_seed + 0x9e3779b97f4a7c15ull * (uint64_t)(stream + 1),
+                           (uint64_t)(index_base + i));
     ((uint16_t *)p)[i] = dt == MF_BFLOAT16 ? mf_f32_to_bf16_sr(v, (uint32_t)r) : mf_f32_to_f16_sr(v, r);
   } else {
     mf_store_f32(p, i, dt, v);
@@ -358,24 +403,27 @@ mf_status mf_optim_quantize_fast(const float *code, int size, const float *x, in
  * the measurement's table) or "generic". For `memfit doctor` and benchmark metadata. */
 const char *mf_optim_cpu_kernel(void);
 
-/* Elements a state array of format fmt holds for a parameter of n elements. */
-int64_t mf_optim_state_numel(mf_state_format fmt, int64_t n);
-
-/* The states one parameter of n elements needs: the one definition of the layout that
- * mf_optim_step checks and that the Python layer allocates (memfit.optim). States k =
- * 1..num_states each have state_numel elements of state_dtype (float32 for FP32, else
- * uint8 codes) and, when quantized, absmax_numel float32 block maxima. */
+/* The states one parameter of n elements in `rows` rows needs (mf_optim_row): the one
+ * definition of the layout that mf_optim_step checks and that the Python layer
+ * allocates (memfit.optim). States k = 1..num_states each have rows * state_row_numel
+ * elements of state_dtype (float32 for FP32, else uint8 codes) and, when quantized,
+ * rows * blocks_per_row float32 block maxima. */
 typedef struct {
   int num_states;          /* 0, 1 or 2: mf_optim_num_states */
   int is_signed[2];        /* state k uses the signed code: mf_optim_state_signed */
   mf_dtype state_dtype;
-  int64_t state_numel;     /* mf_optim_state_numel */
-  int64_t absmax_numel;    /* mf_quant_num_blocks(n, block_size); 0 for FP32 */
+  int64_t rows;            /* as given (n = rows * row_len) */
+  int64_t state_row_numel; /* L for FP32/8BIT, ceil(L/2) for 4BIT */
+  int64_t blocks_per_row;  /* ceil(L / block_size); 0 for FP32 */
+  int64_t state_numel;     /* rows * state_row_numel */
+  int64_t absmax_numel;    /* rows * blocks_per_row */
 } mf_optim_layout;
 
-/* Fills *out; checks fmt, block_size (quantized formats) and n >= 0, naming the bad one. */
+/* Fills *out; checks fmt, block_size (quantized formats), n >= 0 and rows (>= 1,
+ * dividing n), naming the bad one. */
 mf_status mf_optim_state_layout(const mf_optim_hparams *h, mf_state_format fmt,
-                                int64_t block_size, int64_t n, mf_optim_layout *out);
+                                int64_t block_size, int64_t n, int64_t rows,
+                                mf_optim_layout *out);
 
 #ifdef __cplusplus
 }

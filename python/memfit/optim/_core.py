@@ -34,12 +34,15 @@ DEFAULT_BLOCK = _CONSTANTS["default_block_size"]
 BLOCK_SIZES = _quant.BLOCK_SIZES
 
 
-def state_layout(kind: int, bits: int, block_size: int, numel: int, momentum: float = 0.0) -> dict:
-    """The states a parameter of ``numel`` elements needs, as the C core defines and
-    checks them (mf_optim_state_layout): ``num_states`` (0, 1 or 2), ``signed`` (per
-    state), ``state_dtype`` ("float32" or "uint8"), ``state_numel`` and
+def state_layout(kind: int, bits: int, block_size: int, numel: int, momentum: float = 0.0,
+                 rows: int = 1) -> dict:
+    """The states a parameter of ``numel`` elements in ``rows`` rows needs, as the C core
+    defines and checks them (mf_optim_state_layout; the rows of the quantization blocks
+    are described in csrc/include/memfit/optim.h, mf_optim_row): ``num_states`` (0, 1
+    or 2), ``signed`` (per state), ``state_dtype`` ("float32" or "uint8"), ``rows``,
+    ``state_row_numel`` and ``blocks_per_row``, and their products ``state_numel`` and
     ``absmax_numel`` (per state; 0 for float32 states)."""
-    return _C.optim_state_layout(kind, bits, block_size, numel, float(momentum))
+    return _C.optim_state_layout(kind, bits, block_size, numel, float(momentum), rows)
 
 
 def code_table(bits: int, signed: bool) -> np.ndarray:
@@ -111,14 +114,17 @@ def codes_for(kind: int, bits: int, hp: dict, like) -> tuple:
 
 
 def step(kind, bits, block_size, hp, params, grads, state1, absmax1, state2, absmax2,
-         steps, grad_scale=None, found_inf=None, stream=0, comps=None):
+         steps, grad_scale=None, found_inf=None, stream=0, comps=None, rows=None,
+         index_base=None):
     """One fused step over lists of arrays on one device (see mf_optim_step). ``hp``: a
     dict from :func:`hparams`. ``comps``: None, or one Kahan compensation buffer (or
     None) per parameter: an array of the parameter's float16/bfloat16 dtype and size
-    (see csrc/include/memfit/optim.h)."""
+    (see csrc/include/memfit/optim.h). ``rows``: None (whole tensors) or the rows of each
+    parameter's quantization blocks; ``index_base``: None, or per parameter the number
+    of its element 0 in the tensor it is a shard of (stochastic rounding draws by it)."""
     code1, code2 = codes_for(kind, bits, hp, params[0]) if params else (None, None)
     if comps is not None and all(c is None for c in comps):
         comps = None
     _C.optim_step(kind, bits, block_size, hp, params, grads, state1, absmax1, state2, absmax2,
                   steps, code1=code1, code2=code2, grad_scale=grad_scale, found_inf=found_inf,
-                  stream=stream, comps=comps)
+                  stream=stream, comps=comps, rows=rows, index_base=index_base)

@@ -11,7 +11,10 @@ import torch
 from memfit import _arrays, _C
 from memfit.optim import _core, _dtensor
 
-_FORMAT_VERSION = 1
+# 2: quantization blocks within rows (dim-0 slices), absmax of shape (rows, blocks per
+# row), 4-bit codes of shape (rows, ceil(row length / 2)), and float32 states for 1-D
+# parameters; 1: blocks over the whole storage.
+_FORMAT_VERSION = 2
 # The key under which state_dict() records _FORMAT_VERSION in every param group as well
 # as at the top level: torch.distributed.checkpoint's get_state_dict/set_state_dict keep
 # only "state" and "param_groups".
@@ -25,9 +28,12 @@ class _MemfitOptimizer(torch.optim.Optimizer):
 
     Per-parameter state (``optimizer.state[p]``):
         ``step``: float32 tensor of shape () on p's device (steps taken; torch's format).
-        ``state1``/``state2``: the states, uint8 codes (shape of p for 8 bits, ``(ceil(n/2),)``
-        for 4 bits) with ``absmax1``/``absmax2`` (float32, one per block), or float32
-        tensors of p's shape for tensors smaller than ``min_8bit_size`` and 32-bit
+        ``state1``/``state2``: the states, uint8 codes (shape of p for 8 bits,
+        ``(rows, ceil(L/2))`` for 4 bits) with ``absmax1``/``absmax2`` (float32,
+        ``(rows, ceil(L/block_size))``: one per block), where rows = ``p.shape[0]`` and L
+        the elements per row (see :func:`state_rows`; quantization blocks never cross a
+        row, so sharding p along dim 0 shards every state with it), or float32 tensors
+        of p's shape for 1-D tensors, tensors smaller than ``min_8bit_size`` and 32-bit
         optimizers. Use :func:`memfit.optim.dequantized_state` to read them as floats.
         ``kahan_comp``: with ``kahan=True`` and a float16/bfloat16 ``p``, the Kahan
         compensation (p's dtype and shape; the parameter's value is ``p + kahan_comp``).
@@ -100,22 +106,29 @@ class _MemfitOptimizer(torch.optim.Optimizer):
 
     @staticmethod
     def _format(group, p) -> int:
+        """32, or the group's bits for parameters of two or more dimensions and at least
+        min_8bit_size elements. Sizes are global (a DTensor's numel() is the whole
+        tensor's), so sharding never changes a state's precision; 1-D tensors keep
+        float32 states, as their dim-0 slices are single elements."""
         bits = group["bits"]
-        return bits if bits != 32 and p.numel() >= group["min_8bit_size"] else 32
+        return bits if bits != 32 and p.dim() >= 2 and p.numel() >= group["min_8bit_size"] else 32
 
     def _expected_state(self, group, p) -> dict:
         """{key: (shape, dtype)} of the state this parameter needs in this group, from
-        the C core's layout (mf_optim_state_layout). A state of one value per element
-        has p's shape (and, once made, p's memory layout); 4-bit codes are flat."""
+        the C core's layout (mf_optim_state_layout) with p's rows. A state of one value
+        per element has p's shape (and, once made, p's memory layout); 4-bit codes and
+        absmax are (rows, per row). Shapes are global for a DTensor p: dim 0 of every
+        quantized state is p.shape[0]."""
         fmt = self._format(group, p)
+        rows = state_rows(p) if fmt != 32 else 1
         layout = _core.state_layout(self._kind, fmt, group["block_size"], p.numel(),
-                                    self._hparams(group)["momentum"])
+                                    self._hparams(group)["momentum"], rows)
         out = {"step": ((), torch.float32)}
-        shape = (layout["state_numel"],) if fmt == 4 else tuple(p.shape)
+        shape = (rows, layout["state_row_numel"]) if fmt == 4 else tuple(p.shape)
         for k in range(1, layout["num_states"] + 1):
             out[f"state{k}"] = (shape, getattr(torch, layout["state_dtype"]))
             if layout["absmax_numel"]:
-                out[f"absmax{k}"] = ((layout["absmax_numel"],), torch.float32)
+                out[f"absmax{k}"] = ((rows, layout["blocks_per_row"]), torch.float32)
         if self._rounding(group) == "kahan" and p.dtype in (torch.bfloat16, torch.float16):
             out["kahan_comp"] = (tuple(p.shape), p.dtype)
         return out
@@ -227,11 +240,12 @@ class _MemfitOptimizer(torch.optim.Optimizer):
             a2 = [st.get("absmax2") for _, _, st in items]
         if self._rounding(group) == "kahan":
             comps = [st.get("kahan_comp") for _, _, st in items]
+        rows = [state_rows(p) for p in params] if fmt != 32 else None
         gs = _on(grad_scale, device)
         fi = _on(found_inf, device)
         stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
         _core.step(self._kind, fmt, group["block_size"], hp, params, grads, s1, a1, s2, a2,
-                   steps, gs, fi, stream, comps)
+                   steps, gs, fi, stream, comps, rows=rows)
 
     # -- state dict ------------------------------------------------------------------------
 
@@ -325,6 +339,17 @@ class _MemfitOptimizer(torch.optim.Optimizer):
         return {k: v.detach().to(device=p.device, copy=True) for k, v in saved.items()}
 
 
+def state_rows(p) -> int:
+    """The rows of p's quantization blocks (blocks never cross one): ``p.shape[0]`` for
+    a tensor of two or more dimensions whose dim 0 is the outermost in memory (row-major
+    or channels_last), else 1."""
+    if p.dim() < 2:
+        return 1
+    dense_rows = p.is_contiguous() or (p.dim() == 4 and p.is_contiguous(memory_format=torch.channels_last)) \
+        or (p.dim() == 5 and p.is_contiguous(memory_format=torch.channels_last_3d))
+    return max(p.shape[0], 1) if dense_rows else 1
+
+
 def _grad_view(p, g):
     """The gradient as the kernels take it: detached (a gradient made with
     create_graph=True requires grad; detach() is a view, not a copy) and, for a
@@ -353,20 +378,29 @@ def _storage(t):
 
 
 def _dequantize(codes, absmax, bits, code, block_size, param):
-    """float32 values of quantized states ``codes`` (uint8: one code per element, or two
-    per byte for 4 bits) in ``param``'s shape and memory layout, through the C
-    dequantizer (code[codes[i]] * absmax[i // block_size] over the storage)."""
-    n = param.numel()
+    """float32 values of quantized states ``codes`` (uint8: one code per element, or
+    (rows, ceil(L/2)) bytes of two codes for 4 bits) with ``absmax`` (rows, blocks per
+    row), in ``param``'s shape and memory layout, through the C dequantizer
+    (code[index] * absmax of its block; rows padded to whole blocks, then cut back)."""
     out = torch.empty_like(param, dtype=torch.float32)
-    if n == 0:
+    rows, bpr = absmax.shape
+    if param.numel() == 0 or bpr == 0:
         return out
+    row_len = param.numel() // rows
     if bits == 4:
         # two codes per byte, element 2j in the low nibble: one code per element, and the
         # 16-entry code widened to the 256 entries the dequantizer takes (indices stay < 16)
-        codes = torch.stack((codes & 15, codes >> 4), dim=1).reshape(-1)[:n]
+        codes = torch.stack((codes & 15, codes >> 4), dim=-1).reshape(rows, -1)[:, :row_len]
         code = np.concatenate([code, np.full(256 - code.size, code[-1], dtype=np.float32)])
-    _C.dequantize_blockwise(_storage(codes), absmax, torch.from_numpy(code).to(codes.device),
-                            _storage(out), block_size, _arrays.stream_of(out))
+    codes = _storage(codes).view(rows, row_len)
+    padded = bpr * block_size
+    if padded != row_len:
+        codes = torch.nn.functional.pad(codes, (0, padded - row_len))
+    flat = torch.empty((rows, padded), dtype=torch.float32, device=param.device)
+    _C.dequantize_blockwise(codes.contiguous().view(-1), absmax.contiguous().view(-1),
+                            torch.from_numpy(code).to(codes.device), flat.view(-1), block_size,
+                            _arrays.stream_of(out))
+    _storage(out).copy_(flat[:, :row_len].reshape(-1))
     return out
 
 

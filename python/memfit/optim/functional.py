@@ -54,10 +54,14 @@ def _numel(x) -> int:
 def init(kind: str, param, bits: int = 8, block_size: int | None = None, momentum: float = 0.0,
          min_8bit_size: int = 0, kahan: bool = False) -> dict:
     """Zero state for ``param``: {"step", "state1", "absmax1", "state2", "absmax2",
-    "kahan_comp", "bits", "block_size"} (unused entries are None). ``kind``: adamw, adam,
-    lion, sgd or rmsprop; ``bits``: 8, 4 or 32. Tensors with fewer than ``min_8bit_size``
-    elements get float32 states. ``kahan``: keep a Kahan compensation buffer for a
-    float16/bfloat16 ``param`` (none for float32)."""
+    "kahan_comp", "bits", "block_size", "rows"} (unused entries are None). ``kind``: adamw,
+    adam, lion, sgd or rmsprop; ``bits``: 8, 4 or 32. Tensors with fewer than
+    ``min_8bit_size`` elements get float32 states. ``kahan``: keep a Kahan compensation
+    buffer for a float16/bfloat16 ``param`` (none for float32). Quantization blocks stay
+    within rows (``param.shape[0]`` of them for a row-major array of two or more
+    dimensions, as the torch optimizers do; 1 for a vector), and the states are flat
+    arrays: codes (4 bits: ``rows * ceil(row/2)`` bytes) and ``rows * ceil(row/block_size)``
+    absmax values."""
     if kind not in _KINDS:
         raise ValueError(f"kind: expected one of {', '.join(_KINDS)}, got {kind!r}")
     if bits not in (4, 8, 32):
@@ -70,8 +74,10 @@ def init(kind: str, param, bits: int = 8, block_size: int | None = None, momentu
     if bits != 32 and n < min_8bit_size:
         bits = 32
     bs = int(block_size) if block_size is not None else _core.DEFAULT_BLOCK[bits]
-    layout = _core.state_layout(k, bits, bs, n, momentum)
+    rows = max(int(src.shape[0]), 1) if len(src.shape) >= 2 else 1
+    layout = _core.state_layout(k, bits, bs, n, momentum, rows)
     st = {"step": _zeros(src, (1,), "float32"), "bits": bits, "block_size": bs, "kind": kind,
+          "rows": rows,
           "state1": None, "absmax1": None, "state2": None, "absmax2": None, "kahan_comp": None}
     dt = _arrays.dtype_name(src.dtype)
     if kahan and dt in ("float16", "bfloat16"):
@@ -106,7 +112,7 @@ def step(kind: str, param, grad, state: dict, *, grad_scale=None, found_inf=None
     _core.step(k, state["bits"], state["block_size"], h, [p], [_arrays.as_input(grad)],
                [state["state1"]], [state["absmax1"]], [state["state2"]], [state["absmax2"]],
                [state["step"]], grad_scale, found_inf, _arrays.stream_of(p),
-               [state.get("kahan_comp")])
+               [state.get("kahan_comp")], rows=[state.get("rows", 1)])
 
 
 def _adam_hp(lr, betas, eps, weight_decay, maximize):
