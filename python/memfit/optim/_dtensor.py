@@ -13,8 +13,8 @@ Shard(0) and Replicate placements keep that true; anything else is refused.
 
 ``step`` stays a plain float32 scalar on the local device, as torch's own AdamW keeps it.
 
-Imports torch.distributed lazily-safe: a torch built without it has no DTensor, and
-then nothing here is ever reached.
+A torch built without torch.distributed has no DTensor: is_dtensor is then always
+False and nothing else here is reached.
 """
 
 from __future__ import annotations
@@ -92,9 +92,15 @@ def zeros_state(p, shape: tuple, dtype, where):
                  _contiguous_stride(shape))
 
 
-def local_step_args(p, g, state: dict, where):
-    """(local parameter, local gradient, {key: local state}) of a DTensor parameter: what
-    the kernels step, in place. The gradient must be a DTensor laid out as ``p``."""
+# The key of a shard's index_base (see index_base) in the local state dict that
+# local_step_args makes for one step: not a state, never stored.
+INDEX_BASE = "index_base"
+
+
+def local_step_args(p, g, state: dict, base: int, where):
+    """(local parameter, local gradient, {key: local state, INDEX_BASE: base}) of a
+    DTensor parameter: what the kernels step, in place. The gradient must be a DTensor
+    laid out as ``p``."""
     if not is_dtensor(g) or g.device_mesh != p.device_mesh or g.placements != p.placements:
         got = (f"a DTensor with placements {_placements(g)}" if is_dtensor(g)
                else f"a {type(g).__name__}")
@@ -103,7 +109,9 @@ def local_step_args(p, g, state: dict, where):
             f"{where(p)}: the gradient of a DTensor parameter with placements {_placements(p)} is "
             f"{got}; it must be a DTensor of the parameter's mesh and placements"
             + ("; reduce it first (redistribute to the parameter's placements)" if partial else ""))
-    return p.to_local(), g.to_local(), local_state(state)
+    local = local_state(state)
+    local[INDEX_BASE] = base
+    return p.to_local(), g.to_local(), local
 
 
 def local_state(state: dict) -> dict:
@@ -136,6 +144,15 @@ def first_row(p, where) -> int:
                          f"placements {_placements(p)} give {n}; memfit expects "
                          "torch.chunk's split (fully_shard's and distribute_tensor's)")
     return start
+
+
+def index_base(p, where) -> int:
+    """The number, in the whole tensor, of the first element of this rank's shard of
+    ``p`` (0 for a plain tensor): stochastic rounding draws by it, so that the shard
+    rounds as the whole tensor would."""
+    if not is_dtensor(p) or p.dim() == 0 or p.shape[0] == 0:
+        return 0
+    return first_row(p, where) * (p.numel() // p.shape[0])
 
 
 def plain(t):

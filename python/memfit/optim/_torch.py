@@ -203,10 +203,10 @@ class _MemfitOptimizer(torch.optim.Optimizer):
                 seen = checked.get(p)
                 if seen is None or seen[0] != key or "step" not in state:
                     state = self._init_state(group, p)
-                    seen = checked[p] = (key, self._format(group, p))
+                    seen = checked[p] = (key, self._format(group, p), _dtensor.index_base(p, self._where))
                 if dtensor_type is not None and isinstance(p, dtensor_type):
                     # FSDP2 & co.: the kernels step the local rows, in place
-                    p, g, state = _dtensor.local_step_args(p, g, state, self._where)
+                    p, g, state = _dtensor.local_step_args(p, g, state, seen[2], self._where)
                 device = p.device
                 if g.device != device:
                     raise ValueError(f"{type(self).__name__}: a gradient is on {g.device} but its "
@@ -241,11 +241,13 @@ class _MemfitOptimizer(torch.optim.Optimizer):
         if self._rounding(group) == "kahan":
             comps = [st.get("kahan_comp") for _, _, st in items]
         rows = [state_rows(p) for p in params] if fmt != 32 else None
+        # a shard's element 0 is element index_base of the whole tensor (stochastic rounding)
+        bases = [st.get(_dtensor.INDEX_BASE, 0) for _, _, st in items]
         gs = _on(grad_scale, device)
         fi = _on(found_inf, device)
         stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
         _core.step(self._kind, fmt, group["block_size"], hp, params, grads, s1, a1, s2, a2,
-                   steps, gs, fi, stream, comps, rows=rows)
+                   steps, gs, fi, stream, comps, rows=rows, index_base=bases if any(bases) else None)
 
     # -- state dict ------------------------------------------------------------------------
 
@@ -390,7 +392,9 @@ def _dequantize(codes, absmax, bits, code, block_size, param):
     if bits == 4:
         # two codes per byte, element 2j in the low nibble: one code per element, and the
         # 16-entry code widened to the 256 entries the dequantizer takes (indices stay < 16)
-        codes = torch.stack((codes & 15, codes >> 4), dim=-1).reshape(rows, -1)[:, :row_len]
+        # (contiguous: for an odd row length the slice skips each row's last nibble, and
+        # _storage below reads a tensor's memory in order)
+        codes = torch.stack((codes & 15, codes >> 4), dim=-1).reshape(rows, -1)[:, :row_len].contiguous()
         code = np.concatenate([code, np.full(256 - code.size, code[-1], dtype=np.float32)])
     codes = _storage(codes).view(rows, row_len)
     padded = bpr * block_size
