@@ -171,6 +171,10 @@ def _refusals_rank(rank, world):
             out[label] = str(e)
 
     attempt("shard1", [Shard(1)], lambda p: distribute_tensor(torch.ones(4, 6), mesh, [Shard(1)]))
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    strided = [_StridedShard(0, split_factor=2)]  # what FSDP2 over tensor parallel makes
+    attempt("strided", strided, lambda p: distribute_tensor(torch.ones(4, 6), mesh, strided))
     attempt("partial_grad", [Replicate()],
             lambda p: DTensor.from_local(torch.ones(4, 6), mesh, [Partial()]))
     attempt("plain_grad", [Shard(0)], lambda p: torch.ones(4, 6))
@@ -183,7 +187,7 @@ def _load_plain_rank(rank, world):
     keeps its rows) and the sharded state_dict() loads into a plain optimizer (gathered):
     the same states either way, and the state dicts say their format in every group."""
     import memfit
-    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor import DTensor, Replicate
 
     ref = _model()
     model = _shard(copy.deepcopy(ref))
@@ -194,6 +198,12 @@ def _load_plain_rank(rank, world):
     sharded_sd = opt.state_dict()
     fresh = memfit.optim.AdamW8bit(model.parameters(), **OPTIMIZERS["AdamW8bit"])
     fresh.load_state_dict(ref_opt.state_dict())
+    # DTensor states of other placements (Replicate) are redistributed to the parameter's
+    replicated = copy.copy(sharded_sd)
+    replicated["state"] = {pid: {k: v.redistribute(v.device_mesh, [Replicate()]) if isinstance(v, DTensor)
+                                 else v for k, v in st.items()} for pid, st in sharded_sd["state"].items()}
+    from_replicated = memfit.optim.AdamW8bit(model.parameters(), **OPTIMIZERS["AdamW8bit"])
+    from_replicated.load_state_dict(replicated)
     plain = memfit.optim.AdamW8bit(ref.parameters(), **OPTIMIZERS["AdamW8bit"])
     del sharded_sd["memfit"]  # as get_state_dict leaves it: the groups say the format
     plain.load_state_dict(sharded_sd)
@@ -203,6 +213,12 @@ def _load_plain_rank(rank, world):
                                   _full_states(ref_opt, ref.parameters())),
         sharded_are_dtensors=all(isinstance(fresh.state[p]["state1"], DTensor)
                                  for p in model.parameters()),
+        from_replicated=_same_states(_full_states(from_replicated, model.parameters()),
+                                     _full_states(ref_opt, ref.parameters())),
+        replicated_placements=all(
+            from_replicated.state[p]["state1"].placements == p.placements
+            and from_replicated.state[p]["state1"].to_local().shape[0] == p.to_local().shape[0]
+            for p in model.parameters()),
         into_plain=_same_states(_full_states(plain, ref.parameters()),
                                 _full_states(ref_opt, ref.parameters())),
         plain_are_plain=all(type(v) is torch.Tensor for p in ref.parameters()
@@ -382,6 +398,7 @@ def test_refuses_what_cannot_be_stepped(two_ranks):
         msg = r["refusals"]
         assert "param_groups[0]['params'][0]" in msg["shard1"] and "Shard(dim=1)" in msg["shard1"]
         assert "dim 0" in msg["shard1"]
+        assert "_StridedShard" in msg["strided"] and "contiguous range" in msg["strided"]
         assert "Partial" in msg["partial_grad"] and "reduce it first" in msg["partial_grad"]
         assert "a Tensor" in msg["plain_grad"]
         assert "Replicate()" in msg["other_grad"]
@@ -393,6 +410,7 @@ def test_state_dict_between_sharded_and_plain(two_ranks):
         st = r["load_plain"]
         assert st["formats"] == [st["formats"][0]] and isinstance(st["formats"][0], int)
         assert st["into_sharded"] and st["sharded_are_dtensors"]
+        assert st["from_replicated"] and st["replicated_placements"]
         assert st["into_plain"] and st["plain_are_plain"]
 
 

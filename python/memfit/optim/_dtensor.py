@@ -49,6 +49,10 @@ def check_param(p, where) -> None:
         if pl.is_partial():
             why = ("it is Partial (a sum not yet reduced across ranks); redistribute it to "
                    "Replicate or Shard(0)")
+        elif getattr(pl, "dim", None) == 0 and hasattr(pl, "split_factor"):  # _StridedShard
+            why = (f"{pl!r} (strided: FSDP2 over tensor parallel on the same dim) gives a rank "
+                   "rows that are not one contiguous range of the tensor's rows, and memfit's "
+                   "states shard by contiguous rows; shard dim 0 with plain Shard(0)")
         elif pl.is_shard():
             why = (f"it is sharded on {pl!r} and memfit's states shard only along dim 0 "
                    "(fully_shard's default, shard_placement_fn=None); shard dim 0 or "
