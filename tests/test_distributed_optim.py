@@ -465,3 +465,32 @@ def test_4_ranks_bitwise_and_resume_from_2(two_ranks):
         _assert_same_run(r["resumed"], d["straight"], "4 ranks from 2")
     rows = [[st["local_rows"] for st in r["bitwise"]["AdamW8bit"][0::2]] for r in res]
     assert [row[2] for row in rows] == [10, 10, 10, 7] and [row[4] for row in rows] == [1, 1, 1, 0]
+
+
+def test_format_recorded_per_group_for_get_state_dict():
+    """get_state_dict/set_state_dict keep only "state" and "param_groups": the format in
+    every group is enough to load, a wrong one is refused, and a torch.optim state dict
+    (no record at all) is still told apart."""
+    import memfit
+
+    torch.manual_seed(0)
+    p = torch.nn.Parameter(torch.randn(64, 64))
+    p.grad = torch.randn(64, 64)
+    opt = memfit.optim.AdamW8bit([p], min_8bit_size=0)
+    opt.step()
+    sd = opt.state_dict()
+    assert [g["memfit_format"] for g in sd["param_groups"]] == [sd["memfit"]["format_version"]]
+    del sd["memfit"]
+    other = memfit.optim.AdamW8bit([p], min_8bit_size=0)
+    other.load_state_dict(sd)
+    assert "memfit_format" not in other.param_groups[0]  # a record, not a setting
+    assert all(torch.equal(v, opt.state[p][k]) for k, v in other.state[p].items())
+    sd["param_groups"][0]["memfit_format"] = 99
+    with pytest.raises(ValueError, match="unknown format_version 99"):
+        other.load_state_dict(sd)
+    from memfit.optim._torch import saved_format
+
+    t = torch.optim.AdamW([p])
+    t.step()
+    assert saved_format(t.state_dict()) == (None, None)
+    assert saved_format(opt.state_dict())[0] == "AdamW8bit"

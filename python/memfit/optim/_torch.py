@@ -259,27 +259,18 @@ class _MemfitOptimizer(torch.optim.Optimizer):
         return sd
 
     def _check_saved_format(self, state_dict) -> None:
-        """Refuses a state dict that memfit did not save in this format: it carries the
-        top-level "memfit" record (optimizer class, format_version) or, after
-        torch.distributed.checkpoint's get_state_dict/set_state_dict (which keep only
-        "state" and "param_groups"), the format in every param group."""
+        """Refuses a state dict that memfit did not save in this format (see
+        :func:`saved_format`)."""
         name = type(self).__name__
-        meta = state_dict.get("memfit") if isinstance(state_dict, dict) else None
-        groups = state_dict.get("param_groups") if isinstance(state_dict, dict) else None
-        if isinstance(meta, dict) and "optimizer" in meta:
-            if meta["optimizer"] != name:
-                raise ValueError(f"{name}.load_state_dict: the state dict was saved by memfit.optim."
-                                 f"{meta['optimizer']}, not {name}")
-            version = meta.get("format_version")
-        elif (isinstance(groups, list) and groups
-              and all(isinstance(g, dict) and _GROUP_FORMAT_KEY in g for g in groups)):
-            versions = {g[_GROUP_FORMAT_KEY] for g in groups}
-            version = versions.pop() if len(versions) == 1 else sorted(versions, key=repr)
-        else:
+        saver, version = saved_format(state_dict)
+        if version is None:
             raise ValueError(
                 f"{name}.load_state_dict: this state dict was not saved by a memfit optimizer "
                 "(its optimizer states have a different layout); start the optimizer fresh or "
                 "load a state dict saved by memfit.optim." + name)
+        if saver is not None and saver != name:
+            raise ValueError(f"{name}.load_state_dict: the state dict was saved by memfit.optim."
+                             f"{saver}, not {name}")
         if version != _FORMAT_VERSION:
             raise ValueError(f"{name}.load_state_dict: unknown format_version {version!r}")
 
@@ -350,6 +341,24 @@ def state_rows(p) -> int:
     dense_rows = p.is_contiguous() or (p.dim() == 4 and p.is_contiguous(memory_format=torch.channels_last)) \
         or (p.dim() == 5 and p.is_contiguous(memory_format=torch.channels_last_3d))
     return max(p.shape[0], 1) if dense_rows else 1
+
+
+def saved_format(state_dict) -> tuple:
+    """(optimizer class name or None, format version or None) of a state dict memfit
+    saved: from its top-level "memfit" record or, after torch.distributed.checkpoint's
+    get_state_dict/set_state_dict (which keep only "state" and "param_groups"), from the
+    format every param group records (the name is then unknown). (None, None): not
+    memfit's (a torch.optim or bitsandbytes state dict, or not a state dict)."""
+    if not isinstance(state_dict, dict):
+        return None, None
+    meta, groups = state_dict.get("memfit"), state_dict.get("param_groups")
+    if isinstance(meta, dict) and "optimizer" in meta:
+        return meta["optimizer"], meta.get("format_version")
+    if (isinstance(groups, list) and groups
+            and all(isinstance(g, dict) and _GROUP_FORMAT_KEY in g for g in groups)):
+        versions = {g[_GROUP_FORMAT_KEY] for g in groups}
+        return None, versions.pop() if len(versions) == 1 else sorted(versions, key=repr)
+    return None, None
 
 
 def _grad_view(p, g):
