@@ -138,6 +138,25 @@ assert all(v.dtype == torch.float32 and v.shape == p.shape for v in states.value
 assert state["state1"].dtype == np.uint8
 """
 
+def outputs_06(nb, cwd):
+    text = printed(nb, "fsdp_train.py ckpt")
+    # "each rank holds its rows of the weight and the same rows of its states": 19 + 18
+    ranks = re.findall(r"rank (\d): weight \(37, 300\) .*local rows (\d+); state1 torch.uint8 local "
+                       r"\((\d+), 300\), absmax1 local \((\d+), 2\)", text)
+    assert ranks == [("0", "19", "19", "19"), ("1", "18", "18", "18")], text
+    assert "resumed on 2 processes from step 4: parameters identical: True" in text, text
+    assert len(numbers(r"step \d: loss ([0-9.]+)", text)) == 8
+    one = printed(nb, 'fsdp_train.load(model, opt, "ckpt/step4")')
+    assert "loaded: Tensor torch.uint8 (37, 300) absmax1 (37, 2) step 4" in one, one
+    assert "parameters identical: True, states identical: True" in one, one
+
+
+CHECK_06 = """
+assert same_params and same_states
+assert type(st["state1"]) is torch.Tensor and st["state1"].shape == (37, 300)
+assert len(ref["grads"]) == 4 and int(st["step"]) == 8
+"""
+
 CHECKS = {
     "00_quantization.ipynb": (CHECK_00, outputs_00),
     "01_quickstart.ipynb": (CHECK_01, outputs_01),
@@ -145,6 +164,7 @@ CHECKS = {
     "03_huggingface.ipynb": (CHECK_03, outputs_03),
     "04_amp_loop.ipynb": (CHECK_04, outputs_04),
     "05_8bit_optimizers.ipynb": (CHECK_05, outputs_05),
+    "06_distributed.ipynb": (CHECK_06, outputs_06),
 }
 
 

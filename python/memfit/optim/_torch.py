@@ -7,13 +7,17 @@ from collections import defaultdict
 
 import torch
 
-from memfit.optim import _blocks, _core, convert
+from memfit.optim import _blocks, _core, _dtensor, convert
 from memfit.optim._blocks import state_rows
 
 # 2: quantization blocks within rows (dim-0 slices), absmax of shape (rows, blocks per
 # row), 4-bit codes of shape (rows, ceil(row length / 2)), and float32 states for 1-D
 # parameters; 1: blocks over the whole storage.
 _FORMAT_VERSION = 2
+# The key under which state_dict() records _FORMAT_VERSION in every param group as well
+# as at the top level: torch.distributed.checkpoint's get_state_dict/set_state_dict keep
+# only "state" and "param_groups".
+_GROUP_FORMAT_KEY = "memfit_format"
 
 
 class _MemfitOptimizer(torch.optim.Optimizer):
@@ -131,8 +135,15 @@ class _MemfitOptimizer(torch.optim.Optimizer):
     def _init_state(self, group, p) -> dict:
         state = self.state[p]
         expected = self._expected_state(group, p)
+        dtensor = _dtensor.is_dtensor(p)
+        if dtensor:
+            _dtensor.check_param(p, self._where)
         for key, (shape, dtype) in expected.items():
             if key not in state:
+                if dtensor and key != "step":
+                    # a DTensor of p's mesh and placements, of the global shape
+                    state[key] = _dtensor.zeros_state(p, shape, dtype, self._where)
+                    continue
                 # states of p's shape follow p's memory layout (zeros_like keeps the
                 # strides of a dense tensor, channels_last included): the kernels run
                 # over the storage in memory order, the same for p, its grad and these
@@ -143,6 +154,14 @@ class _MemfitOptimizer(torch.optim.Optimizer):
             # of p + kahan_comp, so the buffer is simply dropped
             del state["kahan_comp"]
         return state
+
+    def _where(self, p) -> str:
+        """Names parameter ``p`` in error messages: its place in param_groups."""
+        for i, g in enumerate(self.param_groups):
+            for j, q in enumerate(g["params"]):
+                if q is p:
+                    return f"{type(self).__name__}: param_groups[{i}]['params'][{j}]"
+        return f"{type(self).__name__}: a parameter"
 
     # -- the step --------------------------------------------------------------------------
 
@@ -157,8 +176,9 @@ class _MemfitOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        grad_scale = getattr(self, "grad_scale", None)
-        found_inf = getattr(self, "found_inf", None)
+        grad_scale = _dtensor.plain(getattr(self, "grad_scale", None))
+        found_inf = _dtensor.plain(getattr(self, "found_inf", None))
+        dtensor_type = _dtensor.DTensor
         # parameter -> (key, format) of the layout its state was last checked against, so
         # that a step over a model with hundreds of tensors does not rebuild every expected
         # layout every time (this loop and _step_bucket run per parameter per step: kept
@@ -177,16 +197,19 @@ class _MemfitOptimizer(torch.optim.Optimizer):
                     continue
                 if g.is_sparse:
                     raise RuntimeError(f"{type(self).__name__} does not support sparse gradients")
-                device = p.device
-                if g.device != device:
-                    raise ValueError(f"{type(self).__name__}: a gradient is on {g.device} but its "
-                                     f"parameter on {device}")
                 state = state_of[p]
                 key = (layout, p.dtype, p.shape)
                 seen = checked.get(p)
                 if seen is None or seen[0] != key or "step" not in state:
                     state = self._init_state(group, p)
-                    seen = checked[p] = (key, self._format(group, p))
+                    seen = checked[p] = (key, self._format(group, p), _dtensor.index_base(p, self._where))
+                if dtensor_type is not None and isinstance(p, dtensor_type):
+                    # FSDP2 & co.: the kernels step the local rows, in place
+                    p, g, state = _dtensor.local_step_args(p, g, state, seen[2], self._where)
+                device = p.device
+                if g.device != device:
+                    raise ValueError(f"{type(self).__name__}: a gradient is on {g.device} but its "
+                                     f"parameter on {device}")
                 items = buckets.get((device, seen[1]))
                 if items is None:
                     items = buckets[(device, seen[1])] = []
@@ -217,18 +240,38 @@ class _MemfitOptimizer(torch.optim.Optimizer):
         if self._rounding(group) == "kahan":
             comps = [st.get("kahan_comp") for _, _, st in items]
         rows = [state_rows(p) for p in params] if fmt != 32 else None
+        # a shard's element 0 is element index_base of the whole tensor (stochastic rounding)
+        bases = [st.get(_dtensor.INDEX_BASE, 0) for _, _, st in items]
         gs = _on(grad_scale, device)
         fi = _on(found_inf, device)
         stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
         _core.step(self._kind, fmt, group["block_size"], hp, params, grads, s1, a1, s2, a2,
-                   steps, gs, fi, stream, comps, rows=rows)
+                   steps, gs, fi, stream, comps, rows=rows, index_base=bases if any(bases) else None)
 
     # -- state dict ------------------------------------------------------------------------
 
     def state_dict(self):
         sd = super().state_dict()
         sd["memfit"] = {"optimizer": type(self).__name__, "format_version": _FORMAT_VERSION}
+        for g in sd["param_groups"]:  # new dicts (torch packs each group anew)
+            g[_GROUP_FORMAT_KEY] = _FORMAT_VERSION
         return sd
+
+    def _check_saved_format(self, state_dict) -> None:
+        """Refuses a state dict that memfit did not save in this format (see
+        :func:`saved_format`)."""
+        name = type(self).__name__
+        saver, version = saved_format(state_dict)
+        if version is None:
+            raise ValueError(
+                f"{name}.load_state_dict: this state dict was not saved by a memfit optimizer "
+                "(its optimizer states have a different layout); start the optimizer fresh or "
+                "load a state dict saved by memfit.optim." + name)
+        if saver is not None and saver != name:
+            raise ValueError(f"{name}.load_state_dict: the state dict was saved by memfit.optim."
+                             f"{saver}, not {name}")
+        if version != _FORMAT_VERSION:
+            raise ValueError(f"{name}.load_state_dict: unknown format_version {version!r}")
 
     def load_state_dict(self, state_dict):
         """Loads a state dict saved by the same memfit optimizer class for parameters of
@@ -238,17 +281,7 @@ class _MemfitOptimizer(torch.optim.Optimizer):
         :mod:`memfit.optim.convert`). Anything else is refused with ValueError."""
         state_dict = convert.to_current(self, state_dict)
         name = type(self).__name__
-        meta = state_dict.get("memfit") if isinstance(state_dict, dict) else None
-        if not isinstance(meta, dict) or "optimizer" not in meta:
-            raise ValueError(
-                f"{name}.load_state_dict: this state dict was not saved by a memfit optimizer "
-                "(its optimizer states have a different layout); start the optimizer fresh or "
-                "load a state dict saved by memfit.optim." + name)
-        if meta["optimizer"] != name:
-            raise ValueError(f"{name}.load_state_dict: the state dict was saved by memfit.optim."
-                             f"{meta['optimizer']}, not {name}")
-        if meta.get("format_version") != _FORMAT_VERSION:
-            raise ValueError(f"{name}.load_state_dict: unknown format_version {meta.get('format_version')!r}")
+        self._check_saved_format(state_dict)
         groups = self.param_groups
         saved_groups = state_dict["param_groups"]
         if len(groups) != len(saved_groups):
@@ -261,6 +294,7 @@ class _MemfitOptimizer(torch.optim.Optimizer):
         new_groups = []
         for g, sg in zip(groups, saved_groups):
             ng = dict(sg)
+            ng.pop(_GROUP_FORMAT_KEY, None)  # recorded by state_dict(), not a setting
             ng["params"] = g["params"]
             new_groups.append(ng)
         group_of = {id(p): ng for ng in new_groups for p in ng["params"]}
@@ -285,11 +319,37 @@ class _MemfitOptimizer(torch.optim.Optimizer):
                         "saved for a different model or with different bits/block_size/min_8bit_size")
             if "step" not in saved:
                 raise ValueError(f"{name}.load_state_dict: parameter {pid} has no 'step'")
-            state[p] = {k: v.detach().to(device=p.device, copy=True) for k, v in saved.items()}
+            state[p] = self._loaded_state(saved, p)
         for ng in new_groups:
             self._check_group(ng)
         self.__setstate__({"state": state, "param_groups": new_groups})
         self.__dict__.pop("_state_checked", None)  # new states: check them on the next step
+
+    @staticmethod
+    def _loaded_state(saved: dict, p) -> dict:
+        """Fresh copies of one parameter's checked states, laid out as p's states are
+        (DTensors of p's placements for a DTensor p, whatever the saved layout)."""
+        if _dtensor.is_dtensor(p) or any(_dtensor.is_dtensor(v) for v in saved.values()):
+            return {k: _dtensor.loaded_value(k, v, p) for k, v in saved.items()}
+        return {k: v.detach().to(device=p.device, copy=True) for k, v in saved.items()}
+
+
+def saved_format(state_dict) -> tuple:
+    """(optimizer class name or None, format version or None) of a state dict memfit
+    saved: from its top-level "memfit" record or, after torch.distributed.checkpoint's
+    get_state_dict/set_state_dict (which keep only "state" and "param_groups"), from the
+    format every param group records (the name is then unknown). (None, None): not
+    memfit's (a torch.optim or bitsandbytes state dict, or not a state dict)."""
+    if not isinstance(state_dict, dict):
+        return None, None
+    meta, groups = state_dict.get("memfit"), state_dict.get("param_groups")
+    if isinstance(meta, dict) and "optimizer" in meta:
+        return meta["optimizer"], meta.get("format_version")
+    if (isinstance(groups, list) and groups
+            and all(isinstance(g, dict) and _GROUP_FORMAT_KEY in g for g in groups)):
+        versions = {g[_GROUP_FORMAT_KEY] for g in groups}
+        return None, versions.pop() if len(versions) == 1 else sorted(versions, key=repr)
+    return None, None
 
 
 def _grad_view(p, g):
@@ -346,7 +406,8 @@ def dequantized_state(optimizer, param) -> dict:
     """fp32 copies of ``param``'s optimizer states, keyed by torch's names
     (``exp_avg``/``exp_avg_sq`` for Adam and AdamW, ``exp_avg`` for Lion,
     ``momentum_buffer`` for SGD, ``square_avg`` (and ``momentum_buffer``) for RMSprop),
-    each of ``param``'s shape and device, plus ``kahan_comp`` (the Kahan compensation,
+    each of ``param``'s shape and device (for a DTensor ``param``: DTensors of its
+    placements, each rank's rows computed locally), plus ``kahan_comp`` (the Kahan compensation,
     as float32; ``param.float() + kahan_comp`` is the parameter's value) for bfloat16 or
     float16 parameters of ``kahan=True`` groups. Empty before the first step."""
     if not isinstance(optimizer, _MemfitOptimizer):
@@ -357,7 +418,10 @@ def dequantized_state(optimizer, param) -> dict:
     group = next((g for g in optimizer.param_groups if any(q is param for q in g["params"])), None)
     if group is None:
         raise ValueError("param: not a parameter of this optimizer")
+    dparam = None
+    if _dtensor.is_dtensor(param):  # each rank dequantizes its rows (no block crosses a row)
+        dparam, param, state = param, param.to_local(), _dtensor.local_state(state)
     out = _dequantize_states(optimizer, group, state, param)
     if "kahan_comp" in state:
         out["kahan_comp"] = state["kahan_comp"].detach().float().reshape(param.shape)
-    return out
+    return out if dparam is None else {k: _dtensor.like_param(v, dparam) for k, v in out.items()}

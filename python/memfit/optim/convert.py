@@ -45,7 +45,7 @@ __all__ = ["from_bitsandbytes", "from_torch", "to_current", "to_torch_state_dict
 # param-group keys that only memfit has: never exported, and kept from the optimizer
 # when a foreign state dict is loaded
 _MEMFIT_GROUP_KEYS = ("bits", "block_size", "min_8bit_size", "bf16_stochastic_round", "kahan",
-                      "sr_seed", "sr_step", "format_version")
+                      "sr_seed", "sr_step", "memfit_format")  # the last: _torch._GROUP_FORMAT_KEY
 # hyperparameters taken over from a foreign state dict where both name them
 _SHARED_HYPER = ("lr", "betas", "eps", "weight_decay", "maximize", "momentum", "dampening",
                  "nesterov", "alpha")
@@ -89,11 +89,11 @@ def to_current(optimizer, state_dict):
             or not isinstance(state_dict.get("state"), dict) \
             or not all(isinstance(g, dict) and "params" in g for g in state_dict["param_groups"]):
         return state_dict
-    meta = state_dict.get("memfit")
-    if isinstance(meta, dict):
-        if meta.get("format_version") == 1:
-            return upgrade_v1(optimizer, state_dict)
-        return state_dict
+    # memfit's own, also after torch.distributed.checkpoint's get_state_dict (which keeps
+    # only "state" and "param_groups"; every group then carries the format)
+    _, version = _torch.saved_format(state_dict)
+    if version is not None:
+        return upgrade_v1(optimizer, state_dict) if version == 1 else state_dict
     keys = set()
     for saved in state_dict["state"].values():
         if isinstance(saved, dict):
