@@ -101,7 +101,10 @@ def test_checkpointing_and_optimizers_shrink_their_component():
     sqrt = M.estimate(spec, M.replace(base, checkpoint="sqrt"))
     assert every.activations < sqrt.activations < plain.activations
     eight = M.estimate(spec, M.replace(base, optimizer="adamw8bit"))
-    assert eight.optimizer / plain.optimizer == pytest.approx(2.03125 / 8, rel=1e-6)
+    # biases and norms (1-D) keep float32 states: a small share of gpt2-medium
+    p, v = spec.n_params(), spec.vector_params()
+    assert 0 < v < 0.002 * p
+    assert eight.optimizer / plain.optimizer == pytest.approx(((p - v) * 2.03125 + v * 8) / (8 * p), rel=1e-6)
     half = M.estimate(spec, M.replace(base, micro_batch=4))
     assert half.activations < plain.activations and half.weights == plain.weights
 

@@ -36,7 +36,8 @@ one input per segment plus one segment's activations.
 
 Optimizer states per parameter: AdamW 8 B; 8-bit AdamW 2 B + 2 float32 absmax per 256
 (2.03 B); 4-bit AdamW 1 B + 2 absmax per 128 (1.06 B); SGD momentum 4 B; Lion 4 B,
-8-bit Lion 1.02 B. Pure bf16 with a Kahan compensation buffer (``kahan=True``, memfit's
+8-bit Lion 1.02 B. memfit's 8-/4-bit optimizers keep float32 states for 1-D parameters
+(biases, norms: ``vector_params``), so those count at the 32-bit optimizer's bytes. Pure bf16 with a Kahan compensation buffer (``kahan=True``, memfit's
 optimizers' option): + 2 B (the buffer is bf16, like the weights; fp32 weights need none).
 
 Temporary buffers: the gradient of the logits (s*b*V*4 bytes), or eager attention
@@ -59,6 +60,8 @@ OPTIMIZER_BYTES = {  # bytes of state per parameter
     "adamw4bit": 1.0 + 2 * 4 / 128,
     "sgd": 4.0, "lion": 4.0, "lion8bit": 1.0 + 4 / 256,
 }
+# the quantized optimizers' bytes per parameter for 1-D tensors (float32 states)
+VECTOR_OPTIMIZER_BYTES = {"adamw8bit": 8.0, "adam8bit": 8.0, "adamw4bit": 8.0, "lion8bit": 4.0}
 
 GPUS = {  # name: (memory in GiB, native bf16)
     "t4": (15.0, False), "l4": (22.5, True), "a10": (22.5, True), "v100": (16.0, False),
@@ -111,6 +114,17 @@ class ModelSpec:
         kv = h * self.kv_heads // self.n_head
         per_layer = 2 * h * h + 2 * h * kv + (3 if self.mlp == "swiglu" else 2) * h * f
         return self.n_layer * per_layer + self.vocab * h
+
+    def vector_params(self) -> int:
+        """Parameters in 1-D tensors: biases and norm weights (0 for a model given by
+        its parameter count)."""
+        if self.params_override is not None:
+            return 0
+        h, f = self.d_model, self.ff
+        kv = h * self.kv_heads // self.n_head
+        norm = 2 * h if self.norm == "layernorm" else h
+        per_layer = 2 * norm + ((2 * h + 2 * kv) + (f + h) if self.bias else 0)
+        return self.n_layer * per_layer + norm
 
     def n_params(self) -> int:
         if self.params_override is not None:
@@ -297,7 +311,10 @@ def estimate(spec: ModelSpec, setup: Setup) -> Estimate:
     pure = setup.precision == "bf16-pure"
     weights = p * (2 if pure else 4)
     grads = p * (2 if pure else 4)
-    opt = int(p * OPTIMIZER_BYTES[setup.optimizer]) + (2 * p if pure and setup.kahan else 0)
+    v = spec.vector_params()
+    opt = (int((p - v) * OPTIMIZER_BYTES[setup.optimizer]
+               + v * VECTOR_OPTIMIZER_BYTES.get(setup.optimizer, OPTIMIZER_BYTES[setup.optimizer]))
+           + (2 * p if pure and setup.kahan else 0))
     acts = activation_bytes(spec, setup)
     activations = acts["layers"] + acts["outside_layers"] + acts["logits"] + acts["weight_copies"]
     temp = setup.micro * setup.seq * spec.vocab * 4  # gradient of the logits
