@@ -68,6 +68,14 @@ BYTES = {"torch AdamW fused": 28, "torch AdamW foreach": 28, "memfit AdamW": 28,
 MODEL_SIZES = [256 * 256, 256, 256, 256] * 50
 
 
+def _matrix(t):
+    """t as a weight matrix: memfit's 8-/4-bit states are for tensors of two or more
+    dimensions (1-D ones keep float32 states). Rows of 4096 where they divide t, else
+    one row: whole quantization blocks per row either way, i.e. the flat layout."""
+    n = t.numel()
+    return t.reshape(-1, 4096 if n % 4096 == 0 else max(n, 1))
+
+
 def cpu_bench(sizes, reps, regimes, with_bnb, torch_only_fused=False):
     gen = torch.Generator().manual_seed(0)
     numel = sum(sizes)
@@ -77,8 +85,10 @@ def cpu_bench(sizes, reps, regimes, with_bnb, torch_only_fused=False):
     def param():
         ps, at = [], 0
         for n in sizes:
-            p = torch.nn.Parameter(base[at:at + n].clone())
-            p.grad = grad[at:at + n].clone()
+            # weights as matrices; small tensors 1-D, as biases and norms are
+            shape = (n,) if n <= 4096 else _matrix(base[:n]).shape
+            p = torch.nn.Parameter(base[at:at + n].clone().reshape(shape))
+            p.grad = grad[at:at + n].clone().reshape(shape)
             ps.append(p)
             at += n
         return ps
@@ -102,6 +112,11 @@ def cpu_bench(sizes, reps, regimes, with_bnb, torch_only_fused=False):
     for o in opts.values():  # warm-up: states allocated, tables built
         o.step()
         o.step()
+    for k in ("memfit AdamW8bit", "memfit AdamW4bit"):  # quantized states, not a float32 fallback
+        if any(st["state1"].dtype != torch.uint8 for p, st in opts[k].state.items()
+               if p.numel() >= opts[k].param_groups[0]["min_8bit_size"]):
+            raise RuntimeError(f"{k}: a tensor of this run got float32 states; the numbers would "
+                               "not be the quantized step's")
     flush = torch.empty(256 * 1024 * 1024, dtype=torch.float32)  # 1 GiB
     names = list(opts)
     results = {}
@@ -160,7 +175,9 @@ def gpu_bench(reps):  # pragma: no cover - needs a GPU
     bnb = _bnb()
     for lname, sizes in layouts.items():
         for dtype in (torch.float32, torch.bfloat16):
+            # the small tensors stay 1-D, as biases and norms are (float32 states)
             params = [torch.nn.Parameter(torch.randn(n, device=dev, dtype=dtype) * 0.1) for n in sizes]
+            params = [p if p.numel() <= 4096 else torch.nn.Parameter(_matrix(p.detach())) for p in params]
             for p in params:
                 p.grad = torch.randn_like(p) * 0.01
             esz = params[0].element_size()
@@ -202,8 +219,8 @@ def core_speeds(numel=262144, steps=20):
     if not hasattr(os, "sched_getaffinity"):
         return {}
     cpus = sorted(os.sched_getaffinity(0))
-    p = torch.nn.Parameter(torch.randn(numel) * 0.1)
-    p.grad = torch.randn(numel) * 0.01
+    p = torch.nn.Parameter(_matrix(torch.randn(numel) * 0.1))
+    p.grad = _matrix(torch.randn(numel) * 0.01)
     opt = mo.AdamW8bit([p], lr=1e-3)
     old = memfit.get_num_threads()
     out = {}
