@@ -5,7 +5,8 @@ baseline  float32 weights and activations, torch.optim.AdamW, no checkpointing
 memfit    autocast in the best precision for the device (memfit.amp.precision: bf16
           where native, fp16 + memfit's GradScaler on a T4, fp32 on a CPU that would
           emulate bf16), memfit.optim.AdamW8bit, and memfit's planner checkpointing the
-          blocks to half of their activation memory
+          blocks to half of their activation memory in half precision, a quarter in fp32
+          (profile.checkpoint_budget: the same activation bytes either way)
 
 Everything in the table is measured in this run: bytes of parameters, gradients and
 optimizer states from the tensors, activation bytes from saved-tensor hooks (what
