@@ -7,8 +7,8 @@ timed interleaved (baseline, memfit, baseline, ...) so machine noise hits both a
 
 baseline  fp32, torch.optim.AdamW, no checkpointing
 memfit    memfit.amp.setup("auto") (the precision memfit advises for the device),
-          memfit.optim.AdamW8bit, blocks checkpointed by the planner to 50% of their
-          activation memory (as profile.run_config does for the demo)
+          memfit.optim.AdamW8bit, blocks checkpointed by the planner to the demo's budget
+          (profile.checkpoint_budget: 50% of their activation memory, 25% in fp32)
 
 Prints a markdown table of medians (ms) and the memfit/baseline ratios; writes
 benchmarks/out/demo_step.json with the machine's metadata and the CPU facts.
@@ -29,7 +29,7 @@ from _common import markdown_table, metadata, write_json
 from memfit.demo import SIZES, Batches, stdlib_corpus
 from memfit.hardware import cpu_info
 from memfit.models import GPT, GPTConfig
-from memfit.profile import make_optimizer
+from memfit.profile import checkpoint_budget, make_optimizer
 
 
 def build(name: str, device, batches, seed: int):
@@ -44,7 +44,7 @@ def build(name: str, device, batches, seed: int):
             autocast, _ = mamp.setup(model, opt, "auto", device=device.type)
         x0, _ = batches()
         with autocast:
-            mck.auto(model, x0, budget="50%")
+            mck.auto(model, x0, budget=checkpoint_budget("memfit", str(mamp.precision(device.type))))
     return model, opt, autocast
 
 

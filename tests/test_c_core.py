@@ -1,7 +1,8 @@
 """Builds the C core's own tests (tests/c/test_*.c, no Python involved) and the C
 optimizer benchmark ONCE with CMake, under AddressSanitizer + UndefinedBehaviorSanitizer,
-and runs the tests with ctest for every CPU kernel variant, and the benchmark tooling
-at tiny sizes against that same build.
+and runs the tests with ctest: those linked with the CPU kernel selection once for every
+CPU kernel variant, the others once; and the benchmark tooling at tiny sizes against
+that same build.
 
 The core is compiled CPU-only here: the sanitizers instrument C code; the CUDA
 kernels are covered by the `cuda`-marked tests on a GPU machine."""
@@ -37,12 +38,14 @@ def _tool(name):
 
 @pytest.fixture(scope="module")
 def core_build(tmp_path_factory):
-    """One sanitized Debug build of the core, its C tests and its C benchmark."""
+    """One sanitized Debug build of the core, its C tests and its C benchmark. Debug
+    info is line tables only (-g1): the sanitizers' reports still name file and line,
+    and full -g takes the vector kernels' compile time up by two thirds."""
     cmake = _tool("cmake")
     out = tmp_path_factory.mktemp("core_build")
     configure = [cmake, "-S", str(ROOT), "-B", str(out), "-DMEMFIT_PYTHON=OFF",
                  "-DMEMFIT_CUDA=OFF", "-DMEMFIT_BUILD_TESTS=ON", "-DMEMFIT_BUILD_BENCHMARKS=ON",
-                 "-DMEMFIT_SANITIZE=ON", "-DCMAKE_BUILD_TYPE=Debug"]
+                 "-DMEMFIT_SANITIZE=ON", "-DCMAKE_BUILD_TYPE=Debug", "-DCMAKE_C_FLAGS_DEBUG=-g1"]
     if shutil.which("ninja"):
         configure += ["-G", "Ninja"]
     subprocess.run(configure, check=True, capture_output=True, text=True)
@@ -64,17 +67,55 @@ def _variant_run(isa):
     return r.stdout.strip() if r.returncode == 0 else None
 
 
-@pytest.mark.parametrize("isa", CPU_VARIANTS)
-def test_c_core_under_sanitizers(core_build, isa):
+C_TESTS = sorted(p.stem for p in (ROOT / "tests" / "c").glob("test_*.c"))
+
+
+@pytest.fixture(scope="module")
+def isa_tests(core_build):
+    """The C tests that MEMFIT_CPU_ISA can change: those whose executable links the
+    core's CPU kernel selection (cpu_isa.c, the only reader of MEMFIT_CPU_ISA; the core
+    is a static library, so an executable holds only the objects it calls into). The
+    others run the same code under every variant: they run once. Without nm, all of
+    them are taken."""
+    nm = shutil.which("nm")
+    if nm is None:
+        return C_TESTS
+    linked = []
+    for name in C_TESTS:
+        symbols = subprocess.run([nm, "--defined-only", str(core_build / name)], capture_output=True,
+                                 text=True, check=True).stdout.split()
+        if "mf_cpu_isa" in symbols:
+            linked.append(name)
+    # the optimizer's and the quantizer's tests are the ones the variants exist for
+    assert {"test_optim", "test_quant"} <= set(linked), linked
+    return linked
+
+
+def _ctest(core_build, names, **env):
     ctest = _tool("ctest")
+    env = dict(os.environ, **SANITIZER_ENV, OMP_NUM_THREADS="2", **env)
+    regex = "^(" + "|".join(names) + ")$"
+    run = subprocess.run([ctest, "--output-on-failure", "-R", regex], cwd=core_build,
+                         capture_output=True, text=True, env=env)
+    assert run.returncode == 0, f"{env.get('MEMFIT_CPU_ISA')}\n" + run.stdout + run.stderr
+    assert "100% tests passed" in run.stdout
+    assert f"out of {len(names)}" in run.stdout, run.stdout  # every named test ran
+
+
+@pytest.mark.parametrize("isa", CPU_VARIANTS)
+def test_c_core_under_sanitizers(core_build, isa_tests, isa):
     ran = _variant_run(isa)
     if ran != isa and ran in CPU_VARIANTS:  # falls back to a variant that has its own run
         pytest.skip(f"this CPU runs the {ran} kernels for MEMFIT_CPU_ISA={isa}: covered there")
-    env = dict(os.environ, **SANITIZER_ENV, OMP_NUM_THREADS="2", MEMFIT_CPU_ISA=isa)
-    run = subprocess.run([ctest, "--output-on-failure"], cwd=core_build, capture_output=True,
-                         text=True, env=env)
-    assert run.returncode == 0, f"MEMFIT_CPU_ISA={isa}\n" + run.stdout + run.stderr
-    assert "100% tests passed" in run.stdout
+    _ctest(core_build, isa_tests, MEMFIT_CPU_ISA=isa)
+
+
+def test_c_core_under_sanitizers_isa_independent(core_build, isa_tests):
+    """The C tests that do not link the CPU kernel selection, once."""
+    rest = [name for name in C_TESTS if name not in isa_tests]
+    if not rest:
+        pytest.skip("every C test links the CPU kernel selection: run per variant above")
+    _ctest(core_build, rest)
 
 
 def test_c_optimizer_benchmark_builds_and_runs(core_build):

@@ -188,22 +188,33 @@ static void check_packing(const mf_tensor *t, int64_t n, int64_t item, int64_t c
   CHECK(mf_mt_pack_next(&pk, cap, max_items, start, &first) == 0); /* stays done */
 }
 
-static void test_multi_tensor_packing(void) {
-  enum { N = 700 };
-  static mf_tensor t[N];
-  static char dummy[N];
-  int64_t expected_chunks = 0;
-  for (int i = 0; i < N; i++) {
-    /* empty, tiny, exactly one chunk, multi-chunk, and a few huge ones */
-    int64_t numel = (i % 7 == 0) ? 0 : (i % 5 == 0) ? MF_MT_CHUNK
-                  : (i % 11 == 0) ? 3 * MF_MT_CHUNK + 1 : (i % 97 == 0) ? 700LL * MF_MT_CHUNK : i;
+/* N tensors: empty, tiny (numel i < N), exactly one `chunk`, multi-chunk, and a few
+ * huge ones (700 chunks) */
+enum { N_PACKED = 700 };
+static void packing_tensors(mf_tensor *t, int64_t chunk) {
+  static char dummy[N_PACKED];
+  for (int i = 0; i < N_PACKED; i++) {
+    int64_t numel = (i % 7 == 0) ? 0 : (i % 5 == 0) ? chunk
+                  : (i % 11 == 0) ? 3 * chunk + 1 : (i % 97 == 0) ? 700LL * chunk : i;
     t[i] = (mf_tensor){dummy + i, numel, MF_FLOAT32, MF_CUDA, 0};
-    expected_chunks += (numel + MF_MT_CHUNK - 1) / MF_MT_CHUNK;
   }
+}
+
+static void test_multi_tensor_packing(void) {
+  enum { N = N_PACKED };
+  static mf_tensor t[N];
+  packing_tensors(t, MF_MT_CHUNK);
+  int64_t expected_chunks = 0;
+  for (int i = 0; i < N; i++) expected_chunks += (t[i].numel + MF_MT_CHUNK - 1) / MF_MT_CHUNK;
   CHECK(mf_mt_num_chunks(t, N) == expected_chunks);
   check_packing(t, N, MF_MT_CHUNK, MF_MT_MAX_TENSORS, MF_MT_MAX_GRID);
   check_packing(t, N, 4096, 40, 1000); /* the optimizer's item, a small grid limit */
-  check_packing(t, N, 1, 3, 5000);     /* item 1: huge tensors alone in their launch */
+  /* item 1: huge tensors alone in their launch. The same tensors with a chunk of 1024
+   * instead of 65536 and a limit of N = 700 items: every tensor but the tiny ones is
+   * still over the limit, alone in its launch, with 1/64 of the items to check. */
+  static mf_tensor small[N];
+  packing_tensors(small, 1024);
+  check_packing(small, N, 1, 3, N);
   /* nothing at all, or only empty tensors: no launch */
   mf_mt_packer pk;
   int64_t start[4], first;
