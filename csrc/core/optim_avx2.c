@@ -89,8 +89,10 @@ MF_TARGET_AVX2 static inline void quantize32(const mf_code_lut *lut, int scalar,
     return;
   }
   for (int v = 0; v < 32; v += 8) {
-    if (scalar) mf_code_lut_bytes8_scalar(lut, _mm256_loadu_ps(s + v), vinv, out + v);
-    else _mm_storel_epi64((__m128i *)(out + v), mf_code_lut_bytes8(mf_code_lut_sum8(lut, _mm256_loadu_ps(s + v), vinv)));
+    const __m256 x = _mm256_loadu_ps(s + v);
+    const __m256i sum = scalar ? mf_code_lut_sum8_loads(lut, mf_code_lut_key8(x, vinv))
+                               : mf_code_lut_sum8(lut, x, vinv);
+    _mm_storel_epi64((__m128i *)(out + v), mf_code_lut_bytes8(sum));
   }
 }
 
