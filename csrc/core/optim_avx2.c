@@ -1,8 +1,9 @@
 /*
  * The fused CPU optimizer step (optim_fused.h) for AVX2 CPUs (Haswell to Alder Lake,
  * Zen 1-3): 8 lanes, scalar table loads to dequantize 8-bit codes, two permutes and a
- * blend for the 16-entry 4-bit code, and the exact table of code_lut.h as the code
- * search, by gathers or by scalar loads (measured per process: see below).
+ * blend for the 16-entry 4-bit code. The code search: for 8-bit states the exact table
+ * of code_lut.h, by gathers or by scalar loads (measured per process: see below); for
+ * 4-bit states a binary search over the code's 15 step points in registers.
  */
 #include "code_lut_avx2.h"
 #include "optim_cpu.h"
