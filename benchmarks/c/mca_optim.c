@@ -67,9 +67,8 @@ MCA_LOOP(mca_search_gather_avx512, MF_TARGET_AVX512, "search_gather_avx512 elems
                           _mm512_cvtepi32_epi8(_mm512_srli_epi32(
                               mf_code_lut_sum16(lut, _mm512_loadu_ps(in + v), _mm512_set1_ps(k)), 16))))
 
-/* 4-bit: 32 elements to 16 bytes of nibbles, the fused AVX2 kernel's requantization
- * (the in-register step-point search of code_lut_avx2.h and its packing) against the
- * 8-lane table search it replaced (gather, or scalar loads, then the same packing). */
+/* 4-bit: 32 elements to 16 bytes of nibbles, the fused AVX2 kernel's requantization:
+ * the table search by gather or by scalar loads, then the packing. */
 #define PACK4_32(q0, q1, q2, q3, dst)                                                        \
   do {                                                                                    \
     const __m256i bytes_ = _mm256_permutevar8x32_epi32(                                   \
@@ -79,14 +78,13 @@ MCA_LOOP(mca_search_gather_avx512, MF_TARGET_AVX512, "search_gather_avx512 elems
     _mm_storeu_si128((__m128i *)(dst), _mm256_castsi256_si128(_mm256_permute4x64_epi64(   \
                                            _mm256_packus_epi16(pairs_, pairs_), 0x08)));    \
   } while (0)
-MCA_LOOP(mca_search4_regs_avx2, MF_TARGET_AVX2, "search4_regs_avx2 elems=32 isa=avx2", 32, float,
-         uint8_t,
-         const __m256 kk = _mm256_set1_ps(k);
-         PACK4_32(mf_code_lut_search4_8(lut, _mm256_loadu_ps(in + v), kk),
-                  mf_code_lut_search4_8(lut, _mm256_loadu_ps(in + v + 8), kk),
-                  mf_code_lut_search4_8(lut, _mm256_loadu_ps(in + v + 16), kk),
-                  mf_code_lut_search4_8(lut, _mm256_loadu_ps(in + v + 24), kk), out + v / 2))
 #define SUM8_SHIFTED(x) _mm256_srli_epi32(mf_code_lut_sum8(lut, _mm256_loadu_ps(x), _mm256_set1_ps(k)), 16)
+#define LOADS_SHIFTED(x) \
+  _mm256_srli_epi32(mf_code_lut_sum8_loads(lut, mf_code_lut_key8(_mm256_loadu_ps(x), _mm256_set1_ps(k))), 16)
+MCA_LOOP(mca_search4_loads_avx2, MF_TARGET_AVX2, "search4_loads_avx2 elems=32 isa=avx2", 32, float,
+         uint8_t,
+         PACK4_32(LOADS_SHIFTED(in + v), LOADS_SHIFTED(in + v + 8), LOADS_SHIFTED(in + v + 16),
+                  LOADS_SHIFTED(in + v + 24), out + v / 2))
 MCA_LOOP(mca_search4_gather_avx2, MF_TARGET_AVX2, "search4_gather_avx2 elems=32 isa=avx2", 32, float,
          uint8_t,
          PACK4_32(SUM8_SHIFTED(in + v), SUM8_SHIFTED(in + v + 8), SUM8_SHIFTED(in + v + 16),

@@ -51,34 +51,6 @@ static uint32_t bucket_entry(const float *code, int size, uint32_t b) {
   return (q0 << 16) + 0x10000u - jump - lo;
 }
 
-/* below[k] of code_lut.h for a 16-entry code: the largest skey of a non-NaN float with
- * q < k, by bisection over the skeys of -Inf .. +Inf (q is monotone in them). */
-static int32_t step_below(const float *code, int k) {
-  const int32_t lo_key = mf_code_lut_skey(0xff800000u), hi_key = 0x7f800000; /* -Inf, +Inf */
-#define Q(sk) mf_quantize_nearest_n(code, 16, mf_f32_from_bits(mf_code_lut_skey((uint32_t)(sk))))
-  if (Q(hi_key) < k) return INT32_MAX;
-  if (Q(lo_key) >= k) return lo_key - 1;
-  int64_t below = lo_key, at = hi_key; /* q(below) < k <= q(at) */
-  while (at - below > 1) {
-    const int64_t mid = below + (at - below) / 2;
-    if (Q((int32_t)mid) < k) below = mid;
-    else at = mid;
-  }
-#undef Q
-  return (int32_t)below;
-}
-
-static void build_search4(const float *code, mf_code_lut *t) {
-  int32_t below[16];
-  for (int k = 1; k < 16; k++) below[k] = step_below(code, k);
-  for (int h = 0; h < 8; h++) {
-    t->search4[0][h] = below[8];
-    t->search4[1][h] = below[h < 4 ? 4 : 12];
-    t->search4[2][h] = below[2 * (h & ~1) + 2];
-    t->search4[3][h] = below[2 * h + 1];
-  }
-}
-
 static int build(const float *code, int size, mf_code_lut *t) {
   uint32_t *entry = (uint32_t *)malloc(MF_CODE_LUT_BUCKETS * sizeof(uint32_t));
   if (!entry) return 0;
@@ -89,7 +61,6 @@ static int build(const float *code, int size, mf_code_lut *t) {
   }
   t->entry = entry;
   t->size = size;
-  if (size == 16) build_search4(code, t);
   return 1;
 }
 

@@ -39,22 +39,11 @@
 #define MF_CODE_LUT_BUCKETS 65536
 #define MF_CODE_LUT_SLOW 0x80000000u  /* set in entry + key: this bucket needs the search */
 
-/* 16-entry codes also get their step points, for a search without any table in memory:
- * with skey(x) the float's bits as a signed integer in the order of the values (below),
- * the search's answer q(x) steps up at most 15 times, and
- *     q(x) = #{k in 1..15 : skey(x) > below[k]},  below[k] = the largest skey with q < k
- * (INT32_MAX when q never reaches k; equal entries where q skips an index). A vector
- * kernel finds the count by a 4-step binary search whose 1 + 2 + 4 + 8 candidate step
- * points each fit one 8-lane register: `search4` holds them in the order it reads them
- * (mf_code_lut_search4_8, code_lut_avx2.h). */
 typedef struct {
   const uint32_t *entry;   /* MF_CODE_LUT_BUCKETS entries, as above */
   const float *code;       /* the code (a private copy, sorted ascending in [-1, 1]) */
   int size;                /* 16 or 256 entries */
   int has_slow;            /* some bucket is slow */
-  /* size 16 only: row 0 = below[8] in every lane; row 1 = below[4], below[12] at lanes
-   * 0, 4; row 2 = below[2h + 2] at even lanes h; row 3 = below[2h + 1] at every lane h */
-  _Alignas(32) int32_t search4[4][8];
 } mf_code_lut;
 
 /* The table for this code (size 16 or 256, validated by the caller), or NULL when out
@@ -66,11 +55,6 @@ const mf_code_lut *mf_code_lut_get(const float *code, int size);
  * +0; negative NaNs below -Inf, positive ones above +Inf). */
 static inline uint32_t mf_code_lut_key(uint32_t u) {
   return u ^ ((uint32_t)((int32_t)u >> 31) | 0x80000000u);
-}
-
-/* The float's bits as a signed integer in the order of the values (-0 just below +0). */
-static inline int32_t mf_code_lut_skey(uint32_t u) {
-  return (int32_t)(u ^ ((uint32_t)((int32_t)u >> 31) >> 1));
 }
 
 /* Exactly mf_quantize_nearest_n(t->code, t->size, x). */

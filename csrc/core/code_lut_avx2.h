@@ -50,23 +50,6 @@ MF_TARGET_AVX2 static inline __m128i mf_code_lut_bytes8(__m256i sum) {
   return _mm_unpacklo_epi32(_mm256_castsi256_si128(b), _mm256_extracti128_si256(b, 1));
 }
 
-/* 16-entry codes: the code indices of 8 floats x * inv (not NaN) as 8 dwords, from the
- * step points of code_lut.h by a binary search in registers (no table in memory, no
- * gather): h = lo / 2 of the search's lower bound lo, so that one 8-lane permute by h
- * picks each step's candidate. The same answers as mf_code_lut_quantize. */
-MF_TARGET_AVX2 static inline __m256i mf_code_lut_search4_8(const mf_code_lut *t, __m256 x, __m256 inv) {
-  const __m256i u = _mm256_castps_si256(_mm256_mul_ps(x, inv));
-  const __m256i sk = _mm256_xor_si256(u, _mm256_srli_epi32(_mm256_srai_epi32(u, 31), 1));
-  const __m256i *rows = (const __m256i *)t->search4;
-  __m256i h = _mm256_and_si256(_mm256_cmpgt_epi32(sk, _mm256_load_si256(rows)), _mm256_set1_epi32(4));
-  h = _mm256_add_epi32(h, _mm256_and_si256(_mm256_cmpgt_epi32(sk, _mm256_permutevar8x32_epi32(
-                                               _mm256_load_si256(rows + 1), h)), _mm256_set1_epi32(2)));
-  h = _mm256_add_epi32(h, _mm256_and_si256(_mm256_cmpgt_epi32(sk, _mm256_permutevar8x32_epi32(
-                                               _mm256_load_si256(rows + 2), h)), _mm256_set1_epi32(1)));
-  const __m256i last = _mm256_cmpgt_epi32(sk, _mm256_permutevar8x32_epi32(_mm256_load_si256(rows + 3), h));
-  return _mm256_sub_epi32(_mm256_add_epi32(h, h), last); /* lo = 2h, + 1 at the last step */
-}
-
 /* The AVX2 form of mf_code_lut_quantize16: 8 floats x * inv -> 8 code indices (in the
  * low 8 bytes), by scalar table loads (the form that is fastest where gathers are slow,
  * and not far behind elsewhere); *slow collects the sums (bit 31: a bucket that needs

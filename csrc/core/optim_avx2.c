@@ -1,9 +1,8 @@
 /*
  * The fused CPU optimizer step (optim_fused.h) for AVX2 CPUs (Haswell to Alder Lake,
  * Zen 1-3): 8 lanes, scalar table loads to dequantize 8-bit codes, two permutes and a
- * blend for the 16-entry 4-bit code. The code search: for 8-bit states the exact table
- * of code_lut.h, by gathers or by scalar loads (measured per process: see below); for
- * 4-bit states a binary search over the code's 15 step points in registers.
+ * blend for the 16-entry 4-bit code, and the exact table of code_lut.h as the code
+ * search, by gathers or by scalar loads (measured per process: see below).
  */
 #include "code_lut_avx2.h"
 #include "optim_cpu.h"
@@ -71,30 +70,29 @@ MF_TARGET_AVX2 static inline void dequant64_4(const float *code, const uint8_t *
 }
 
 /* 32 floats s * inv -> 32 code indices: bytes (bits 8), or nibbles, element 2i in the
- * low nibble of byte i (bits 4). 8-bit: the table lookups by gather or by scalar loads,
- * as mf_optim_avx2_scalar_search chose for this CPU (the same bytes either way). 4-bit:
- * the in-register search of the code's 15 step points (no memory table, no gather). */
+ * low nibble of byte i (bits 4). The table lookups by gather or by scalar loads, as
+ * mf_optim_avx2_scalar_search chose for this CPU (the same bytes either way). */
 MF_TARGET_AVX2 static inline void quantize32(const mf_code_lut *lut, int scalar, const float *s,
                                              float inv, int bits, uint8_t *out) {
   const __m256 vinv = _mm256_set1_ps(inv);
-  if (bits == 4) {
-    __m256i q[4];
-    for (int v = 0; v < 4; v++) q[v] = mf_code_lut_search4_8(lut, _mm256_loadu_ps(s + 8 * v), vinv);
-    /* 32 dwords -> 32 bytes in order (the packs work per 128-bit lane), then pairs */
-    const __m256i bytes = _mm256_permutevar8x32_epi32(
-        _mm256_packus_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3])),
-        _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
-    const __m256i pairs = _mm256_maddubs_epi16(bytes, _mm256_set1_epi16(0x1001)); /* q[2i] + 16 q[2i+1] */
-    const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi16(pairs, pairs), 0x08);
-    _mm_storeu_si128((__m128i *)out, _mm256_castsi256_si128(packed));
+  __m256i sum[4]; /* byte 2 of each lane: the code index (code_lut.h) */
+  for (int v = 0; v < 4; v++) {
+    const __m256 x = _mm256_loadu_ps(s + 8 * v);
+    sum[v] = scalar ? mf_code_lut_sum8_loads(lut, mf_code_lut_key8(x, vinv)) : mf_code_lut_sum8(lut, x, vinv);
+  }
+  if (bits == 8) {
+    for (int v = 0; v < 4; v++) _mm_storel_epi64((__m128i *)(out + 8 * v), mf_code_lut_bytes8(sum[v]));
     return;
   }
-  for (int v = 0; v < 32; v += 8) {
-    const __m256 x = _mm256_loadu_ps(s + v);
-    const __m256i sum = scalar ? mf_code_lut_sum8_loads(lut, mf_code_lut_key8(x, vinv))
-                               : mf_code_lut_sum8(lut, x, vinv);
-    _mm_storel_epi64((__m128i *)(out + v), mf_code_lut_bytes8(sum));
-  }
+  /* 4-bit: the 32 indices as 32 bytes in order (the packs work per 128-bit lane), then
+   * q[2i] + 16 q[2i+1] per byte pair */
+  for (int v = 0; v < 4; v++) sum[v] = _mm256_srli_epi32(sum[v], 16);
+  const __m256i bytes = _mm256_permutevar8x32_epi32(
+      _mm256_packus_epi16(_mm256_packs_epi32(sum[0], sum[1]), _mm256_packs_epi32(sum[2], sum[3])),
+      _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+  const __m256i pairs = _mm256_maddubs_epi16(bytes, _mm256_set1_epi16(0x1001));
+  const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi16(pairs, pairs), 0x08);
+  _mm_storeu_si128((__m128i *)out, _mm256_castsi256_si128(packed));
 }
 
 #include "optim_fused.h"

@@ -12,7 +12,6 @@
 #include "memfit/numeric.h"
 #include "memfit/quant.h"
 #include "code_lut.h" /* private to the core: the CPU lookup table */
-#include "code_lut_avx2.h"
 
 #include "check.h"
 
@@ -110,64 +109,6 @@ static void test_lut_is_exact(int is_signed) {
   for (size_t k = 0; k < sizeof specials / sizeof specials[0]; k++)
     CHECK(mf_code_lut_quantize(lut, specials[k]) == mf_quantize_nearest(code, specials[k]),
           "lut differs at special %g", (double)specials[k]);
-}
-
-#ifdef MF_X86_SIMD
-MF_TARGET_AVX2 static void search4_8(const mf_code_lut *t, const float *x, int32_t *q) {
-  _mm256_storeu_si256((__m256i *)q, mf_code_lut_search4_8(t, _mm256_loadu_ps(x), _mm256_set1_ps(1.0f)));
-}
-#endif
-
-/* The in-register search of 16-entry codes (code_lut_avx2.h) gives the binary search's
- * answer: at +-64 ulps of every step point, at random floats and in [-1, 1], for the
- * two codes AdamW4bit ships and for sorted codes with repeated entries (where the
- * search skips indices). benchmarks/c/exhaustive_search4.c checks every float. */
-static void test_search4_is_exact(void) {
-#ifdef MF_X86_SIMD
-  if (mf_cpu_isa() < ISA_AVX2) return;
-  float codes[4][16];
-  mf_dynamic_map(codes[0], 16, 1, 4, 3);
-  for (int k = 0; k < 16; k++) codes[1][k] = (float)(k + 1) / 16.0f;
-  mf_linear_map(codes[2], 16, 1, 4);
-  for (int k = 0; k < 16; k++) codes[3][k] = (float)(k / 3) / 8.0f - 0.5f; /* repeats */
-  for (int c = 0; c < 4; c++) {
-    const mf_code_lut *t = mf_code_lut_get(codes[c], 16);
-    CHECK(t != NULL, "lookup table");
-    if (!t) continue;
-    float x[8];
-    int32_t q[8];
-    int n = 0;
-    for (int k = 0; k < 8; k++) {
-      const int32_t steps[5] = {t->search4[0][0], t->search4[1][k < 4 ? 0 : 4],
-                                t->search4[2][k & 6], t->search4[3][k], (int32_t)mf_f32_bits(0.5f)};
-      for (int s = 0; s < 5; s++)
-        for (int d = -64; d <= 64; d++) {
-          const int64_t sk = (int64_t)steps[s] + d;
-          if (sk > INT32_MAX) continue;
-          const uint32_t u = (uint32_t)mf_code_lut_skey((uint32_t)sk);
-          if ((u & 0x7fffffffu) > 0x7f800000u) continue;
-          x[n++] = mf_f32_from_bits(u);
-          if (n < 8) continue;
-          search4_8(t, x, q);
-          for (int i = 0; i < 8; i++)
-            CHECK(q[i] == mf_quantize_nearest_n(codes[c], 16, x[i]), "code %d, x=%.9g: %d, search %d",
-                  c, (double)x[i], q[i], mf_quantize_nearest_n(codes[c], 16, x[i]));
-          n = 0;
-        }
-    }
-    for (int r = 0; r < 200000; r++) {
-      for (int i = 0; i < 8; i++) {
-        uint32_t u = (uint32_t)(uniform01() * 4294967296.0);
-        if ((u & 0x7fffffffu) > 0x7f800000u) u = 0;
-        x[i] = i & 1 ? mf_f32_from_bits(u) : (float)(2.0 * uniform01() - 1.0);
-      }
-      search4_8(t, x, q);
-      for (int i = 0; i < 8; i++)
-        CHECK(q[i] == mf_quantize_nearest_n(codes[c], 16, x[i]), "code %d, x=%.9g: %d", c,
-              (double)x[i], q[i]);
-    }
-  }
-#endif
 }
 
 static void test_round_trip(mf_dtype dt, int64_t bs, int64_t numel) {
@@ -286,7 +227,6 @@ int main(void) {
   test_search_matches_exhaustive();
   test_lut_is_exact(1);
   test_lut_is_exact(0);
-  test_search4_is_exact();
   mf_dtype dts[] = {MF_FLOAT32, MF_FLOAT16, MF_BFLOAT16};
   for (int d = 0; d < 3; d++)
     for (int64_t bs = 64; bs <= 4096; bs *= 2) test_round_trip(dts[d], bs, 3 * bs + 17);
