@@ -2,6 +2,7 @@
 #include "code_lut.h"
 #include "code_lut_avx2.h"
 #include "code_lut_avx512.h"
+#include "mca_mark.h"
 
 #include <stdatomic.h>
 #include <stdlib.h>
@@ -122,8 +123,10 @@ MF_TARGET_AVX2 static void quantize_avx2(const mf_code_lut *t, const float *x, f
   const __m256 vinv = _mm256_set1_ps(inv);
   __m256i slow = _mm256_setzero_si256();
   int64_t i = 0;
+  MF_MCA_BEGIN("quant_lut_loads_avx2 elems=8 isa=avx2");
   for (; i + 8 <= n; i += 8)
     _mm_storel_epi64((__m128i *)(q + i), mf_code_lut_quantize8(t, _mm256_loadu_ps(x + i), vinv, &slow, 1));
+  MF_MCA_END();
   finish(t, x, inv, n, q, i, _mm256_movemask_ps(_mm256_castsi256_ps(slow)) != 0);
 }
 #endif

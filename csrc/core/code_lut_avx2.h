@@ -24,16 +24,21 @@ MF_TARGET_AVX2 static inline __m256i mf_code_lut_sum8(const mf_code_lut *t, __m2
   return _mm256_add_epi32(e, key);
 }
 
-/* The code indices of 8 floats x * inv as 8 bytes at out, with scalar table loads
- * instead of a gather: the same sums as mf_code_lut_sum8 (byte 2 of each). No slow
- * buckets or NaN (the optimizer's fused kernels only). On AMD Zen 1/2 an 8-lane gather
- * costs about as much as eight scalar loads plus the shuffles around them and this
- * is faster; on Intel and Zen 3/4 the gather is (optim_avx2.c measures which). */
-MF_TARGET_AVX2 static inline void mf_code_lut_bytes8_scalar(const mf_code_lut *t, __m256 x,
-                                                           __m256 inv, uint8_t *out) {
-  uint32_t k[8];
-  _mm256_storeu_si256((__m256i *)k, mf_code_lut_key8(x, inv));
-  for (int i = 0; i < 8; i++) out[i] = (uint8_t)((t->entry[k[i] >> 16] + k[i]) >> 16);
+/* The same sums as mf_code_lut_sum8 from the keys, with eight scalar table loads instead
+ * of a gather: the keys go through memory as four 64-bit words (one load per two
+ * buckets, no vpextrd, which costs 2 uops on Zen) and the entries come back by inserts.
+ * On AMD Zen 1/2 an 8-lane gather is microcoded and this is faster (measured: 5.1 vs
+ * 9.2 ns per 8, benchmarks/RESULTS.md); on Intel and Zen 3/4 the gather is
+ * (optim_avx2.c measures which; quant.c always loads). */
+MF_TARGET_AVX2 static inline __m256i mf_code_lut_sum8_loads(const mf_code_lut *t, __m256i key) {
+  uint64_t k[4];
+  _mm256_storeu_si256((__m256i *)k, key);
+  const uint32_t *e = t->entry;
+  const __m128i lo = _mm_setr_epi32((int)e[(uint32_t)k[0] >> 16], (int)e[k[0] >> 48],
+                                    (int)e[(uint32_t)k[1] >> 16], (int)e[k[1] >> 48]);
+  const __m128i hi = _mm_setr_epi32((int)e[(uint32_t)k[2] >> 16], (int)e[k[2] >> 48],
+                                    (int)e[(uint32_t)k[3] >> 16], (int)e[k[3] >> 48]);
+  return _mm256_add_epi32(_mm256_set_m128i(hi, lo), key);
 }
 
 /* The code indices of 8 sums (byte 2 of each) in the low 8 bytes: to bytes 0-3 of each
@@ -46,12 +51,13 @@ MF_TARGET_AVX2 static inline __m128i mf_code_lut_bytes8(__m256i sum) {
 }
 
 /* The AVX2 form of mf_code_lut_quantize16: 8 floats x * inv -> 8 code indices (in the
- * low 8 bytes); *slow collects the sums (bit 31: a bucket that needs the binary
- * search), and NaN maps to 0 when check_nan is set. */
+ * low 8 bytes), by scalar table loads (the form that is fastest where gathers are slow,
+ * and not far behind elsewhere); *slow collects the sums (bit 31: a bucket that needs
+ * the binary search), and NaN maps to 0 when check_nan is set. */
 MF_TARGET_AVX2 static inline __m128i mf_code_lut_quantize8(const mf_code_lut *t, __m256 x,
                                                            __m256 inv, __m256i *slow,
                                                            const int check_nan) {
-  __m256i sum = mf_code_lut_sum8(t, x, inv);
+  __m256i sum = mf_code_lut_sum8_loads(t, mf_code_lut_key8(x, inv));
   *slow = _mm256_or_si256(*slow, sum);
   if (check_nan) { /* NaN (|bits| above Inf's) -> 0, as the binary search */
     const __m256i a = _mm256_andnot_si256(_mm256_set1_epi32((int)0x80000000u),

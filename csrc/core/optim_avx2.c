@@ -75,24 +75,24 @@ MF_TARGET_AVX2 static inline void dequant64_4(const float *code, const uint8_t *
 MF_TARGET_AVX2 static inline void quantize32(const mf_code_lut *lut, int scalar, const float *s,
                                              float inv, int bits, uint8_t *out) {
   const __m256 vinv = _mm256_set1_ps(inv);
-  for (int v = 0; v < 32; v += 8) {
-    __m128i q;
-    if (scalar) {
-      uint8_t bytes[8];
-      mf_code_lut_bytes8_scalar(lut, _mm256_loadu_ps(s + v), vinv, bits == 8 ? out + v : bytes);
-      if (bits == 8) continue;
-      q = _mm_loadl_epi64((const __m128i *)bytes);
-    } else {
-      q = mf_code_lut_bytes8(mf_code_lut_sum8(lut, _mm256_loadu_ps(s + v), vinv));
-    }
-    if (bits == 8) {
-      _mm_storel_epi64((__m128i *)(out + v), q);
-    } else {
-      const __m128i pairs = _mm_maddubs_epi16(q, _mm_set1_epi16(0x1001)); /* q[2i] + 16 q[2i+1] */
-      const int packed = _mm_cvtsi128_si32(_mm_packus_epi16(pairs, pairs));
-      memcpy(out + v / 2, &packed, 4);
-    }
+  __m256i sum[4]; /* byte 2 of each lane: the code index (code_lut.h) */
+  for (int v = 0; v < 4; v++) {
+    const __m256 x = _mm256_loadu_ps(s + 8 * v);
+    sum[v] = scalar ? mf_code_lut_sum8_loads(lut, mf_code_lut_key8(x, vinv)) : mf_code_lut_sum8(lut, x, vinv);
   }
+  if (bits == 8) {
+    for (int v = 0; v < 4; v++) _mm_storel_epi64((__m128i *)(out + 8 * v), mf_code_lut_bytes8(sum[v]));
+    return;
+  }
+  /* 4-bit: the 32 indices as 32 bytes in order (the packs work per 128-bit lane), then
+   * q[2i] + 16 q[2i+1] per byte pair */
+  for (int v = 0; v < 4; v++) sum[v] = _mm256_srli_epi32(sum[v], 16);
+  const __m256i bytes = _mm256_permutevar8x32_epi32(
+      _mm256_packus_epi16(_mm256_packs_epi32(sum[0], sum[1]), _mm256_packs_epi32(sum[2], sum[3])),
+      _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+  const __m256i pairs = _mm256_maddubs_epi16(bytes, _mm256_set1_epi16(0x1001));
+  const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi16(pairs, pairs), 0x08);
+  _mm_storeu_si128((__m128i *)out, _mm256_castsi256_si128(packed));
 }
 
 #include "optim_fused.h"

@@ -5,9 +5,9 @@
  * into a per-thread float buffer first so the absmax pass and the code search run on
  * plain floats. Element math: quant.h (shared with cuda/quant.cu). Nearest rounding
  * of large arrays goes through the exact lookup table of code_lut.h (same codes as
- * the binary search, several times faster). Where the CPU has AVX2, the absmax pass,
- * the table search (AVX-512 CPUs keep code_lut.c's 16-lane gather) and the dequantize
- * loop run in the AVX2 forms below; every form gives the same bytes.
+ * the binary search, several times faster; code_lut.c has its vector forms). Where the
+ * CPU has AVX2, the absmax pass and the dequantize loop run in the AVX2 forms below;
+ * every form gives the same bytes.
  */
 #include <stdlib.h>
 
@@ -90,14 +90,6 @@ static float block_absmax_cpu(const float *x, int64_t n) {
  * loads with the indices in general registers, and the arithmetic around them is
  * vectorised. */
 
-/* Byte 2 of each of 8 dwords, in order, in the low 8 bytes. */
-MF_TARGET_AVX2 static inline __m128i byte2_of_8(__m256i v) {
-  const __m256i pick = _mm256_setr_epi8(2, 6, 10, 14, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1,
-                                        2, 6, 10, 14, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1);
-  const __m256i b = _mm256_shuffle_epi8(v, pick);
-  return _mm_unpacklo_epi32(_mm256_castsi256_si128(b), _mm256_extracti128_si256(b, 1));
-}
-
 /* block_absmax_cpu 16 lanes at a time (two chains of vmaxps to hide its latency): the
  * same value, as max is exact in any order and a non-finite element makes it NaN. */
 MF_TARGET_AVX2 static float block_absmax_avx2(const float *x, int64_t n) {
@@ -122,39 +114,6 @@ MF_TARGET_AVX2 static float block_absmax_avx2(const float *x, int64_t n) {
   const float rest = block_absmax_cpu(x + i, n - i);
   if (_mm256_movemask_ps(bad) || rest != rest) return mf_quiet_nan();
   return rest > m ? rest : m;
-}
-
-/* q[i] = mf_code_lut_quantize(t, x[i] * inv), 8 at a time: keys and sums in vectors,
- * the 8 table entries by scalar loads through a stack buffer. */
-MF_TARGET_AVX2 static void quantize_lut_avx2(const mf_code_lut *t, const float *x, float inv,
-                                             int64_t n, uint8_t *q) {
-  const __m256 vinv = _mm256_set1_ps(inv);
-  const __m256i sign = _mm256_set1_epi32((int)0x80000000u), inf = _mm256_set1_epi32(0x7f800000);
-  const uint32_t *entry = t->entry;
-  __m256i slow = _mm256_setzero_si256();
-  uint16_t half[16] __attribute__((aligned(32))); /* the keys as 16-bit halves */
-  int64_t i = 0;
-  MF_MCA_BEGIN("quant_lut_scalar_avx2 elems=8 isa=avx2");
-  for (; i + 8 <= n; i += 8) {
-    const __m256i u = _mm256_castps_si256(_mm256_mul_ps(_mm256_loadu_ps(x + i), vinv));
-    const __m256i k = _mm256_xor_si256(u, _mm256_or_si256(_mm256_srai_epi32(u, 31), sign));
-    /* Through memory, so the bucket (key >> 16, the upper half) is one 16-bit load:
-     * without the barrier gcc moves each key out with vpextrd, 2 uops each on Zen. */
-    _mm256_store_si256((__m256i *)half, k);
-    __asm__ volatile("" ::: "memory");
-    const __m256i e = _mm256_setr_epi32((int)entry[half[1]], (int)entry[half[3]], (int)entry[half[5]],
-                                        (int)entry[half[7]], (int)entry[half[9]], (int)entry[half[11]],
-                                        (int)entry[half[13]], (int)entry[half[15]]);
-    const __m256i sum = _mm256_add_epi32(e, k);
-    slow = _mm256_or_si256(slow, sum);
-    /* NaN (|bits| above Inf's) -> code 0, as the binary search */
-    const __m256i nan = _mm256_cmpgt_epi32(_mm256_andnot_si256(sign, u), inf);
-    _mm_storel_epi64((__m128i *)(q + i), byte2_of_8(_mm256_andnot_si256(nan, sum)));
-  }
-  MF_MCA_END();
-  for (; i < n; i++) q[i] = mf_code_lut_quantize(t, x[i] * inv);
-  if (_mm256_movemask_ps(_mm256_castsi256_ps(slow)))  /* a bucket needs the search */
-    for (i = 0; i < n; i++) q[i] = mf_code_lut_quantize(t, x[i] * inv);
 }
 
 /* code[c[0..7]] as a vector, by scalar loads. */
@@ -211,12 +170,6 @@ static void quantize_block_cpu(const float *x, int64_t n, int64_t first, const f
     for (int64_t i = 0; i < n; i++)
       out[i] = mf_quantize_stochastic(code, x[i] * inv, mf_uniform(seed, (uint64_t)(first + i)));
   } else if (lut) {
-#ifdef MF_X86_SIMD
-    if (mf_cpu_isa() == ISA_AVX2) {
-      quantize_lut_avx2(lut, x, inv, n, out);
-      return;
-    }
-#endif
     mf_code_lut_quantize_n(lut, x, inv, n, out);
   } else {
     for (int64_t i = 0; i < n; i++) out[i] = mf_quantize_nearest(code, x[i] * inv);
