@@ -68,12 +68,16 @@ BYTES = {"torch AdamW fused": 28, "torch AdamW foreach": 28, "memfit AdamW": 28,
 MODEL_SIZES = [256 * 256, 256, 256, 256] * 50
 
 
+ROW_LEN = 4096  # --row-len
+
+
 def _matrix(t):
     """t as a weight matrix: memfit's 8-/4-bit states are for tensors of two or more
-    dimensions (1-D ones keep float32 states). Rows of 4096 where they divide t, else
-    one row: whole quantization blocks per row either way, i.e. the flat layout."""
+    dimensions (1-D ones keep float32 states). Rows of ROW_LEN where they divide t, else
+    one row. With the default 4096 every row is whole quantization blocks (the flat
+    layout); --row-len 4100 measures rows that end in a partial block, stepped row by row."""
     n = t.numel()
-    return t.reshape(-1, 4096 if n % 4096 == 0 else max(n, 1))
+    return t.reshape(-1, ROW_LEN if n % ROW_LEN == 0 else max(n, 1))
 
 
 def cpu_bench(sizes, reps, regimes, with_bnb, torch_only_fused=False):
@@ -272,12 +276,19 @@ def main(argv=None):
     ap.add_argument("--numel", type=int, default=16 * 1024 * 1024)
     ap.add_argument("--reps", type=int, default=21)
     ap.add_argument("--regimes", default="cold,warm")
+    ap.add_argument("--row-len", type=int, default=4096,
+                    help="elements per row of the CPU tensor (must divide --numel), e.g. 4100 "
+                         "with --numel 16793600 for rows that end in a partial block")
     ap.add_argument("--no-bnb", action="store_true")
     ap.add_argument("--no-gpu", action="store_true")
     ap.add_argument("--cpu-isa", default=None,
                     help="comma-separated MEMFIT_CPU_ISA caps to compare, e.g. avx512vbmi,avx512,avx2")
     ap.add_argument("--emit-rows", action="store_true", help=argparse.SUPPRESS)  # for --cpu-isa
     args = ap.parse_args(argv)
+    global ROW_LEN
+    if args.row_len < 1 or args.numel % args.row_len:
+        ap.error(f"--row-len {args.row_len} must divide --numel {args.numel}")
+    ROW_LEN = args.row_len
     regimes = args.regimes.split(",")
 
     if args.emit_rows:
@@ -307,7 +318,7 @@ def main(argv=None):
         print(f"\nwrote {path}")
         return
 
-    meta = {"cpu": dict(metadata("cpu"), copy_bandwidth_gbps=copy_bandwidth("cpu") / 1e9,
+    meta = {"cpu": dict(metadata("cpu"), row_len=ROW_LEN, copy_bandwidth_gbps=copy_bandwidth("cpu") / 1e9,
                         numel=args.numel, reps=args.reps)}
     speeds = core_speeds()
     rows = cpu_bench([args.numel], args.reps, regimes, not args.no_bnb)
@@ -321,7 +332,8 @@ def main(argv=None):
           f"commit {m['commit']}, {m['date']}")
     if speeds:
         print(per_core_line(speeds, speeds_after))
-    print(f"AdamW step over {args.numel} fp32 parameters (one tensor, grads randn*0.01); median of "
+    print(f"AdamW step over {args.numel} fp32 parameters (one tensor of {args.numel // ROW_LEN} x "
+          f"{ROW_LEN}, grads randn*0.01); median of "
           f"{args.reps} interleaved steps (bitsandbytes: fewer); cold = 1 GiB written before each step\n")
     print(markdown_table(
         ["regime", "optimizer", "wall ms", "x torch fused (wall)", "x torch fused (best of each)",
