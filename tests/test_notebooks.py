@@ -132,7 +132,7 @@ def outputs_05(nb, cwd):
 
 
 CHECK_05 = """
-assert formats == {"torch.uint8"}                       # min_8bit_size=0: 8-bit states
+assert formats == {"torch.uint8"}                       # min_8bit_size=0: 8-bit states for every matrix
 assert set(states) == {"exp_avg", "exp_avg_sq"}
 assert all(v.dtype == torch.float32 and v.shape == p.shape for v in states.values())
 assert state["state1"].dtype == np.uint8
