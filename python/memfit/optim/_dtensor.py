@@ -96,15 +96,9 @@ def zeros_state(p, shape: tuple, dtype, where):
                  _contiguous_stride(shape))
 
 
-# The key of a shard's index_base (see index_base) in the local state dict that
-# local_step_args makes for one step: not a state, never stored.
-INDEX_BASE = "index_base"
-
-
-def local_step_args(p, g, state: dict, base: int, where):
-    """(local parameter, local gradient, {key: local state, INDEX_BASE: base}) of a
-    DTensor parameter: what the kernels step, in place. The gradient must be a DTensor
-    laid out as ``p``."""
+def local_step_args(p, g, state: dict, where):
+    """(local parameter, local gradient, {key: local state}) of a DTensor parameter: what
+    the kernels step, in place. The gradient must be a DTensor laid out as ``p``."""
     if not is_dtensor(g) or g.device_mesh != p.device_mesh or g.placements != p.placements:
         got = (f"a DTensor with placements {_placements(g)}" if is_dtensor(g)
                else f"a {type(g).__name__}")
@@ -113,9 +107,7 @@ def local_step_args(p, g, state: dict, base: int, where):
             f"{where(p)}: the gradient of a DTensor parameter with placements {_placements(p)} is "
             f"{got}; it must be a DTensor of the parameter's mesh and placements"
             + ("; reduce it first (redistribute to the parameter's placements)" if partial else ""))
-    local = local_state(state)
-    local[INDEX_BASE] = base
-    return p.to_local(), g.to_local(), local
+    return p.to_local(), g.to_local(), local_state(state)
 
 
 def local_state(state: dict) -> dict:

@@ -179,10 +179,12 @@ class _MemfitOptimizer(torch.optim.Optimizer):
         grad_scale = _dtensor.plain(getattr(self, "grad_scale", None))
         found_inf = _dtensor.plain(getattr(self, "found_inf", None))
         dtensor_type = _dtensor.DTensor
-        # parameter -> (key, format) of the layout its state was last checked against, so
-        # that a step over a model with hundreds of tensors does not rebuild every expected
-        # layout every time (this loop and _step_bucket run per parameter per step: kept
-        # lean, it is most of the step's time for models of many small tensors)
+        # parameter -> (key, format, rows, index_base) of the layout its state was last
+        # checked against (rows and index_base of the tensor the kernels step: the local
+        # shard of a DTensor), so that a step over a model with hundreds of tensors does
+        # not rebuild every expected layout every time (this loop and _step_bucket run per
+        # parameter per step: kept lean, it is most of the step's time for models of many
+        # small tensors)
         checked = self.__dict__.setdefault("_state_checked", {})
         state_of = self.state
         for group in self.param_groups:
@@ -202,10 +204,12 @@ class _MemfitOptimizer(torch.optim.Optimizer):
                 seen = checked.get(p)
                 if seen is None or seen[0] != key or "step" not in state:
                     state = self._init_state(group, p)
-                    seen = checked[p] = (key, self._format(group, p), _dtensor.index_base(p, self._where))
+                    local = p.to_local() if _dtensor.is_dtensor(p) else p
+                    seen = checked[p] = (key, self._format(group, p), state_rows(local),
+                                         _dtensor.index_base(p, self._where))
                 if dtensor_type is not None and isinstance(p, dtensor_type):
                     # FSDP2 & co.: the kernels step the local rows, in place
-                    p, g, state = _dtensor.local_step_args(p, g, state, seen[2], self._where)
+                    p, g, state = _dtensor.local_step_args(p, g, state, self._where)
                 device = p.device
                 if g.device != device:
                     raise ValueError(f"{type(self).__name__}: a gradient is on {g.device} but its "
@@ -213,35 +217,35 @@ class _MemfitOptimizer(torch.optim.Optimizer):
                 items = buckets.get((device, seen[1]))
                 if items is None:
                     items = buckets[(device, seen[1])] = []
-                items.append((p, g, state))
+                items.append((p, g, state, seen))
             sr_step = group.get("sr_step", 0)
             for b, ((device, fmt), items) in enumerate(buckets.items()):
                 bhp = hp
-                if rounding == "stochastic" and any(p.dtype != torch.float32 for p, _, _ in items):
+                if rounding == "stochastic" and any(p.dtype != torch.float32 for p, *_ in items):
                     bhp = dict(hp, sr_seed=_core.sr_seed(group.get("sr_seed", 0), sr_step, b))
                 self._step_bucket(group, bhp, device, fmt, items, grad_scale, found_inf)
             group["sr_step"] = sr_step + 1
         return loss
 
     def _step_bucket(self, group, hp, device, fmt, items, grad_scale, found_inf):
-        """One call into the core for the (parameter, gradient, state) triples of one
-        device and state format."""
-        params = [p.data for p, _, _ in items]
+        """One call into the core for the (parameter, gradient, state, checked layout)
+        items of one device and state format (see step's ``checked``)."""
+        params = [p.data for p, *_ in items]
         grads = [g if g.is_contiguous() and not g.requires_grad else _grad_view(p, g)
-                 for p, g, _ in items]
-        s1 = [st.get("state1") for _, _, st in items]
-        s2 = [st.get("state2") for _, _, st in items]
-        steps = [st["step"] for _, _, st in items]
+                 for p, g, *_ in items]
+        s1 = [st.get("state1") for _, _, st, _ in items]
+        s2 = [st.get("state2") for _, _, st, _ in items]
+        steps = [st["step"] for _, _, st, _ in items]
         # lists the core takes as None when no parameter has the array
         a1 = a2 = comps = None
         if fmt != 32:
-            a1 = [st.get("absmax1") for _, _, st in items]
-            a2 = [st.get("absmax2") for _, _, st in items]
+            a1 = [st.get("absmax1") for _, _, st, _ in items]
+            a2 = [st.get("absmax2") for _, _, st, _ in items]
         if self._rounding(group) == "kahan":
-            comps = [st.get("kahan_comp") for _, _, st in items]
-        rows = [state_rows(p) for p in params] if fmt != 32 else None
+            comps = [st.get("kahan_comp") for _, _, st, _ in items]
+        rows = [seen[2] for *_, seen in items] if fmt != 32 else None
         # a shard's element 0 is element index_base of the whole tensor (stochastic rounding)
-        bases = [st.get(_dtensor.INDEX_BASE, 0) for _, _, st in items]
+        bases = [seen[3] for *_, seen in items]
         gs = _on(grad_scale, device)
         fi = _on(found_inf, device)
         stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
