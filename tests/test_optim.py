@@ -606,18 +606,22 @@ def test_cuda_grad_scaler_skip_without_sync():
 
 def test_cpu_isa_variants_agree_bitwise():
     """The plain x86-64, AVX2 and AVX-512 variants of the CPU kernel (and the table
-    search vs the binary search) compute the same bits."""
+    search vs the binary search) compute the same bits, float32 states and elements the
+    update skips included."""
     import subprocess
     import sys
 
     code = ("import numpy as np, sys; from memfit.optim import functional as F\n"
             "rng = np.random.default_rng(0); out = []\n"
-            "for kind, bits in (('adamw', 8), ('adamw', 4), ('lion', 8), ('rmsprop', 8)):\n"
+            "for kind, bits in (('adamw', 8), ('adamw', 4), ('lion', 8), ('rmsprop', 8),\n"
+            "                   ('adamw', 32), ('adam', 32)):\n"
             "    p = rng.standard_normal(9001).astype(np.float32); st = F.init(kind, p, bits)\n"
             "    for _ in range(3):\n"
             "        g = (rng.standard_normal(9001) * 0.01).astype(np.float32)\n"
+            "        g[3::89], g[5::131], g[7::113] = np.nan, -np.inf, 3e19  # skipped elements\n"
             "        F.step(kind, p, g, st, lr=1e-2, beta1=0.9, beta2=0.99, eps=1e-8, alpha=0.99)\n"
-            "    out += [p.tobytes(), st['state1'].tobytes(), st['absmax1'].tobytes()]\n"
+            "    out += [p.tobytes()] + [v.tobytes() for k, v in sorted(st.items())\n"
+            "                            if isinstance(v, np.ndarray) and k != 'code1' and k != 'code2']\n"
             "sys.stdout.write(__import__('hashlib').sha256(b''.join(out)).hexdigest())\n")
     digests = set()
     for isa in ("generic", "avx2", "avx512", "avx512vbmi"):
@@ -651,6 +655,10 @@ for dtype in (torch.float32, torch.bfloat16, torch.float16):
                 for p in ps:
                     p.grad = (torch.randn(p.shape) * 0.01).to(dtype)
                     p.grad[::97] = 0.0
+                    # elements the update skips: a NaN or infinite gradient, and one
+                    # whose square overflows (inside vectors of otherwise finite ones)
+                    g = p.grad.view(-1)
+                    g[3::89], g[5::131], g[7::113] = float("nan"), float("-inf"), 3e19
                 opt.step()
             for p in ps:
                 assert opt.state[p]["state1"].dtype == torch.uint8
@@ -666,8 +674,9 @@ def test_fused_kernels_match_block_kernel_bitwise():
     """The fused kernels (optim_fused.h, built for AVX-512 with VBMI, AVX-512 without
     it (MEMFIT_CPU_ISA=avx512) and AVX2) compute the same bits as the plain block
     kernel, for every optimizer kind with 8-bit states and AdamW4bit, every parameter
-    dtype, rounding mode (stochastic, nearest, Kahan) and block size. A variant this CPU
-    lacks falls back to the widest one it has."""
+    dtype, rounding mode (stochastic, nearest, Kahan) and block size, with gradients
+    that make some elements skip. A variant this CPU lacks falls back to the widest one
+    it has."""
     import os
     import subprocess
     import sys

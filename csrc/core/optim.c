@@ -297,7 +297,6 @@ MF_INLINE void block_step_impl(const mf_optim_hparams *h, const mf_optim_consts 
                                mf_state_format fmt, int64_t bs, const quant_ctx *qc,
                                const mf_optim_tensor *t, int64_t first, int64_t n,
                                thread_bufs *b, const int isa) {
-  (void)isa;
   const mf_dtype dt = t->param.dtype;
   float *p, *g, *s[2];
   if (dt == MF_FLOAT32) {
@@ -336,7 +335,12 @@ MF_INLINE void block_step_impl(const mf_optim_hparams *h, const mf_optim_consts 
       }
     }
   }
-  update_any(h->kind, c, ns, n, p, g, s[0], s[1]);
+#ifdef MF_X86_SIMD
+  if (isa == ISA_AVX2 && (h->kind == MF_OPT_ADAMW || h->kind == MF_OPT_ADAM))
+    update_adam_avx2(h->kind, c, n, p, g, s[0], s[1]);
+  else
+#endif
+    update_any(h->kind, c, ns, n, p, g, s[0], s[1]);
   if (dt != MF_FLOAT32) store_params(h, t, p, first, n);
   for (int k = 0; k < ns && fmt != MF_STATE_FP32; k++) {
     float *absmax = (float *)am[k]->data + blk0;

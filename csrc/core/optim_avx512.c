@@ -24,6 +24,9 @@
 
 typedef __m512i fused_acc;
 
+/* The plain update loop: with mask registers its selects cost little. */
+#define update_half update_loop
+
 MF_TARGET_AVX512 static inline fused_acc acc_zero(void) { return _mm512_setzero_si512(); }
 
 /* max over the |bit patterns| of 64 floats, folded into m */

@@ -36,6 +36,8 @@
  *   fused_acc                         a vector of uint32 lanes, with
  *     acc_zero(), acc_absmax64(acc, s)  (max of the |bit patterns| of s[0..63]),
  *     acc_max(acc)                      (the max lane)
+ *   update_half(kind, c, ns, n, ...)  the update of HALF elements: update_loop, or a
+ *                                     faster form with the same bits
  *   tables_init(b, qc, ns)            per-thread lookup tables, once per step call
  *   dequant64_8(b, k, code, q, absmax, out), dequant64_4(code, q, absmax, out)
  *   quantize32(lut, scalar, s, inv, bits, out)   32 codes (bytes, or nibbles for 4-bit),
@@ -133,7 +135,7 @@ MF_INLINE FUSED_TARGET void fused_round(const mf_optim_kind kind, const int ns, 
     }
     for (int64_t x = 0; x < GROUP; x += HALF) {
       if (update)
-        update_loop(kind, s->c, ns, HALF, s->p + at + x, s->g + at + x, cur[0] + o + x,
+        update_half(kind, s->c, ns, HALF, s->p + at + x, s->g + at + x, cur[0] + o + x,
                     ns > 1 ? cur[1] + o + x : b->zero);
       if (quant)
         for (int k = 0; k < ns; k++)

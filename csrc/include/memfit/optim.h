@@ -202,6 +202,20 @@ static inline MF_HD mf_optim_consts mf_optim_prepare(const mf_optim_hparams *h, 
 /* ---- element math -------------------------------------------------------------- */
 
 
+/* Adam's and AdamW's arithmetic, written once for one element (T = float: the update
+ * below, used by every CPU loop and the CUDA kernels) and for a vector of elements (T = a
+ * GCC vector of floats with SQRT its square root: the AVX2 loop of optim_avx2.c, which
+ * tests and skips 8 elements at a time). g: the gradient, already times gmul; p0, a, b:
+ * parameter and states; writes pn, an, bn. Every operation is a plain IEEE one in this
+ * order, so a lane of the vector form computes the bits of the float form. */
+#define MF_OPTIM_ADAM_MATH(kind, c, SQRT, p0, g, a, b, pn, an, bn)                        \
+  do {                                                                                   \
+    if ((kind) == MF_OPT_ADAM) g = g + (c)->wd * (p0);                                    \
+    an = (c)->b1 * (a) + (c)->omb1 * g;                                                  \
+    bn = (c)->b2 * (b) + (c)->omb2 * (g * g);                                            \
+    pn = (p0) * (c)->decay - (c)->step_size * (an / (SQRT(bn) * (c)->inv_sqrt_bc2 + (c)->eps)); \
+  } while (0)
+
 /* One element of one update. p: parameter, g: raw gradient (scaled by gmul here), s1,
  * s2: the states (in/out; unused ones are ignored). Writes the new values, or the old
  * ones where the element is skipped (see the header comment). Returns 1 when updated. */
@@ -213,14 +227,9 @@ static inline MF_HD int mf_optim_update_one(mf_optim_kind kind, const mf_optim_c
   g = g * c->gmul;
   switch (kind) {
     case MF_OPT_ADAMW:
-    case MF_OPT_ADAM: {
-      if (kind == MF_OPT_ADAM) g = g + c->wd * p0;
-      an = c->b1 * a + c->omb1 * g;
-      bn = c->b2 * b + c->omb2 * (g * g);
-      float denom = sqrtf(bn) * c->inv_sqrt_bc2 + c->eps;
-      pn = p0 * c->decay - c->step_size * (an / denom);
+    case MF_OPT_ADAM:
+      MF_OPTIM_ADAM_MATH(kind, c, sqrtf, p0, g, a, b, pn, an, bn);
       break;
-    }
     case MF_OPT_LION: {
       float u = c->b1 * a + c->omb1 * g;
       float sgn = u > 0.0f ? 1.0f : (u < 0.0f ? -1.0f : 0.0f);
