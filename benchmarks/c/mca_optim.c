@@ -29,6 +29,15 @@ UPDATE_ADAMW(mca_update_adamw_generic, , "update_adamw_generic elems=4 isa=gener
 UPDATE_ADAMW(mca_update_adamw_avx2, MF_TARGET_AVX2, "update_adamw_avx2 elems=8 isa=avx2")
 UPDATE_ADAMW(mca_update_adamw_avx512, MF_TARGET_AVX512, "update_adamw_avx512 elems=16 isa=avx512")
 
+/* What AVX2 ships for Adam/AdamW instead of the plain loop above (update_adamw_avx2: its
+ * selects): update_adam_avx2, one skip branch per 8 elements (modelled as not taken). */
+MF_TARGET_AVX2 __attribute__((noinline)) void mca_update_adamw_branch_avx2(
+    const mf_optim_consts *c, int64_t n, float *p, const float *g, float *s1, float *s2) {
+  MCA_BEGIN("update_adamw_branch_avx2 elems=8 isa=avx2");
+  update_adam_avx2(MF_OPT_ADAMW, c, 8 * (n / 8), p, g, s1, s2); /* (no tail loop to model) */
+  MCA_END();
+}
+
 /* A marked loop over n elements, `step` at a time: `body` reads code (dequantize) or
  * lut (search) and in, writes out at element v. */
 #define MCA_LOOP(fn, target, spec, step, Tin, Tout, body)                                 \

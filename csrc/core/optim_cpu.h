@@ -159,7 +159,7 @@ MF_TARGET_AVX2 static inline void update_adam_avx2(mf_optim_kind kind, const mf_
     const __m256 p0 = _mm256_loadu_ps(p + i), a = _mm256_loadu_ps(s1 + i), b = _mm256_loadu_ps(s2 + i);
     __m256 gs = _mm256_loadu_ps(g + i) * k.gmul, pn, an, bn;
     MF_OPTIM_ADAM_MATH(kind, &k, _mm256_sqrt_ps, p0, gs, a, b, pn, an, bn);
-    if (_mm256_movemask_ps(_mm256_cmp_ps(pn - pn, bn - bn, _CMP_EQ_OQ)) == 0xff) {
+    if (__builtin_expect(_mm256_movemask_ps(_mm256_cmp_ps(pn - pn, bn - bn, _CMP_EQ_OQ)) == 0xff, 1)) {
       _mm256_storeu_ps(p + i, pn);
       _mm256_storeu_ps(s1 + i, an);
       _mm256_storeu_ps(s2 + i, bn);
