@@ -1,0 +1,115 @@
+#!/usr/bin/env bash
+# The GPU checks that issue 18 asks of any session lent a GPU, as stages that each fit one
+# call of the device tool (10 minutes a command; read its README, METHOD.md and
+# HOPPER.md first). Every stage logs to $OUT (the folder the device tool brings back;
+# benchmarks/out/gpu elsewhere) and the run ends with a table of what passed.
+#
+#   bash benchmarks/gpu_validate.sh build tests       # first call: the CUDA tests
+#   bash benchmarks/gpu_validate.sh build sanitize    # compute-sanitizer memcheck, racecheck
+#   bash benchmarks/gpu_validate.sh build bench demo  # bench_optim, bench_gemm, bench_quant, demo
+#
+# build: installs this checkout with CUDA for the GPU in hand only (MEMFIT_CUDA_ARCHS,
+#        default its compute capability, e.g. 90 on an H100: a fraction of the default
+#        five-architecture build). The build folder (build/) stays while the machine is
+#        warm, so a later call's build is incremental; a fresh machine builds again.
+# tests: the CPU/CUDA bitwise agreement tests first, then every test marked cuda.
+# sanitize: memcheck and racecheck over the optimizer, row-block and quantization CUDA
+#        tests (odd sizes, block sizes 64 to 4096, 4-bit states).
+# bench: bench_optim (1B parameters against a device-to-device copy, torch fused AdamW
+#        and bitsandbytes when importable), bench_gemm and bench_quant on the GPU.
+# demo:  memfit demo on the GPU (memory, step time, loss).
+#
+# Peers the device machine lacks travel as wheels (the device README: download them
+# here into .whl/, carry .whl, and start the command with its pip install line); this
+# script only uses what is importable.
+set -u -o pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-$PWD/benchmarks/out/gpu}
+mkdir -p "$OUT"
+PY=${PYTHON:-python3}
+export PYTHONUNBUFFERED=1
+SUMMARY=()
+FAILED=0
+
+# step NAME LOG CMD...: runs CMD with its output appended to $OUT/LOG, and notes the result
+step() {
+  local name=$1 log=$2 t0=$SECONDS rc
+  shift 2
+  echo "== $name: $*" | tee -a "$OUT/$log"
+  "$@" 2>&1 | tee -a "$OUT/$log"
+  rc=${PIPESTATUS[0]}
+  SUMMARY+=("| $name | $([ "$rc" = 0 ] && echo ok || echo "FAILED ($rc)") | $((SECONDS - t0)) s | $log |")
+  [ "$rc" = 0 ] || FAILED=1
+  return "$rc"
+}
+
+stage_build() {
+  local arch=${MEMFIT_CUDA_ARCHS:-}
+  if [ -z "$arch" ]; then
+    arch=$($PY -c "import torch; a, b = torch.cuda.get_device_capability(); print(f'{a}{b}')") || {
+      echo "no CUDA device visible to torch: set MEMFIT_CUDA_ARCHS to build anyway"
+      SUMMARY+=("| build | FAILED (no GPU) | | |")
+      FAILED=1
+      return 1
+    }
+  fi
+  step "build (MEMFIT_CUDA_ARCHS=$arch)" build.log $PY -m pip install --no-build-isolation \
+    --no-deps --config-settings=cmake.define.MEMFIT_CUDA=ON \
+    --config-settings=cmake.define.MEMFIT_CUDA_ARCHS="$arch" . &&
+    step "memfit sees the GPU" build.log $PY -c "
+import memfit
+info = memfit.build_info()
+print(info, 'devices:', memfit.cuda_device_count())
+assert info['cuda'] and memfit.cuda_device_count() > 0, 'memfit was built without CUDA or sees no GPU'"
+}
+
+stage_tests() {
+  # -x on the first: the other CUDA tests rest on the two devices computing the same bits
+  step "pytest: CPU/CUDA bitwise" tests.log $PY -m pytest -m cuda -q -x -k "agree or bitwise" tests
+  step "pytest -m cuda" tests.log $PY -m pytest -m cuda -q tests
+}
+
+stage_sanitize() {
+  if ! command -v compute-sanitizer >/dev/null; then
+    SUMMARY+=("| sanitize | FAILED (no compute-sanitizer on PATH) | | |")
+    FAILED=1
+    return 1
+  fi
+  local tool
+  for tool in memcheck racecheck; do
+    step "compute-sanitizer --tool $tool" sanitize.log compute-sanitizer --tool "$tool" \
+      --error-exitcode 99 --target-processes all $PY -m pytest -m cuda -q -p no:cacheprovider \
+      tests/test_optim.py tests/test_optim_rows.py tests/test_quant.py
+  done
+}
+
+stage_bench() {
+  step bench_optim bench.log $PY benchmarks/bench_optim.py --regimes warm --reps 11 &&
+    cp benchmarks/out/bench_optim.json "$OUT/"
+  step "bench_gemm --device cuda" bench.log $PY benchmarks/bench_gemm.py --device cuda
+  step "bench_quant --device cuda" bench.log $PY benchmarks/bench_quant.py --device cuda
+}
+
+stage_demo() {
+  step "memfit demo --device cuda" demo.log $PY -m memfit demo --device cuda --out "$OUT/demo"
+}
+
+if [ $# -eq 0 ]; then
+  sed -n '2,24p' "$0"
+  exit 2
+fi
+for stage in "$@"; do
+  case $stage in
+    build | tests | sanitize | bench | demo) ;;
+    *) echo "unknown stage: $stage (build, tests, sanitize, bench, demo)" >&2; exit 2 ;;
+  esac
+done
+for stage in "$@"; do
+  # the later stages would test whatever memfit was installed before a failed build
+  if ! "stage_$stage" && [ "$stage" = build ]; then break; fi
+done
+echo
+echo "| step | result | time | log (in $OUT) |"
+echo "|---|---|---|---|"
+printf '%s\n' "${SUMMARY[@]}"
+exit "$FAILED"
