@@ -10,7 +10,8 @@
  * own (row_view), so no kernel knows about rows. An item goes through short loops over per-thread buffers (L1/L2 resident):
  *   1. load:     widen f16/bf16 params and grads to float; dequantize the states
  *                (code[index] * absmax, per quantization block)
- *   2. update:   mf_optim_update_one() for every element (optim.h, shared with CUDA)
+ *   2. update:   mf_optim_update_one() for every element (optim.h, shared with CUDA);
+ *                on AVX2, Adam's 8 at a time with one skip test (update_adam_avx2)
  *   3. absmax:   per block, of the new states, as the max of the float bit patterns
  *                with the sign cleared (same order as the values for non-negative floats)
  *   4. store:    narrow params; requantize the states with the code search below.

@@ -153,7 +153,7 @@ MF_TARGET_AVX2 static inline void update_adam_avx2(mf_optim_kind kind, const mf_
                                                    int64_t n, float *restrict p,
                                                    const float *restrict g, float *restrict s1,
                                                    float *restrict s2) {
-  const mf_optim_consts k = *c; /* (a local copy stays in registers across the stores) */
+  const mf_optim_consts k = *c; /* (a local copy: the stores below cannot change it) */
   const int64_t whole = n - n % 8;
   for (int64_t i = 0; i < whole; i += 8) {
     const __m256 p0 = _mm256_loadu_ps(p + i), a = _mm256_loadu_ps(s1 + i), b = _mm256_loadu_ps(s2 + i);

@@ -204,8 +204,8 @@ static inline MF_HD mf_optim_consts mf_optim_prepare(const mf_optim_hparams *h, 
 
 /* Adam's and AdamW's arithmetic, written once for one element (T = float: the update
  * below, used by every CPU loop and the CUDA kernels) and for a vector of elements (T = a
- * GCC vector of floats with SQRT its square root: the AVX2 loop of optim_avx2.c, which
- * tests and skips 8 elements at a time). g: the gradient, already times gmul; p0, a, b:
+ * GCC vector of floats with SQRT its square root: update_adam_avx2 in csrc/core/optim_cpu.h,
+ * which tests and skips 8 elements at a time). g: the gradient, already times gmul; p0, a, b:
  * parameter and states; writes pn, an, bn. Every operation is a plain IEEE one in this
  * order, so a lane of the vector form computes the bits of the float form. */
 #define MF_OPTIM_ADAM_MATH(kind, c, SQRT, p0, g, a, b, pn, an, bn)                        \
