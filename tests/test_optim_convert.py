@@ -285,16 +285,23 @@ def test_memfit_state_dict_into_torch(cls, torch_cls):
     assert_continues_alike(m, m_t, start, CONTINUE_BOUND[opt.param_groups[0]["bits"]])
 
 
+def assert_fp32_states_cross(m, source, names):
+    """memfit's 32-bit AdamW loads `source`'s state dict with every state bit-exact:
+    `names` maps memfit's state names to the source's. Returns the memfit optimizer."""
+    opt = mo.AdamW(m.parameters())
+    opt.load_state_dict(source.state_dict())
+    for p in m.parameters():
+        for mine, theirs in names.items():
+            assert torch.equal(opt.state[p][mine], source.state[p][theirs]), mine
+    return opt
+
+
 def test_fp32_states_cross_bit_exactly():
     m = model()
     t = torch.optim.AdamW(m.parameters(), lr=1e-2)
     train(m, t, 2)
-    opt = mo.AdamW(m.parameters())
-    opt.load_state_dict(t.state_dict())
-    for p in m.parameters():
-        assert torch.equal(opt.state[p]["state1"], t.state[p]["exp_avg"])
-        assert torch.equal(opt.state[p]["state2"], t.state[p]["exp_avg_sq"])
-        assert torch.equal(opt.state[p]["step"], t.state[p]["step"])
+    opt = assert_fp32_states_cross(
+        m, t, {"state1": "exp_avg", "state2": "exp_avg_sq", "step": "step"})
     train(m, opt, 2)
     t2 = torch.optim.AdamW(m.parameters())
     t2.load_state_dict(mo.to_torch_state_dict(opt))
@@ -424,11 +431,7 @@ def test_bitsandbytes_adamw8bit_state_dict():
     # bitsandbytes' 32-bit states cross exactly
     b32 = bnb.optim.AdamW(m.parameters(), optim_bits=32)
     train(m, b32, 2)
-    opt32 = mo.AdamW(m.parameters())
-    opt32.load_state_dict(b32.state_dict())
-    for p in m.parameters():
-        assert torch.equal(opt32.state[p]["state1"], b32.state[p]["state1"])
-        assert torch.equal(opt32.state[p]["state2"], b32.state[p]["state2"])
+    assert_fp32_states_cross(m, b32, {"state1": "state1", "state2": "state2"})
 
 
 def test_format_1_state_dicts_load():
