@@ -40,6 +40,10 @@ def _worker(rank: int, world_size: int, init_file: str, fn, args, results) -> No
         memfit.set_num_threads(1)
         dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
                                 world_size=world_size)
+        # gloo's init returns on one rank before its peer has finished connecting: a
+        # rank whose fn returns (and tears down) at once would break the peer's init,
+        # so the peer reports a "connectFullMesh failed" instead of its own result.
+        dist.barrier()
         try:
             out = fn(rank, world_size, *args)
             buf = io.BytesIO()
