@@ -1,7 +1,7 @@
 /*
- * Private to the core: pieces of the CPU optimizer step shared by the block kernel
- * (optim.c) and the fused kernels for quantized states (optim_fused.h, built in
- * optim_avx512.c and optim_avx2.c).
+ * Private to the core: the CPU optimizer step's entry point, and the pieces of it
+ * shared by the block kernel (optim.c) and the fused kernels for quantized states
+ * (optim_fused.h, built in optim_avx512.c and optim_avx2.c).
  */
 #ifndef MEMFIT_OPTIM_CPU_H
 #define MEMFIT_OPTIM_CPU_H
@@ -15,6 +15,12 @@
 #else
 #define MF_INLINE static inline
 #endif
+
+/* mf_optim_step on CPU arrays, after optim_api.c has checked every argument. */
+mf_status mf_optim_step_cpu(const mf_optim_hparams *h, mf_state_format fmt, int64_t block_size,
+                            const mf_tensor *code1, const mf_tensor *code2,
+                            const mf_optim_tensor *tensors, int64_t n,
+                            const mf_tensor *grad_scale, const mf_tensor *found_inf);
 
 typedef struct {
   const float *code[2];        /* code tables of state1, state2 */

@@ -1,6 +1,7 @@
-/* Bindings for the optimizer steps (csrc/core/optim.c, cuda/optim.cu). The Python
- * layer (memfit.optim) allocates the states in the caller's framework and passes
- * them in; this file only turns the lists of arrays into views and calls the core. */
+/* Bindings for the optimizer steps (mf_optim_step in csrc/core/optim_api.c, which checks
+ * the arguments and runs csrc/core/optim.c or cuda/optim.cu). The Python layer
+ * (memfit.optim) allocates the states in the caller's framework and passes them in;
+ * this file only turns the lists of arrays into views and calls the core. */
 #include <stddef.h>
 #include <string.h>
 
