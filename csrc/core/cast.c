@@ -22,7 +22,7 @@ mf_status mf_cast(const mf_tensor *x, mf_tensor *out, mf_rounding rounding, uint
     return mf_cuda_cast(x, out, stochastic, seed, stream);
 #else
     (void)stream;
-    return mf_error(MF_ERR_NO_CUDA, "cast: got CUDA arrays, but this memfit was built without CUDA support");
+    return mf_error_no_cuda("cast");
 #endif
   }
   const void *src = x->data;

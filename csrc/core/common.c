@@ -30,6 +30,13 @@ mf_status mf_error(mf_status status, const char *fmt, ...) {
   return status;
 }
 
+mf_status mf_error_no_cuda(const char *what) {
+  return mf_error(MF_ERR_NO_CUDA,
+                  "%s: got CUDA arrays, but this memfit was built without CUDA support "
+                  "(rebuild where nvcc is installed, or with -C cmake.define.MEMFIT_CUDA=ON)",
+                  what);
+}
+
 const char *mf_dtype_name(mf_dtype dtype) {
   switch (dtype) {
     case MF_FLOAT32: return "float32";

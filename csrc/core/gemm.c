@@ -158,7 +158,7 @@ mf_status mf_gemm(const mf_tensor *a, int trans_a, const mf_tensor *b, int trans
     return mf_cuda_gemm(a, trans_a, b, trans_b, c, m, n, k, bias, act, pre, stream);
 #else
     (void)stream;
-    return mf_error(MF_ERR_NO_CUDA, "gemm: got CUDA arrays, but this memfit was built without CUDA support");
+    return mf_error_no_cuda("gemm");
 #endif
   }
   mf_gemm_note_backend("cpu", "");
@@ -184,7 +184,7 @@ mf_status mf_act_backward(const mf_tensor *dy, const mf_tensor *pre, mf_tensor *
     return mf_cuda_act_backward(dy, pre, dpre, act, stream);
 #else
     (void)stream;
-    return mf_error(MF_ERR_NO_CUDA, "act_backward: got CUDA arrays, but this memfit was built without CUDA support");
+    return mf_error_no_cuda("act_backward");
 #endif
   }
   const int64_t n = dy->numel;

@@ -238,9 +238,7 @@ mf_status mf_optim_step(const mf_optim_hparams *h, mf_state_format fmt, int64_t 
                               found_inf, stream);
 #else
     (void)stream;
-    return mf_error(MF_ERR_NO_CUDA,
-                    "optimizer step: got CUDA arrays, but this memfit was built without CUDA "
-                    "support (rebuild where nvcc is installed, or with -C cmake.define.MEMFIT_CUDA=ON)");
+    return mf_error_no_cuda("optimizer step");
 #endif
   }
   return mf_optim_step_cpu(h, fmt, block_size, code1, code2, tensors, n, grad_scale, found_inf);

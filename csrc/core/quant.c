@@ -25,13 +25,6 @@ int mf_quant_block_size_ok(int64_t bs) {
 
 int64_t mf_quant_num_blocks(int64_t numel, int64_t bs) { return (numel + bs - 1) / bs; }
 
-static mf_status no_cuda(const char *what) {
-  return mf_error(MF_ERR_NO_CUDA,
-                  "%s: got CUDA arrays, but this memfit was built without CUDA support "
-                  "(rebuild where nvcc is installed, or with -C cmake.define.MEMFIT_CUDA=ON)",
-                  what);
-}
-
 /* Checks shared by both directions; names the arguments as the Python API does. */
 static mf_status check_common(const mf_tensor *values, const char *values_name,
                               const mf_tensor *code, const mf_tensor *codes,
@@ -261,7 +254,7 @@ mf_status mf_quantize_blockwise(const mf_tensor *x, const mf_tensor *code, mf_te
                                       stream);
 #else
     (void)stream;
-    return no_cuda("quantize_blockwise");
+    return mf_error_no_cuda("quantize_blockwise");
 #endif
   }
   if ((st = check_code_sorted((const float *)code->data))) return st;
@@ -279,7 +272,7 @@ mf_status mf_dequantize_blockwise(const mf_tensor *codes, const mf_tensor *absma
     return mf_cuda_dequantize_blockwise(codes, absmax, code, out, block_size, stream);
 #else
     (void)stream;
-    return no_cuda("dequantize_blockwise");
+    return mf_error_no_cuda("dequantize_blockwise");
 #endif
   }
   const float *cd = (const float *)code->data, *am = (const float *)absmax->data;

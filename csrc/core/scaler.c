@@ -89,8 +89,7 @@ mf_status mf_scaler_update(mf_tensor *state, const mf_tensor *found_infs, int64_
     return mf_cuda_scaler_update(state, found_infs, n, loss_flag, cfg, stream);
 #else
     (void)stream;
-    return mf_error(MF_ERR_NO_CUDA, "scaler_update: got CUDA arrays, but this memfit was "
-                                    "built without CUDA support");
+    return mf_error_no_cuda("scaler_update");
 #endif
   }
   int any = 0;

@@ -64,13 +64,7 @@ static mf_status check_scalar(const mf_tensor *s, const char *name, const mf_ten
 #ifdef MEMFIT_WITH_CUDA
 #define ON_CUDA(what, stream, call) (call)
 #else
-static mf_status no_cuda(const char *what) {
-  return mf_error(MF_ERR_NO_CUDA,
-                  "%s: got CUDA arrays, but this memfit was built without CUDA support "
-                  "(rebuild where nvcc is installed, or with -C cmake.define.MEMFIT_CUDA=ON)",
-                  what);
-}
-#define ON_CUDA(what, stream, call) ((void)(stream), no_cuda(what))
+#define ON_CUDA(what, stream, call) ((void)(stream), mf_error_no_cuda(what))
 #endif
 
 /* The chunks (work items of MF_MT_CHUNK elements, multi_tensor.h) of all tensors:

@@ -74,6 +74,9 @@ mf_status mf_error(mf_status status, const char *fmt, ...)
 #endif
     ;
 void mf_clear_error(void);
+/* MF_ERR_NO_CUDA for an entry point (`what`) given CUDA arrays in a build without CUDA,
+ * with how to get a build that has it: the one wording every entry point uses. */
+mf_status mf_error_no_cuda(const char *what);
 
 const char *mf_dtype_name(mf_dtype dtype);
 size_t mf_dtype_size(mf_dtype dtype);
