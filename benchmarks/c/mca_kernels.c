@@ -21,7 +21,7 @@ MF_TARGET_AVX2 __attribute__((noinline)) int mca_quant_lut_avx2(const mf_code_lu
   MCA_BEGIN("quant_lut_avx2 elems=8 isa=avx2");
   for (int64_t i = 0; i + 8 <= n; i += 8)
     _mm_storel_epi64((__m128i *)(q + i), mf_code_lut_quantize8(t, _mm256_loadu_ps(x + i),
-                                                               _mm256_set1_ps(inv), &slow, 1));
+                                                               _mm256_set1_ps(inv), &slow));
   MCA_END();
   return _mm256_movemask_ps(_mm256_castsi256_ps(slow));
 }
@@ -32,7 +32,7 @@ MF_TARGET_AVX512 __attribute__((noinline)) int mca_quant_lut_avx512(const mf_cod
   __m512i slow = _mm512_setzero_si512();
   MCA_BEGIN("quant_lut_avx512 elems=16 isa=avx512");
   for (int64_t i = 0; i + 16 <= n; i += 16) {
-    const __m128i b = mf_code_lut_quantize16(t, _mm512_loadu_ps(x + i), _mm512_set1_ps(inv), &slow, 1);
+    const __m128i b = mf_code_lut_quantize16(t, _mm512_loadu_ps(x + i), _mm512_set1_ps(inv), &slow);
     _mm_storeu_si128((__m128i *)(q + i), b);
   }
   MCA_END();

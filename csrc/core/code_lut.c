@@ -114,7 +114,7 @@ MF_TARGET_AVX512 static void quantize_avx512(const mf_code_lut *t, const float *
   __m512i slow = _mm512_setzero_si512();
   int64_t i = 0;
   for (; i + 16 <= n; i += 16)
-    _mm_storeu_si128((__m128i *)(q + i), mf_code_lut_quantize16(t, _mm512_loadu_ps(x + i), vinv, &slow, 1));
+    _mm_storeu_si128((__m128i *)(q + i), mf_code_lut_quantize16(t, _mm512_loadu_ps(x + i), vinv, &slow));
   finish(t, x, inv, n, q, i, ((uint32_t)_mm512_reduce_or_epi32(slow) & MF_CODE_LUT_SLOW) != 0);
 }
 
@@ -125,7 +125,7 @@ MF_TARGET_AVX2 static void quantize_avx2(const mf_code_lut *t, const float *x, f
   int64_t i = 0;
   MF_MCA_BEGIN("quant_lut_loads_avx2 elems=8 isa=avx2");
   for (; i + 8 <= n; i += 8)
-    _mm_storel_epi64((__m128i *)(q + i), mf_code_lut_quantize8(t, _mm256_loadu_ps(x + i), vinv, &slow, 1));
+    _mm_storel_epi64((__m128i *)(q + i), mf_code_lut_quantize8(t, _mm256_loadu_ps(x + i), vinv, &slow));
   MF_MCA_END();
   finish(t, x, inv, n, q, i, _mm256_movemask_ps(_mm256_castsi256_ps(slow)) != 0);
 }

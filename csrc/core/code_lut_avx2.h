@@ -53,18 +53,15 @@ MF_TARGET_AVX2 static inline __m128i mf_code_lut_bytes8(__m256i sum) {
 /* The AVX2 form of mf_code_lut_quantize16: 8 floats x * inv -> 8 code indices (in the
  * low 8 bytes), by scalar table loads (the form that is fastest where gathers are slow,
  * and not far behind elsewhere); *slow collects the sums (bit 31: a bucket that needs
- * the binary search), and NaN maps to 0 when check_nan is set. */
+ * the binary search), and NaN maps to 0, as in the binary search. */
 MF_TARGET_AVX2 static inline __m128i mf_code_lut_quantize8(const mf_code_lut *t, __m256 x,
-                                                           __m256 inv, __m256i *slow,
-                                                           const int check_nan) {
-  __m256i sum = mf_code_lut_sum8_loads(t, mf_code_lut_key8(x, inv));
+                                                           __m256 inv, __m256i *slow) {
+  const __m256i sum = mf_code_lut_sum8_loads(t, mf_code_lut_key8(x, inv));
   *slow = _mm256_or_si256(*slow, sum);
-  if (check_nan) { /* NaN (|bits| above Inf's) -> 0, as the binary search */
-    const __m256i a = _mm256_andnot_si256(_mm256_set1_epi32((int)0x80000000u),
-                                          _mm256_castps_si256(_mm256_mul_ps(x, inv)));
-    sum = _mm256_and_si256(sum, _mm256_cmpgt_epi32(_mm256_set1_epi32(0x7f800001), a));
-  }
-  return mf_code_lut_bytes8(sum);
+  /* NaN: |bits| above Inf's */
+  const __m256i a = _mm256_andnot_si256(_mm256_set1_epi32((int)0x80000000u),
+                                        _mm256_castps_si256(_mm256_mul_ps(x, inv)));
+  return mf_code_lut_bytes8(_mm256_and_si256(sum, _mm256_cmpgt_epi32(_mm256_set1_epi32(0x7f800001), a)));
 }
 
 #endif /* MF_X86_SIMD */

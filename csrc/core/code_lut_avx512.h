@@ -23,20 +23,16 @@ MF_TARGET_AVX512 static inline __m512i mf_code_lut_sum16(const mf_code_lut *t, _
 
 /* 16 floats x * inv -> 16 code indices as bytes; the vector form of
  * mf_code_lut_quantize. *slow collects the sums (bit 31: a bucket that needs the
- * binary search). NaN input (only the public search sees any: optimizer states are
- * finite) maps to 0 when check_nan is set. */
+ * binary search). NaN maps to 0, as in the binary search (only the public search sees
+ * any: optimizer states are finite, and the optimizer kernels use mf_code_lut_sum16). */
 MF_TARGET_AVX512 static inline __m128i mf_code_lut_quantize16(const mf_code_lut *t, __m512 x,
-                                                              __m512 inv, __m512i *slow,
-                                                              const int check_nan) {
+                                                              __m512 inv, __m512i *slow) {
   const __m512i sum = mf_code_lut_sum16(t, x, inv);
   *slow = _mm512_or_si512(*slow, sum);
-  __m512i q = _mm512_srli_epi32(sum, 16);
-  if (check_nan) {
-    const __m512i a = _mm512_and_si512(_mm512_castps_si512(_mm512_mul_ps(x, inv)),
-                                       _mm512_set1_epi32(0x7fffffff));
-    q = _mm512_maskz_mov_epi32(_mm512_cmple_epu32_mask(a, _mm512_set1_epi32(0x7f800000)), q);
-  }
-  return _mm512_cvtepi32_epi8(q);
+  const __m512i a = _mm512_and_si512(_mm512_castps_si512(_mm512_mul_ps(x, inv)),
+                                     _mm512_set1_epi32(0x7fffffff));
+  const __mmask16 not_nan = _mm512_cmple_epu32_mask(a, _mm512_set1_epi32(0x7f800000));
+  return _mm512_cvtepi32_epi8(_mm512_maskz_mov_epi32(not_nan, _mm512_srli_epi32(sum, 16)));
 }
 
 #endif /* MF_X86_SIMD */
