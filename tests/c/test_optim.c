@@ -269,6 +269,29 @@ static void test_kahan_step(void) {
         "comp for float32 params must be refused");
 }
 
+/* A CPU-only build refuses CUDA arrays once the arguments check out: MF_ERR_NO_CUDA,
+ * naming the entry point and how to get a CUDA build, with nothing dereferenced and the
+ * step counter untouched (the pointers are not host memory). */
+static void test_cuda_arrays_without_cuda(void) {
+#ifndef MEMFIT_WITH_CUDA
+  mf_optim_hparams h;
+  memset(&h, 0, sizeof h);
+  h.kind = MF_OPT_ADAMW;
+  h.lr = 1e-3;
+  h.beta1 = 0.9;
+  h.beta2 = 0.999;
+  h.eps = 1e-8;
+  mf_optim_tensor t = step_tensor((void *)0x100, (void *)0x200, MF_FLOAT32, (void *)0x300,
+                                  (void *)0x400, MF_FLOAT32, 8, (float *)0x500);
+  mf_tensor *arrays[] = {&t.param, &t.grad, &t.state1, &t.state2, &t.step};
+  for (size_t i = 0; i < sizeof arrays / sizeof arrays[0]; i++) arrays[i]->device = MF_CUDA;
+  CHECK(mf_optim_step(&h, MF_STATE_FP32, 0, NULL, NULL, &t, 1, NULL, NULL, NULL) == MF_ERR_NO_CUDA,
+        "CUDA arrays in a CPU-only build: %s", mf_last_error());
+  CHECK(strstr(mf_last_error(), "optimizer step:") && strstr(mf_last_error(), "MEMFIT_CUDA=ON"),
+        "the message names the step and the rebuild: %s", mf_last_error());
+#endif
+}
+
 /* An 8-bit AdamW step must be the scalar reference's, bit for bit (dequantize,
  * mf_optim_update_one, absmax, binary search per block): with the shipped codes (the
  * fused kernel of this CPU, with the code search MEMFIT_OPTIM_KERNEL picks), and with a
@@ -349,5 +372,6 @@ int main(void) {
   test_adam_skip_test_is_the_contract();
   test_kahan_split();
   test_kahan_step();
+  test_cuda_arrays_without_cuda();
   return check_exit("test_optim");
 }
