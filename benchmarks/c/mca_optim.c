@@ -78,23 +78,15 @@ MCA_LOOP(mca_search_gather_avx512, MF_TARGET_AVX512, "search_gather_avx512 elems
 
 /* 4-bit: 32 elements to 16 bytes of nibbles, the fused AVX2 kernel's requantization:
  * the table search by gather or by scalar loads, then the packing. */
-#define PACK4_32(q0, q1, q2, q3, dst)                                                        \
-  do {                                                                                    \
-    const __m256i bytes_ = _mm256_permutevar8x32_epi32(                                   \
-        _mm256_packus_epi16(_mm256_packs_epi32(q0, q1), _mm256_packs_epi32(q2, q3)),        \
-        _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));                                       \
-    const __m256i pairs_ = _mm256_maddubs_epi16(bytes_, _mm256_set1_epi16(0x1001));       \
-    _mm_storeu_si128((__m128i *)(dst), _mm256_castsi256_si128(_mm256_permute4x64_epi64(   \
-                                           _mm256_packus_epi16(pairs_, pairs_), 0x08)));    \
-  } while (0)
-#define SUM8_SHIFTED(x) _mm256_srli_epi32(mf_code_lut_sum8(lut, _mm256_loadu_ps(x), _mm256_set1_ps(k)), 16)
-#define LOADS_SHIFTED(x) \
-  _mm256_srli_epi32(mf_code_lut_sum8_loads(lut, mf_code_lut_key8(_mm256_loadu_ps(x), _mm256_set1_ps(k))), 16)
+#define SUM8(x) mf_code_lut_sum8(lut, _mm256_loadu_ps(x), _mm256_set1_ps(k))
+#define SUM8_LOADS(x) mf_code_lut_sum8_loads(lut, mf_code_lut_key8(_mm256_loadu_ps(x), _mm256_set1_ps(k)))
 MCA_LOOP(mca_search4_loads_avx2, MF_TARGET_AVX2, "search4_loads_avx2 elems=32 isa=avx2", 32, float,
          uint8_t,
-         PACK4_32(LOADS_SHIFTED(in + v), LOADS_SHIFTED(in + v + 8), LOADS_SHIFTED(in + v + 16),
-                  LOADS_SHIFTED(in + v + 24), out + v / 2))
+         _mm_storeu_si128((__m128i *)(out + v / 2),
+                          mf_code_lut_nibbles32(SUM8_LOADS(in + v), SUM8_LOADS(in + v + 8),
+                                                SUM8_LOADS(in + v + 16), SUM8_LOADS(in + v + 24))))
 MCA_LOOP(mca_search4_gather_avx2, MF_TARGET_AVX2, "search4_gather_avx2 elems=32 isa=avx2", 32, float,
          uint8_t,
-         PACK4_32(SUM8_SHIFTED(in + v), SUM8_SHIFTED(in + v + 8), SUM8_SHIFTED(in + v + 16),
-                  SUM8_SHIFTED(in + v + 24), out + v / 2))
+         _mm_storeu_si128((__m128i *)(out + v / 2),
+                          mf_code_lut_nibbles32(SUM8(in + v), SUM8(in + v + 8), SUM8(in + v + 16),
+                                                SUM8(in + v + 24))))

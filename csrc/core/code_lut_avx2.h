@@ -50,6 +50,19 @@ MF_TARGET_AVX2 static inline __m128i mf_code_lut_bytes8(__m256i sum) {
   return _mm_unpacklo_epi32(_mm256_castsi256_si128(b), _mm256_extracti128_si256(b, 1));
 }
 
+/* The code indices of 32 sums (byte 2 of each; 4-bit codes, so below 16) as 16 bytes of
+ * nibbles, index 2i in the low nibble of byte i. The packs work within 128-bit lanes:
+ * the dwords are put back in order before the pairs are joined. */
+MF_TARGET_AVX2 static inline __m128i mf_code_lut_nibbles32(__m256i s0, __m256i s1, __m256i s2,
+                                                           __m256i s3) {
+  const __m256i lo = _mm256_packs_epi32(_mm256_srli_epi32(s0, 16), _mm256_srli_epi32(s1, 16));
+  const __m256i hi = _mm256_packs_epi32(_mm256_srli_epi32(s2, 16), _mm256_srli_epi32(s3, 16));
+  const __m256i bytes = _mm256_permutevar8x32_epi32(_mm256_packus_epi16(lo, hi),
+                                                    _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+  const __m256i pairs = _mm256_maddubs_epi16(bytes, _mm256_set1_epi16(0x1001)); /* q[2i] + 16 q[2i+1] */
+  return _mm256_castsi256_si128(_mm256_permute4x64_epi64(_mm256_packus_epi16(pairs, pairs), 0x08));
+}
+
 /* The AVX2 form of mf_code_lut_quantize16: 8 floats x * inv -> 8 code indices (in the
  * low 8 bytes), by scalar table loads (the form that is fastest where gathers are slow,
  * and not far behind elsewhere); *slow collects the sums (bit 31: a bucket that needs

@@ -93,15 +93,7 @@ MF_TARGET_AVX2 static inline void quantize32(const mf_code_lut *lut, int scalar,
     for (int v = 0; v < 4; v++) _mm_storel_epi64((__m128i *)(out + 8 * v), mf_code_lut_bytes8(sum[v]));
     return;
   }
-  /* 4-bit: the 32 indices as 32 bytes in order (the packs work per 128-bit lane), then
-   * q[2i] + 16 q[2i+1] per byte pair */
-  for (int v = 0; v < 4; v++) sum[v] = _mm256_srli_epi32(sum[v], 16);
-  const __m256i bytes = _mm256_permutevar8x32_epi32(
-      _mm256_packus_epi16(_mm256_packs_epi32(sum[0], sum[1]), _mm256_packs_epi32(sum[2], sum[3])),
-      _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
-  const __m256i pairs = _mm256_maddubs_epi16(bytes, _mm256_set1_epi16(0x1001));
-  const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi16(pairs, pairs), 0x08);
-  _mm_storeu_si128((__m128i *)out, _mm256_castsi256_si128(packed));
+  _mm_storeu_si128((__m128i *)out, mf_code_lut_nibbles32(sum[0], sum[1], sum[2], sum[3]));
 }
 
 #include "optim_fused.h"
