@@ -118,8 +118,7 @@ MF_INLINE void block_step_impl(const mf_optim_hparams *h, const mf_optim_consts 
     }
   }
 #ifdef MF_X86_SIMD
-  if (isa == ISA_AVX2 && (h->kind == MF_OPT_ADAMW || h->kind == MF_OPT_ADAM))
-    update_adam_avx2(h->kind, c, n, p, g, s[0], s[1]);
+  if (isa == ISA_AVX2) update_avx2(h->kind, c, ns, n, p, g, s[0], s[1]);
   else
 #endif
     update_any(h->kind, c, ns, n, p, g, s[0], s[1]);

@@ -41,14 +41,7 @@ static inline void tables_init(thread_bufs *b, const quant_ctx *qc, int ns) {
   (void)b, (void)qc, (void)ns;
 }
 
-/* Adam/AdamW by update_adam_avx2 (optim_cpu.h); the other kinds by the plain loop. */
-MF_TARGET_AVX2 static inline void update_half(const mf_optim_kind kind, const mf_optim_consts *c,
-                                              int ns, int64_t n, float *restrict p,
-                                              const float *restrict g, float *restrict s1,
-                                              float *restrict s2) {
-  if (kind == MF_OPT_ADAMW || kind == MF_OPT_ADAM) update_adam_avx2(kind, c, n, p, g, s1, s2);
-  else update_loop(kind, c, ns, n, p, g, s1, s2);
-}
+#define update_half update_avx2 /* (optim_cpu.h) */
 
 /* 8-bit codes: the table values by scalar loads (load_code8), not gathers. */
 MF_TARGET_AVX2 static inline void dequant64_8(const thread_bufs *b, int k, const float *code,

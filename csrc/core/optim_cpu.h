@@ -176,6 +176,15 @@ MF_TARGET_AVX2 static inline void update_adam_avx2(mf_optim_kind kind, const mf_
   for (int64_t i = whole; i < n; i++) mf_optim_update_one(kind, &k, 2, &p[i], g[i], &s1[i], &s2[i]);
 }
 
+/* The update on AVX2, for the block and the fused kernel: Adam/AdamW by
+ * update_adam_avx2, the other kinds by the plain loop. */
+MF_TARGET_AVX2 static inline void update_avx2(mf_optim_kind kind, const mf_optim_consts *c, int ns,
+                                              int64_t n, float *restrict p, const float *restrict g,
+                                              float *restrict s1, float *restrict s2) {
+  if (kind == MF_OPT_ADAMW || kind == MF_OPT_ADAM) update_adam_avx2(kind, c, n, p, g, s1, s2);
+  else update_any(kind, c, ns, n, p, g, s1, s2);
+}
+
 /* code[q[0..7]] by eight scalar loads: on AVX2 faster than an 8-lane gather, which is
  * microcoded on AMD Zen (benchmarks/RESULTS.md, "AMD EPYC"; llvm-mca agrees for Intel). */
 MF_TARGET_AVX2 static inline __m256 load_code8(const float *code, const uint8_t *q) {
