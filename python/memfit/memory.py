@@ -37,8 +37,9 @@ one input per segment plus one segment's activations.
 Optimizer states per parameter: AdamW 8 B; 8-bit AdamW 2 B + 2 float32 absmax per 256
 (2.03 B); 4-bit AdamW 1 B + 2 absmax per 128 (1.06 B); SGD momentum 4 B; Lion 4 B,
 8-bit Lion 1.02 B. memfit's 8-/4-bit optimizers keep float32 states for 1-D parameters
-(biases, norms: ``vector_params``), so those count at the 32-bit optimizer's bytes. Pure bf16 with a Kahan compensation buffer (``kahan=True``, memfit's
-optimizers' option): + 2 B (the buffer is bf16, like the weights; fp32 weights need none).
+(biases, norms: ``vector_params``), so those count at the 32-bit optimizer's bytes.
+Pure bf16 with a Kahan compensation buffer (``kahan=True``, memfit's optimizers'
+option): + 2 B (the buffer is bf16, like the weights; fp32 weights need none).
 
 Temporary buffers: the gradient of the logits (s*b*V*4 bytes), or eager attention
 scores if larger, plus on a GPU the CUDA context and library workspaces (0.5 GB, a
@@ -60,8 +61,10 @@ OPTIMIZER_BYTES = {  # bytes of state per parameter
     "adamw4bit": 1.0 + 2 * 4 / 128,
     "sgd": 4.0, "lion": 4.0, "lion8bit": 1.0 + 4 / 256,
 }
-# the quantized optimizers' bytes per parameter for 1-D tensors (float32 states)
-VECTOR_OPTIMIZER_BYTES = {"adamw8bit": 8.0, "adam8bit": 8.0, "adamw4bit": 8.0, "lion8bit": 4.0}
+# the quantized optimizers' bytes per parameter for 1-D tensors: those of their 32-bit form
+VECTOR_OPTIMIZER_BYTES = {q: OPTIMIZER_BYTES[full] for q, full in
+                          {"adamw8bit": "adamw", "adam8bit": "adam", "adamw4bit": "adamw",
+                           "lion8bit": "lion"}.items()}
 
 GPUS = {  # name: (memory in GiB, native bf16)
     "t4": (15.0, False), "l4": (22.5, True), "a10": (22.5, True), "v100": (16.0, False),
