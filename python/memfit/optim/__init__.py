@@ -11,6 +11,9 @@ parameter and requantizes, block by block. See docs/optim.md.
 :func:`to_torch_state_dict` exports the states for torch.optim, and ``load_state_dict``
 also takes torch.optim's and bitsandbytes' state dicts (:mod:`memfit.optim.convert`).
 
+Coming from bitsandbytes: ``import memfit.optim.bnb as bnb`` gives its classes, names and
+signatures on these optimizers (:mod:`memfit.optim.bnb`).
+
 The optimizer classes import torch on first use; :mod:`memfit.optim.functional`, the
 array-level API for NumPy, CuPy and JAX users, does not need torch.
 """
@@ -24,6 +27,7 @@ __all__ = [
     "Lion8bit",
     "RMSprop8bit",
     "SGD8bit",
+    "bnb",
     "convert",
     "dequantized_state",
     "functional",
@@ -42,7 +46,7 @@ _TORCH_NAMES = {
 def __getattr__(name):
     import importlib
 
-    if name in ("functional", "convert"):
+    if name in ("functional", "convert", "bnb"):
         return importlib.import_module(f"memfit.optim.{name}")
     if name in _TORCH_NAMES:
         value = getattr(importlib.import_module(f"memfit.optim.{_TORCH_NAMES[name]}"), name)
