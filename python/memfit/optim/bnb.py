@@ -226,17 +226,26 @@ PagedAdam32bit = _adam_class("PagedAdam32bit", _m.AdamW, 32, 0, paged=True)
 # -- Lion -----------------------------------------------------------------------------------
 
 def _lion_class(name, fixed_bits, paged=False):
-    if fixed_bits is None:
+    if paged:  # bitsandbytes' PagedLion* take no is_paged
+        if fixed_bits is None:
+            def __init__(self, params, lr=1e-4, betas=(0.9, 0.99), weight_decay=0, optim_bits=32,
+                         args=None, min_8bit_size=4096, percentile_clipping=100, block_wise=True):
+                raise _paged_error(name)
+        else:
+            def __init__(self, params, lr=1e-4, betas=(0.9, 0.99), weight_decay=0, args=None,
+                         min_8bit_size=4096, percentile_clipping=100, block_wise=True):
+                raise _paged_error(name)
+    elif fixed_bits is None:
         def __init__(self, params, lr=1e-4, betas=(0.9, 0.99), weight_decay=0, optim_bits=32,
                      args=None, min_8bit_size=4096, percentile_clipping=100, block_wise=True,
                      is_paged=False):
             _init_lion(self, name, params, lr, betas, weight_decay, optim_bits, args, min_8bit_size,
-                       percentile_clipping, block_wise, is_paged, fixed_bits, paged)
+                       percentile_clipping, block_wise, is_paged, fixed_bits)
     else:
         def __init__(self, params, lr=1e-4, betas=(0.9, 0.99), weight_decay=0, args=None,
                      min_8bit_size=4096, percentile_clipping=100, block_wise=True, is_paged=False):
             _init_lion(self, name, params, lr, betas, weight_decay, 32, args, min_8bit_size,
-                       percentile_clipping, block_wise, is_paged, fixed_bits, paged)
+                       percentile_clipping, block_wise, is_paged, fixed_bits)
     doc = (f"bitsandbytes' ``{name}`` on ``memfit.optim.Lion8bit``'s math"
            + (f"; always raises ValueError: {name} is paged" if paged else "")
            + ". See :mod:`memfit.optim.bnb`.")
@@ -245,9 +254,7 @@ def _lion_class(name, fixed_bits, paged=False):
 
 
 def _init_lion(self, name, params, lr, betas, weight_decay, optim_bits, args, min_8bit_size,
-               percentile_clipping, block_wise, is_paged, fixed_bits, paged):
-    if paged:
-        raise _paged_error(name)
+               percentile_clipping, block_wise, is_paged, fixed_bits):
     # bitsandbytes' Lion8bit/Lion32bit take no optim_bits: their format is the class's
     bits, min8 = _resolve(name, optim_bits=optim_bits if fixed_bits is None else fixed_bits, args=args,
                           min_8bit_size=min_8bit_size, percentile_clipping=percentile_clipping,

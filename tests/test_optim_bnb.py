@@ -1,0 +1,346 @@
+"""memfit.optim.bnb: a bitsandbytes user's optimizer lines run after an import swap.
+
+Signatures are checked against bitsandbytes' own (recorded below from the 0.49.2 and
+0.50.2 wheels' bitsandbytes/optim/{adamw,adam,lion,rmsprop,sgd}.py), every argument is
+passed in both spellings, what memfit cannot do raises ValueError, and a step is
+bit-identical to memfit's own class built with the translated arguments."""
+
+import inspect
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+import memfit.optim as mo  # noqa: E402
+import memfit.optim.bnb as bnb  # noqa: E402
+
+_ADAMW = "lr=0.001, betas=(0.9, 0.999), eps=1e-08, weight_decay=0.01, amsgrad=False, optim_bits=32, args=None, min_8bit_size=4096"
+_ADAM = _ADAMW.replace("weight_decay=0.01", "weight_decay=0")
+_LION = "lr=0.0001, betas=(0.9, 0.99), weight_decay=0"
+_RMS = "lr=0.01, alpha=0.99, eps=1e-08, weight_decay=0, momentum=0, centered=False"
+_SGD = "lr, momentum=0, dampening=0, weight_decay=0, nesterov=False"
+_049 = "percentile_clipping=100, block_wise=True"
+# class -> (0.49 signature, 0.50 signature), without `params`
+SIGNATURES = {
+    "AdamW": (f"{_ADAMW}, {_049}, is_paged=False", f"{_ADAMW}, is_paged=False"),
+    "AdamW8bit": (f"{_ADAMW}, {_049}, is_paged=False", f"{_ADAMW}, is_paged=False"),
+    "AdamW32bit": (f"{_ADAMW}, {_049}, is_paged=False", f"{_ADAMW}, is_paged=False"),
+    "PagedAdamW": (f"{_ADAMW}, {_049}", _ADAMW),
+    "PagedAdamW8bit": (f"{_ADAMW}, {_049}", _ADAMW),
+    "PagedAdamW32bit": (f"{_ADAMW}, {_049}", _ADAMW),
+    "Adam": (f"{_ADAM}, {_049}, is_paged=False", f"{_ADAM}, is_paged=False"),
+    "Adam8bit": (f"{_ADAM}, {_049}, is_paged=False", f"{_ADAM}, is_paged=False"),
+    "Adam32bit": (f"{_ADAM}, {_049}, is_paged=False", f"{_ADAM}, is_paged=False"),
+    "PagedAdam": (f"{_ADAM}, {_049}, is_paged=False", f"{_ADAM}, is_paged=False"),
+    "PagedAdam8bit": (f"{_ADAM}, {_049}, is_paged=False", f"{_ADAM}, is_paged=False"),
+    "PagedAdam32bit": (f"{_ADAM}, {_049}, is_paged=False", f"{_ADAM}, is_paged=False"),
+    "Lion": (f"{_LION}, optim_bits=32, args=None, min_8bit_size=4096, {_049}, is_paged=False",
+             f"{_LION}, optim_bits=32, args=None, min_8bit_size=4096, is_paged=False"),
+    "Lion8bit": (f"{_LION}, args=None, min_8bit_size=4096, {_049}, is_paged=False",
+                 f"{_LION}, args=None, min_8bit_size=4096, is_paged=False"),
+    "Lion32bit": (f"{_LION}, args=None, min_8bit_size=4096, {_049}, is_paged=False",
+                  f"{_LION}, args=None, min_8bit_size=4096, is_paged=False"),
+    "PagedLion": (f"{_LION}, optim_bits=32, args=None, min_8bit_size=4096, {_049}",
+                  f"{_LION}, optim_bits=32, args=None, min_8bit_size=4096"),
+    "PagedLion8bit": (f"{_LION}, args=None, min_8bit_size=4096, {_049}", f"{_LION}, args=None, min_8bit_size=4096"),
+    "PagedLion32bit": (f"{_LION}, args=None, min_8bit_size=4096, {_049}", f"{_LION}, args=None, min_8bit_size=4096"),
+    "RMSprop": (f"{_RMS}, optim_bits=32, args=None, min_8bit_size=4096, {_049}",
+                f"{_RMS}, optim_bits=32, args=None, min_8bit_size=4096"),
+    "RMSprop8bit": (f"{_RMS}, args=None, min_8bit_size=4096, {_049}", f"{_RMS}, args=None, min_8bit_size=4096"),
+    "RMSprop32bit": (f"{_RMS}, args=None, min_8bit_size=4096, {_049}", f"{_RMS}, args=None, min_8bit_size=4096"),
+    "SGD": (f"{_SGD}, optim_bits=32, args=None, min_8bit_size=4096, {_049}",
+            f"{_SGD}, optim_bits=32, args=None, min_8bit_size=4096"),
+    "SGD8bit": (f"{_SGD}, args=None, min_8bit_size=4096, {_049}", f"{_SGD}, args=None, min_8bit_size=4096"),
+    "SGD32bit": (f"{_SGD}, args=None, min_8bit_size=4096, {_049}", f"{_SGD}, args=None, min_8bit_size=4096"),
+}
+PAGED = [n for n in SIGNATURES if n.startswith("Paged")]
+UNPAGED = [n for n in SIGNATURES if not n.startswith("Paged")]
+
+
+def parse(sig: str):
+    """[(name, default or inspect._empty)] of a recorded signature."""
+    out = []
+    for part in inspect.signature(eval(f"lambda {sig}: 0", {})).parameters.values():  # noqa: S307
+        out.append((part.name, part.default))
+    return out
+
+
+@pytest.fixture(autouse=True)
+def fresh_manager():
+    bnb.GlobalOptimManager.get_instance().initialize()
+    yield
+    bnb.GlobalOptimManager.get_instance().initialize()
+
+
+def model():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Embedding(64, 96), torch.nn.Linear(96, 80))
+
+
+def train(opt, m, steps=3):
+    g = torch.Generator().manual_seed(1)
+    for _ in range(steps):
+        x = torch.randint(0, 64, (4, 7), generator=g)
+        m(x).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+    return m
+
+
+def test_import_forms():
+    assert bnb.optim is bnb and mo.bnb is bnb
+    assert bnb.optim.AdamW8bit is bnb.AdamW8bit
+    assert issubclass(bnb.AdamW8bit, mo.AdamW8bit) and issubclass(bnb.Lion8bit, mo.Lion8bit)
+    with pytest.raises(AttributeError, match="memfit has no Adagrad optimizer"):
+        bnb.optim.Adagrad8bit  # noqa: B018
+    with pytest.raises(AttributeError, match="memfit has no LAMB"):
+        bnb.PagedLAMB  # noqa: B018
+
+
+@pytest.mark.parametrize("name", SIGNATURES)
+def test_signature_is_bitsandbytes(name):
+    """0.49's signature exactly (names, order, defaults); 0.50's is it without
+    percentile_clipping and block_wise."""
+    ours = [(p.name, p.default) for p in inspect.signature(getattr(bnb, name)).parameters.values()][1:]
+    v049, v050 = (parse(s) for s in SIGNATURES[name])
+    assert ours == v049
+    assert [p for p in ours if p[0] not in ("percentile_clipping", "block_wise")] == v050
+
+
+def groups_of(opt):
+    g = opt.param_groups[0]
+    return {k: g[k] for k in ("lr", "betas", "eps", "weight_decay", "bits", "min_8bit_size") if k in g}
+
+
+ADAM_VALUES = dict(lr=2e-3, betas=(0.8, 0.9), eps=1e-6, weight_decay=0.05, amsgrad=False, optim_bits=32,
+                   args=None, min_8bit_size=100)
+
+
+@pytest.mark.parametrize("name,bits", [("AdamW8bit", 8), ("AdamW", 32), ("AdamW32bit", 32), ("Adam8bit", 8),
+                                       ("Adam", 32), ("Adam32bit", 32)])
+def test_adam_every_argument_both_spellings(name, bits):
+    cls = getattr(bnb, name)
+    p = model().parameters()
+    v = list(ADAM_VALUES.values())
+    forms = [
+        cls(list(p), *v, 100, True, False),  # 0.49, positionally (12 arguments)
+        cls(list(model().parameters()), *v, False),  # 0.50, positionally (10: is_paged last)
+        cls(list(model().parameters()), **ADAM_VALUES, percentile_clipping=100, block_wise=True, is_paged=False),
+        cls(list(model().parameters()), **ADAM_VALUES, is_paged=False),
+    ]
+    want = dict(lr=2e-3, betas=(0.8, 0.9), eps=1e-6, weight_decay=0.05, bits=bits, min_8bit_size=100)
+    for opt in forms:
+        assert groups_of(opt) == want
+        assert opt.param_groups[0]["amsgrad"] is False
+
+
+@pytest.mark.parametrize("name,bits", [("AdamW", 8), ("Adam", 8), ("Lion", 8), ("SGD", 8), ("RMSprop", 8)])
+def test_optim_bits_8_in_the_base_classes(name, bits):
+    opt = getattr(bnb, name)(model().parameters(), lr=1e-3, optim_bits=8)
+    assert opt.param_groups[0]["bits"] == 8
+
+
+@pytest.mark.parametrize("name,bits", [("Lion8bit", 8), ("Lion32bit", 32), ("Lion", 32)])
+def test_lion_every_argument_both_spellings(name, bits):
+    cls = getattr(bnb, name)
+    head = [3e-4, (0.95, 0.98), 0.1] + ([32] if name == "Lion" else []) + [None, 100]
+    for opt in (cls(model().parameters(), *head, 100, True, False), cls(model().parameters(), *head, False),
+                cls(model().parameters(), lr=3e-4, betas=(0.95, 0.98), weight_decay=0.1, args=None,
+                    min_8bit_size=100, is_paged=False)):
+        assert groups_of(opt) == dict(lr=3e-4, betas=(0.95, 0.98), weight_decay=0.1, bits=bits, min_8bit_size=100)
+
+
+@pytest.mark.parametrize("name,bits", [("SGD8bit", 8), ("SGD32bit", 32), ("SGD", 32)])
+def test_sgd_every_argument_both_spellings(name, bits):
+    cls = getattr(bnb, name)
+    head = [0.1, 0.9, 0.0, 0.01, True] + ([32] if name == "SGD" else []) + [None, 100]
+    for opt in (cls(model().parameters(), *head, 100, True), cls(model().parameters(), *head),
+                cls(model().parameters(), lr=0.1, momentum=0.9, dampening=0.0, weight_decay=0.01, nesterov=True,
+                    args=None, min_8bit_size=100, percentile_clipping=100, block_wise=True)):
+        g = opt.param_groups[0]
+        assert (g["lr"], g["momentum"], g["dampening"], g["weight_decay"], g["nesterov"], g["bits"],
+                g["min_8bit_size"]) == (0.1, 0.9, 0.0, 0.01, True, bits, 100)
+    with pytest.raises(TypeError):
+        cls(model().parameters())  # lr is required, as in bitsandbytes
+
+
+@pytest.mark.parametrize("name,bits", [("RMSprop8bit", 8), ("RMSprop32bit", 32), ("RMSprop", 32)])
+def test_rmsprop_every_argument_both_spellings(name, bits):
+    cls = getattr(bnb, name)
+    head = [0.02, 0.9, 1e-6, 0.01, 0.5, False] + ([32] if name == "RMSprop" else []) + [None, 100]
+    for opt in (cls(model().parameters(), *head, 100, True), cls(model().parameters(), *head),
+                cls(model().parameters(), lr=0.02, alpha=0.9, eps=1e-6, weight_decay=0.01, momentum=0.5,
+                    centered=False, args=None, min_8bit_size=100)):
+        g = opt.param_groups[0]
+        assert (g["lr"], g["alpha"], g["eps"], g["weight_decay"], g["momentum"], g["bits"],
+                g["min_8bit_size"]) == (0.02, 0.9, 1e-6, 0.01, 0.5, bits, 100)
+
+
+class Args:
+    """bitsandbytes' MockArgs: the options as attributes."""
+
+    def __init__(self, **kw):
+        self.__dict__.update(kw)
+
+
+def test_args_replaces_the_arguments_as_in_bitsandbytes():
+    opt = bnb.AdamW(model().parameters(), args=Args(optim_bits=8, min_8bit_size=10, max_unorm=0.0,
+                                                    skip_zeros=False, percentile_clipping=100, block_wise=True))
+    assert groups_of(opt)["bits"] == 8 and groups_of(opt)["min_8bit_size"] == 10
+    opt = bnb.Lion8bit(model().parameters(), args={"optim_bits": 32, "min_8bit_size": 5})
+    assert groups_of(opt)["bits"] == 32 and groups_of(opt)["min_8bit_size"] == 5
+
+
+ERRORS = [
+    ("AdamW8bit", dict(is_paged=True), "no paged optimizers"),
+    ("AdamW8bit", dict(amsgrad=True), "no AMSGrad"),
+    ("AdamW", dict(amsgrad=True), "32-bit ones ignore it"),
+    ("AdamW8bit", dict(percentile_clipping=5), "no percentile clipping.*clip_grad_norm_"),
+    ("Lion8bit", dict(percentile_clipping=0), "percentile_clipping: expected an int in 1..100"),
+    ("RMSprop8bit", dict(block_wise=False), "block-wise only"),
+    ("AdamW8bit", dict(optim_bits=8), "optim_bits must stay 32"),
+    ("Adam8bit", dict(optim_bits=16), "optim_bits must stay 32"),
+    ("AdamW", dict(optim_bits=4), "expected 8 or 32.*AdamW4bit"),
+    ("AdamW8bit", dict(args=Args(max_unorm=1.0)), "no update-norm clipping"),
+    ("AdamW8bit", dict(args=Args(skip_zeros=True)), "updates every element"),
+    ("RMSprop", dict(centered=True), "centered"),
+    ("AdamW8bit", dict(lr=-1.0), "lr"),
+]
+
+
+@pytest.mark.parametrize("name,kw,match", ERRORS, ids=[f"{n}-{next(iter(k))}" for n, k, _ in ERRORS])
+def test_what_memfit_does_not_do_raises_and_says_what_instead(name, kw, match):
+    with pytest.raises(ValueError, match=match):
+        getattr(bnb, name)(model().parameters(), **kw)
+
+
+@pytest.mark.parametrize("name", PAGED)
+def test_paged_classes_raise(name):
+    with pytest.raises(ValueError, match=f"{name}: memfit has no paged optimizers"):
+        getattr(bnb, name)(model().parameters())
+
+
+def test_bool_after_min_8bit_size_with_more_positionals_is_refused():
+    with pytest.raises(TypeError, match="0.50's positional is_paged"):
+        bnb.AdamW8bit(model().parameters(), 1e-3, (0.9, 0.999), 1e-8, 0.0, False, 32, None, 4096, False, False)
+
+
+# class -> (bnb constructor kwargs, memfit class, its kwargs, param-group bits for memfit)
+SAME_STEP = {
+    "AdamW8bit": (dict(lr=1e-2, weight_decay=0.1, min_8bit_size=100), mo.AdamW8bit, dict(lr=1e-2, weight_decay=0.1, min_8bit_size=100), None),
+    "AdamW": (dict(lr=1e-2, weight_decay=0.1), mo.AdamW, dict(lr=1e-2, weight_decay=0.1), None),
+    "AdamW-8": (dict(lr=1e-2, optim_bits=8, min_8bit_size=100), mo.AdamW8bit, dict(lr=1e-2, min_8bit_size=100), None),
+    "AdamW32bit": (dict(lr=1e-2), mo.AdamW, dict(lr=1e-2), None),
+    # bitsandbytes' Adam decays decoupled: memfit's AdamW math
+    "Adam8bit": (dict(lr=1e-2, weight_decay=0.1, min_8bit_size=100), mo.AdamW8bit, dict(lr=1e-2, weight_decay=0.1, min_8bit_size=100), None),
+    "Adam": (dict(lr=1e-2, weight_decay=0.1), mo.AdamW, dict(lr=1e-2, weight_decay=0.1), None),
+    "Adam32bit": (dict(lr=1e-2, weight_decay=0.1), mo.AdamW, dict(lr=1e-2, weight_decay=0.1), None),
+    "Lion8bit": (dict(lr=1e-3, weight_decay=0.1, min_8bit_size=100), mo.Lion8bit, dict(lr=1e-3, weight_decay=0.1, min_8bit_size=100), None),
+    "Lion": (dict(lr=1e-3), mo.Lion8bit, dict(lr=1e-3), 32),
+    "Lion32bit": (dict(lr=1e-3), mo.Lion8bit, dict(lr=1e-3), 32),
+    "SGD8bit": (dict(lr=0.1, momentum=0.9, nesterov=True, min_8bit_size=100), mo.SGD8bit, dict(lr=0.1, momentum=0.9, nesterov=True, min_8bit_size=100), None),
+    "SGD": (dict(lr=0.1, momentum=0.9), mo.SGD8bit, dict(lr=0.1, momentum=0.9), 32),
+    "SGD32bit": (dict(lr=0.1, momentum=0.9), mo.SGD8bit, dict(lr=0.1, momentum=0.9), 32),
+    "RMSprop8bit": (dict(lr=1e-3, momentum=0.5, min_8bit_size=100), mo.RMSprop8bit, dict(lr=1e-3, momentum=0.5, min_8bit_size=100), None),
+    "RMSprop": (dict(lr=1e-3), mo.RMSprop8bit, dict(lr=1e-3), 32),
+    "RMSprop32bit": (dict(lr=1e-3), mo.RMSprop8bit, dict(lr=1e-3), 32),
+}
+
+
+def assert_same_training(a, ma, b, mb):
+    for (pa, pb) in zip(ma.parameters(), mb.parameters()):
+        assert torch.equal(pa, pb)
+        sa, sb = a.state[pa], b.state[pb]
+        assert sa.keys() == sb.keys()
+        for k in sa:
+            assert sa[k].dtype == sb[k].dtype and torch.equal(sa[k], sb[k]), k
+
+
+@pytest.mark.parametrize("case", SAME_STEP)
+def test_step_is_memfits_own_class_bit_for_bit(case):
+    kw, cls, mkw, bits = SAME_STEP[case]
+    ma, mb = model(), model()
+    a = getattr(bnb, case.split("-")[0])(ma.parameters(), **kw)
+    params = list(mb.parameters())
+    b = cls(params if bits is None else [{"params": params, "bits": bits}], **mkw)
+    train(a, ma), train(b, mb)
+    assert_same_training(a, ma, b, mb)
+    want = 8 if case.endswith("8bit") or case == "AdamW-8" else 32
+    assert a.state[ma[0].weight]["state1"].dtype == (torch.uint8 if want == 8 else torch.float32)
+
+
+def test_bnb_adam_weight_decay_is_decoupled_not_torch_adams_l2():
+    ma, mb = model(), model()
+    train(bnb.Adam8bit(ma.parameters(), lr=1e-2, weight_decay=0.1), ma)
+    train(mo.Adam8bit(mb.parameters(), lr=1e-2, weight_decay=0.1), mb)  # L2: another update
+    assert not torch.equal(ma[1].weight, mb[1].weight)
+
+
+def test_state_dict_loads_into_memfits_class_and_back():
+    ma, mb = model(), model()
+    a = bnb.AdamW8bit(ma.parameters(), lr=1e-2)
+    train(a, ma, 2)
+    b = mo.AdamW8bit(mb.parameters(), lr=1e-2)
+    mb.load_state_dict(ma.state_dict())
+    b.load_state_dict(a.state_dict())
+    train(a, ma, 1), train(b, mb, 1)
+    assert_same_training(a, ma, b, mb)
+    bnb.AdamW8bit(ma.parameters()).load_state_dict(b.state_dict())
+
+
+# -- GlobalOptimManager ---------------------------------------------------------------------
+
+def state_dtype(opt, p):
+    return opt.state[p]["state1"].dtype
+
+
+def test_register_module_override_keeps_the_embedding_32bit():
+    """bitsandbytes' StableEmbedding habit, equal bit for bit to memfit's own form: a
+    param group with bits=32."""
+    ma, mb = model(), model()
+    bnb.GlobalOptimManager.get_instance().register_module_override(ma[0], "weight", {"optim_bits": 32})
+    a = bnb.AdamW8bit(ma.parameters(), lr=1e-2, min_8bit_size=100)
+    b = mo.AdamW8bit([{"params": [mb[0].weight], "bits": 32}, {"params": list(mb[1].parameters())}],
+                     lr=1e-2, min_8bit_size=100)
+    train(a, ma), train(b, mb)
+    assert state_dtype(a, ma[0].weight) == torch.float32 and state_dtype(a, ma[1].weight) == torch.uint8
+    for pa, pb in zip(ma.parameters(), mb.parameters()):
+        assert torch.equal(pa, pb)
+        assert all(torch.equal(a.state[pa][k], b.state[pb][k]) for k in a.state[pa])
+
+
+def test_override_config_after_the_optimizer_is_built_as_bitsandbytes_documents():
+    m = model()
+    mng = bnb.optim.GlobalOptimManager.get_instance()
+    mng.register_parameters(m.parameters())
+    opt = bnb.optim.Adam(m.parameters(), lr=0.001, optim_bits=8, min_8bit_size=100)
+    mng.override_config(m[1].weight, "optim_bits", 32)
+    mng.override_config([m[0].weight], key_value_dict={"min_8bit_size": 10**6, "percentile_clipping": 100})
+    train(opt, m, 1)
+    assert state_dtype(opt, m[1].weight) == torch.float32  # optim_bits=32
+    assert state_dtype(opt, m[0].weight) == torch.float32  # smaller than its min_8bit_size
+    # memfit's own classes do not read bitsandbytes' manager
+    m2 = model()
+    mng.override_config(m2[1].weight, "optim_bits", 32)
+    own = mo.AdamW8bit(m2.parameters(), min_8bit_size=100)
+    train(own, m2, 1)
+    assert state_dtype(own, m2[1].weight) == torch.uint8
+
+
+def test_override_errors():
+    m = model()
+    mng = bnb.GlobalOptimManager.get_instance()
+    with pytest.raises(ValueError, match="'lr'.*param group"):
+        mng.override_config(m[0].weight, "lr", 0.1)
+    with pytest.raises(ValueError, match="no percentile clipping"):
+        mng.override_config(m[0].weight, "percentile_clipping", 5)
+    with pytest.raises(ValueError, match="expected 8 or 32"):
+        mng.override_config(m[0].weight, "optim_bits", 4)
+    with pytest.raises(ValueError, match="no tensor attribute 'wieght'"):
+        mng.register_module_override(m[0], "wieght", {"optim_bits": 32})
+    with pytest.raises(RuntimeError, match="get_instance"):
+        bnb.GlobalOptimManager()
+    mng.override_config(m[1].weight, "optim_bits", 8)
+    opt = bnb.AdamW(m.parameters())  # 32-bit states: an 8-bit override cannot join this group
+    with pytest.raises(ValueError, match=r"param_groups\[0\]\['params'\]\[1\].*'bits': 8"):
+        train(opt, m, 1)
