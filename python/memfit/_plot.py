@@ -1,169 +1,65 @@
-"""A dependency-free PNG line chart, so `memfit demo` can draw its loss curves on any
-machine (no matplotlib needed). Lines only: axes, ticks as short marks, one colour
-per series, and a legend of coloured swatches; labels go into the caption printed
-beside the file."""
+"""The charts of `memfit demo` (loss curves) and `memfit profile` (memory per
+configuration), drawn with matplotlib: a title, axis labels with units and a legend
+that names every line or part, so a chart reads without its caption.
+
+matplotlib comes with ``pip install ".[torch]"`` (and every Colab). Without it the
+functions raise ImportError with the line that installs it; the commands print that
+and write everything else. The figures are drawn on matplotlib's Agg canvas
+(``matplotlib.figure.Figure``, not pyplot), so no window opens and a notebook's own
+backend and figures are left alone.
+"""
 
 from __future__ import annotations
 
-import struct
-import zlib
-
-PALETTE = [(31, 119, 180), (214, 39, 40), (44, 160, 44), (148, 103, 189), (255, 127, 14)]
+MISSING = ("no chart: matplotlib is not installed; pip install matplotlib "
+           "(or pip install \".[torch]\", which includes it) and run the command again")
 
 
-def _png(width: int, height: int, rows: list) -> bytes:
-    raw = b"".join(b"\x00" + bytes(r) for r in rows)
-
-    def chunk(kind: bytes, data: bytes) -> bytes:
-        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data) & 0xFFFFFFFF)
-
-    header = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
-    return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", header) + chunk(b"IDAT", zlib.compress(raw, 9)) + chunk(b"IEND", b"")
-
-
-class _Canvas:
-    """A white RGB image with what both charts draw the same way: the plot area's two
-    axes, the legend's swatches (one row per series or part) and the PNG file."""
-
-    def __init__(self, width: int, height: int):
-        self.width, self.height = width, height
-        self.img = [[255] * (3 * width) for _ in range(height)]
-        self.left, self.right, self.top, self.bottom = 50, width - 20, 20, height - 40
-        for x in range(self.left, self.right + 1):
-            self.put(x, self.bottom, (0, 0, 0))
-        for y in range(self.top, self.bottom + 1):
-            self.put(self.left, y, (0, 0, 0))
-
-    def put(self, x: int, y: int, c) -> None:
-        if 0 <= x < self.width and 0 <= y < self.height:
-            self.img[y][3 * x:3 * x + 3] = c
-
-    def swatch(self, k: int, c) -> None:
-        for dx in range(12):
-            for dy in range(6):
-                self.put(self.right - 20 + dx, self.top + 12 * k + dy, c)
-
-    def save(self, path) -> None:
-        with open(path, "wb") as f:
-            f.write(_png(self.width, self.height, self.img))
-
-
-def line_chart(series: dict, path, width: int = 640, height: int = 400) -> dict:
-    """Draws each ``name -> list of y values`` (x = index) and writes a PNG.
-
-    Returns the axis ranges and the colour of each series (for a caption)."""
-    if not series or not any(series.values()):
-        raise ValueError("series: nothing to plot")
-    canvas = _Canvas(width, height)
-    put, left, right, top, bottom = canvas.put, canvas.left, canvas.right, canvas.top, canvas.bottom
-    ys = [v for vals in series.values() for v in vals]
-    y0, y1 = min(ys), max(ys)
-    if y1 == y0:
-        y1 = y0 + 1.0
-    xmax = max(len(v) for v in series.values()) - 1 or 1
-    for i in range(6):  # tick marks
-        tx = left + (right - left) * i // 5
-        ty = bottom - (bottom - top) * i // 5
-        for d in range(5):
-            put(tx, bottom + d, (0, 0, 0))
-            put(left - d, ty, (0, 0, 0))
-
-    def to_px(i, v):
-        return (left + round((right - left) * i / xmax), bottom - round((bottom - top) * (v - y0) / (y1 - y0)))
-
-    colours = {}
-    for k, (name, vals) in enumerate(series.items()):
-        c = PALETTE[k % len(PALETTE)]
-        colours[name] = c
-        pts = [to_px(i, v) for i, v in enumerate(vals)]
-        for (xa, ya), (xb, yb) in zip(pts, pts[1:]):
-            steps = max(abs(xb - xa), abs(yb - ya), 1)
-            for s in range(steps + 1):
-                x = xa + (xb - xa) * s // steps
-                y = ya + (yb - ya) * s // steps
-                for dx in (0, 1):
-                    put(x + dx, y, c)
-                    put(x, y + dx, c)
-        canvas.swatch(k, c)
-    canvas.save(path)
-    return {"x": (0, xmax), "y": (y0, y1), "colours": colours}
-
-
-def stacked_bars(bars: dict, parts: list, path, width: int = 640, height: int = 400) -> dict:
-    """One stacked bar per ``name -> {part: value}``, parts in the order given
-    (bottom first), one colour per part. Writes a PNG; returns the colours."""
-    if not bars:
-        raise ValueError("bars: nothing to plot")
-    canvas = _Canvas(width, height)
-    put, left, right, top, bottom = canvas.put, canvas.left, canvas.right, canvas.top, canvas.bottom
-    top_value = max(sum(v.get(p, 0) for p in parts) for v in bars.values()) or 1
-    colours = {p: PALETTE[i % len(PALETTE)] for i, p in enumerate(parts)}
-    slot = (right - left) // len(bars)
-    for i, values in enumerate(bars.values()):
-        x0, x1 = left + i * slot + slot // 4, left + (i + 1) * slot - slot // 4
-        level = 0.0
-        for p in parts:
-            v = values.get(p, 0)
-            ya = bottom - round((bottom - top) * level / top_value)
-            level += v
-            yb = bottom - round((bottom - top) * level / top_value)
-            for y in range(yb, ya):
-                for x in range(x0, x1):
-                    put(x, y, colours[p])
-    for k, p in enumerate(parts):
-        canvas.swatch(k, colours[p])
-    canvas.save(path)
-    return {"colours": colours, "max": top_value}
-
-
-# ---- charts for the command line: matplotlib when installed, else the writers above ----
-
-def _pyplot():
+def _figure():
     try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
+        from matplotlib.figure import Figure
     except ImportError:
-        return None
-    return plt
+        raise ImportError(MISSING) from None
+    return Figure(figsize=(8, 4.5), dpi=100, layout="constrained")
 
 
-def _caption(colours: dict, labels: dict | None = None) -> str:
-    return "built-in plotter: " + ", ".join(f"{(labels or {}).get(k, k)} rgb{v}" for k, v in colours.items())
-
-
-def _save(plt, fig, ax, path) -> str:
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return "matplotlib"
-
-
-def plot_lines(series: dict, path, xlabel: str, ylabel: str) -> str:
-    """Line chart of ``name -> y values``; returns how it was drawn (for a caption)."""
-    plt = _pyplot()
-    if plt is None:
-        return _caption(line_chart(series, path)["colours"])
-    fig, ax = plt.subplots(figsize=(7, 4))
-    for name, ys in series.items():
-        ax.plot(ys, label=name)
+def line_chart(series: dict, path, *, title: str, xlabel: str, ylabel: str):
+    """One line per ``label -> y values`` (x: 0, 1, ...), named in the legend; writes a
+    PNG to ``path`` and returns the matplotlib Figure."""
+    if not series or not any(len(v) for v in series.values()):
+        raise ValueError("series: nothing to plot")
+    fig = _figure()
+    ax = fig.add_subplot()
+    for label, ys in series.items():
+        ax.plot(range(len(ys)), ys, label=label, linewidth=1.8)
+    ax.set_title(title)
     ax.set_xlabel(xlabel)
     ax.set_ylabel(ylabel)
-    return _save(plt, fig, ax, path)
+    ax.grid(True, alpha=0.3)
+    ax.legend()
+    fig.savefig(path)
+    return fig
 
 
-def plot_stacked(bars: dict, parts: list, labels: dict, path, ylabel: str) -> str:
-    """Stacked bars ``name -> {part: value}``, parts bottom first, named by ``labels``."""
-    plt = _pyplot()
-    if plt is None:
-        return _caption(stacked_bars(bars, parts, path)["colours"], labels)
-    fig, ax = plt.subplots(figsize=(7, 4))
-    bottom = [0.0] * len(bars)
-    for part in parts:
-        vals = [v.get(part, 0) for v in bars.values()]
-        ax.bar(list(bars), vals, bottom=bottom, label=labels.get(part, part))
-        bottom = [b + v for b, v in zip(bottom, vals)]
+def stacked_bars(bars: dict, parts: dict, path, *, title: str, xlabel: str, ylabel: str):
+    """One stacked bar per ``bar name -> {part: value}``; ``parts`` maps each part, bottom
+    first, to its legend label. Writes a PNG to ``path`` and returns the Figure."""
+    if not bars:
+        raise ValueError("bars: nothing to plot")
+    fig = _figure()
+    ax = fig.add_subplot()
+    names = list(bars)
+    bottom = [0.0] * len(names)
+    for part, label in parts.items():
+        values = [bars[n].get(part, 0.0) for n in names]
+        ax.bar(names, values, bottom=bottom, label=label)
+        bottom = [b + v for b, v in zip(bottom, values)]
+    for x, total in enumerate(bottom):  # the total above each bar
+        ax.annotate(f"{total:.1f}", (x, total), ha="center", va="bottom", fontsize=9)
+    ax.set_title(title)
+    ax.set_xlabel(xlabel)
     ax.set_ylabel(ylabel)
-    return _save(plt, fig, ax, path)
+    ax.margins(y=0.1)
+    ax.legend()
+    fig.savefig(path)
+    return fig

@@ -18,9 +18,7 @@ curves and a JSON of everything go to the output folder.
 from __future__ import annotations
 
 import json
-import os
 import statistics
-import sys
 import sysconfig
 from pathlib import Path
 
@@ -71,31 +69,22 @@ class Batches:
         return chunk[:, :-1].to(self.device), chunk[:, 1:].to(self.device)
 
 
-def _progress(label: str, i: int, n: int, loss: float):
-    if not sys.stderr.isatty() and not os.environ.get("MEMFIT_PROGRESS"):
-        return
-    width = 30
-    done = int(width * (i + 1) / n)
-    sys.stderr.write(f"\r{label:<9} [{'#' * done}{'.' * (width - done)}] {i + 1}/{n} loss {loss:.3f}")
-    if i + 1 == n:
-        sys.stderr.write("\n")
-    sys.stderr.flush()
-
-
 def train(name: str, corpus, device, steps: int, seed: int = 0) -> dict:
     """Trains one configuration (memfit.profile.CONFIGS) from the same initial
     weights and data order, measures it, and adds the final validation loss."""
     import torch
 
+    from memfit._progress import Progress
     from memfit.models import GPT, GPTConfig
     from memfit.profile import run_config
 
     kw, batch, seq, _ = SIZES[device.type]
     torch.manual_seed(seed)
     model = GPT(GPTConfig(vocab=256, max_pos=seq, **kw)).to(device)
+    bar = Progress(steps, name)
     row = run_config(name, model, Batches(corpus["train"], batch, seq, device, seed),
                      lambda m, x, y: m(x, y)[1], steps,
-                     progress=lambda i, n, loss: _progress(name, i, n, loss))
+                     progress=lambda i, n, loss: bar.update(loss))
     model.eval()
     val_batches = Batches(corpus["val"], batch, seq, device, seed + 1)
     with torch.no_grad(), row.pop("autocast"):
@@ -113,11 +102,15 @@ def smooth(xs, k=10):
     return out
 
 
-def plot(rows, path) -> str:
-    from memfit._plot import plot_lines
+def plot(rows, path):
+    """The loss curves of both runs (PNG; see memfit._plot), each line named by its
+    configuration; returns the matplotlib Figure."""
+    from memfit._plot import line_chart
 
-    return plot_lines({r["name"]: smooth(r["losses"]) for r in rows}, path, "step",
-                      "training loss (nats/byte, smoothed)")
+    series = {f"{r['name']}: {r['precision']}, {r['optimizer']}, checkpointed {r['checkpoint']}":
+              smooth(r["losses"]) for r in rows}
+    return line_chart(series, path, title=f"memfit demo: training loss, {len(rows[0]['losses'])} steps",
+                      xlabel="training step", ylabel="training loss (nats per byte, 10-step mean)")
 
 
 def main(steps: int | None = None, device: str = "auto", out: str = "memfit-demo", seed: int = 0) -> int:
@@ -154,11 +147,16 @@ def main(steps: int | None = None, device: str = "auto", out: str = "memfit-demo
           f"vs {base['final_val_loss']:.3f}.")
     outdir = Path(out)
     outdir.mkdir(parents=True, exist_ok=True)
-    how = plot(rows, outdir / "loss.png")
+    try:
+        plot(rows, outdir / "loss.png")
+        chart = f"{outdir / 'loss.png'} and "
+    except ImportError as e:  # matplotlib missing: say how to get it, write the rest
+        print(e)
+        chart = ""
     from memfit.hardware import cpu_info
 
     meta = {"device": device, "steps": steps, "precision": str(chosen), "precision_reason": chosen.reason,
             "cpu": cpu_info(), "cpu_kernels": memfit.cpu_kernels(), "threads": torch.get_num_threads()}
     (outdir / "demo.json").write_text(json.dumps({**meta, "rows": rows}, indent=2))
-    print(f"wrote {outdir / 'loss.png'} ({how}) and {outdir / 'demo.json'}")
+    print(f"wrote {chart}{outdir / 'demo.json'}")
     return 0

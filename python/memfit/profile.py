@@ -251,14 +251,16 @@ def format_rows(rows: list, extra: dict | None = None) -> str:
 PARTS = ("params_bytes", "grads_bytes", "optimizer_bytes", "activation_bytes")
 
 
-def chart(rows: list, path) -> str:
-    """Stacked bars of the measured components of each configuration (PNG)."""
-    from memfit._plot import plot_stacked
+def chart(rows: list, path):
+    """Stacked bars of the measured components of each configuration (PNG; see
+    memfit._plot); returns the matplotlib Figure."""
+    from memfit._plot import stacked_bars
 
     labels = {"params_bytes": "parameters", "grads_bytes": "gradients", "optimizer_bytes": "optimizer states",
-              "activation_bytes": "activations"}
+              "activation_bytes": "activations (saved for backward)"}
     bars = {r["name"]: {p: r[p] / 2**20 for p in PARTS} for r in rows}
-    return plot_stacked(bars, list(PARTS), labels, path, "MB (measured)")
+    return stacked_bars(bars, labels, path, title="memfit profile: training memory measured per configuration",
+                        xlabel="configuration", ylabel="memory (MiB, measured)")
 
 
 def preset_model(preset: str, layers: int, d_model: int, heads: int, seq: int):
@@ -297,6 +299,7 @@ def main(args) -> int:
 
     import memfit
     from memfit import memory
+    from memfit._progress import Progress
 
     device = args.device
     if device == "auto":
@@ -329,8 +332,9 @@ def main(args) -> int:
 
             spec = memory.ModelSpec(f"{args.model} (small)", cfg.n_layer, cfg.d_model, cfg.n_head, cfg.vocab,
                                     max_pos=cfg.max_pos, dropout=False)
-        print(f"[{i + 1}/{len(configs)}] {name} ...", file=sys.stderr, flush=True)
-        row = run_config(name, model, batches, loss_fn, args.steps, schedule=False)
+        bar = Progress(args.steps, f"[{i + 1}/{len(configs)}] {name}")
+        row = run_config(name, model, batches, loss_fn, args.steps, schedule=False,
+                         progress=lambda step, n, loss, bar=bar: bar.update(loss))
         row.pop("autocast")
         if spec is not None and CONFIGS[name][2] is None:  # the estimator has no planned budgets
             use_amp, opt_name, _ = CONFIGS[name]
@@ -343,7 +347,12 @@ def main(args) -> int:
     table = format_rows(rows, est_col)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    how = chart(rows, out / "profile.png")
+    try:
+        chart(rows, out / "profile.png")
+        wrote = f"{out / 'profile.png'} and "
+    except ImportError as e:  # matplotlib missing: say how to get it, write the rest
+        print(e, file=sys.stderr)
+        wrote = ""
     (out / "profile.json").write_text(json.dumps({"device": device, "rows": rows}, indent=2))
     if args.json:
         print(json.dumps({"device": device, "rows": rows}, indent=2))
@@ -351,5 +360,5 @@ def main(args) -> int:
         what = args.module or f"{args.model} at small scale ({args.layers} layers, d_model {args.d_model})"
         print(f"memfit profile: {what}, batch {args.batch} x {args.seq}, {args.steps} steps, on {device}")
         print(table)
-        print(f"wrote {out / 'profile.png'} ({how}) and {out / 'profile.json'}")
+        print(f"wrote {wrote}{out / 'profile.json'}")
     return 0
