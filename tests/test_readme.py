@@ -125,3 +125,51 @@ def test_readme_example_gives_what_it_says(code):
     torch.manual_seed(0)
     ns, shown = run_block(code)
     check(ns, shown)
+
+
+# -- the comparison tables -----------------------------------------------------------------
+
+COMPARISON = (Path(__file__).resolve().parents[1] / "docs" / "comparison.md").read_text()
+
+
+def table_after(heading: str) -> list:
+    """The rows (lists of cells) of the first markdown table after the line starting with
+    ``heading``."""
+    lines = README.read_text().splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith(heading))
+    rows = []
+    for line in lines[start + 1:]:
+        if line.startswith("|"):
+            rows.append([c.strip() for c in line.strip("|").split("|")])
+        elif rows:
+            break
+    return [r for r in rows if not set("".join(r)) <= set("-")]
+
+
+def test_every_peer_limitation_is_cited_and_sourced():
+    """A peer's cell that says what it does not do (or does only partly) cites an issue
+    or pull request, and docs/comparison.md links every citation of the table."""
+    rows = table_after("How it compares")
+    head = rows[0]
+    assert head[1:] == ["memfit", "bitsandbytes", "torchao", "torch"]
+    limiting = re.compile(r"\b(no|not|crash\w*|skipped|only|before)\b")
+    # an issue or pull request, or a file of the peer's own source
+    citation = re.compile(r"([\w-]+/[\w-]+#\d+|[\w-]+#\d+)")
+    source_file = re.compile(r"pytorch/pytorch `([\w/.]+)`")
+    for row in rows[1:]:
+        for peer, cell in zip(head[2:], row[2:]):
+            if limiting.search(cell):
+                assert citation.search(cell) or source_file.search(cell), f"{row[0]} / {peer}: {cell!r} cites nothing"
+            for path in source_file.findall(cell):
+                assert path in COMPARISON, path
+            for ref in citation.findall(cell):
+                repo, num = ref.split("#")
+                assert f"#{num}" in COMPARISON and (repo.split("/")[-1] in COMPARISON), ref
+
+
+def test_state_bytes_table_is_the_estimators():
+    from memfit.memory import OPTIMIZER_BYTES
+
+    rows = table_after("Optimizer state per parameter")[1:]
+    names = ["adamw", "adamw-bf16", "adamw8bit", "adamw4bit"]
+    assert [float(r[1]) for r in rows] == [round(OPTIMIZER_BYTES[n], 2) for n in names]

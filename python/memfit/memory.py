@@ -36,7 +36,8 @@ one input per segment plus one segment's activations.
 
 Optimizer states per parameter: AdamW 8 B; 8-bit AdamW 2 B + 2 float32 absmax per 256
 (2.03 B); 4-bit AdamW 1 B + 2 absmax per 128 (1.06 B); SGD momentum 4 B; Lion 4 B,
-8-bit Lion 1.02 B. memfit's 8-/4-bit optimizers keep float32 states for 1-D parameters
+8-bit Lion 1.02 B; ``adamw-bf16`` (torch's fused CUDA AdamW with bfloat16 moments beside
+float32 parameters, a peer's option for comparison: every tensor, 1-D too) 4 B. memfit's 8-/4-bit optimizers keep float32 states for 1-D parameters
 (biases, norms: ``vector_params``), so those count at the 32-bit optimizer's bytes.
 Pure bf16 with a Kahan compensation buffer (``kahan=True``, memfit's optimizers'
 option): + 2 B (the buffer is bf16, like the weights; fp32 weights need none).
@@ -60,6 +61,7 @@ OPTIMIZER_BYTES = {  # bytes of state per parameter
     "adamw8bit": 2.0 + 2 * 4 / 256, "adam8bit": 2.0 + 2 * 4 / 256,
     "adamw4bit": 1.0 + 2 * 4 / 128,
     "sgd": 4.0, "lion": 4.0, "lion8bit": 1.0 + 4 / 256,
+    "adamw-bf16": 2.0 + 2.0,  # torch's fused CUDA AdamW, bfloat16 exp_avg and exp_avg_sq
 }
 # the quantized optimizers' bytes per parameter for 1-D tensors: those of their 32-bit form
 VECTOR_OPTIMIZER_BYTES = {q: OPTIMIZER_BYTES[full] for q, full in
