@@ -44,8 +44,8 @@ def test_demo_loss_chart_names_its_lines_and_axes(tmp_path):
     assert t["title"] == "memfit demo: training loss, 40 steps"
     assert t["x"] == "training step"
     assert t["y"] == "training loss (nats per byte, 10-step mean)"
-    assert t["legend"] == ["baseline: fp32, AdamW, checkpointed none",
-                           "memfit: bf16, AdamW8bit, checkpointed 3 of 6 blocks"]
+    assert t["legend"] == ["baseline: fp32, AdamW, checkpointing none",
+                           "memfit: bf16, AdamW8bit, checkpointing 3 of 6 blocks"]
     lines = fig.axes[0].get_lines()
     assert [len(line.get_xdata()) for line in lines] == [40, 40]
     assert lines[0].get_color() != lines[1].get_color()

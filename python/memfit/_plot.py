@@ -60,6 +60,6 @@ def stacked_bars(bars: dict, parts: dict, path, *, title: str, xlabel: str, ylab
     ax.set_xlabel(xlabel)
     ax.set_ylabel(ylabel)
     ax.margins(y=0.1)
-    ax.legend()
+    ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0))  # beside the bars, never over them
     fig.savefig(path)
     return fig

@@ -107,7 +107,7 @@ def plot(rows, path):
     configuration; returns the matplotlib Figure."""
     from memfit._plot import line_chart
 
-    series = {f"{r['name']}: {r['precision']}, {r['optimizer']}, checkpointed {r['checkpoint']}":
+    series = {f"{r['name']}: {r['precision']}, {r['optimizer']}, checkpointing {r['checkpoint']}":
               smooth(r["losses"]) for r in rows}
     return line_chart(series, path, title=f"memfit demo: training loss, {len(rows[0]['losses'])} steps",
                       xlabel="training step", ylabel="training loss (nats per byte, 10-step mean)")
