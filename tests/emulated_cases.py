@@ -82,6 +82,16 @@ class Dev:
         return _capsule_new(ctypes.addressof(m), b"dltensor", None)
 
 
+class _MfTensor(ctypes.Structure):  # mf_tensor (memfit/common.h)
+    _fields_ = [("data", ctypes.c_void_p), ("numel", ctypes.c_int64), ("dtype", ctypes.c_int),
+                ("device", ctypes.c_int), ("device_id", ctypes.c_int)]
+    _DTYPES = {np.dtype(np.float32): 0, np.dtype(np.float16): 1, BF16: 2}
+
+    @classmethod
+    def of(cls, a: np.ndarray):
+        return cls(a.ctypes.data, a.size, cls._DTYPES[a.dtype], 1, 0)  # MF_CUDA, device 0
+
+
 def dev(x):
     return None if x is None else Dev(x)
 
@@ -405,11 +415,31 @@ def group_gemm(r: Report, rng):
                         a = _data(rng, m * k, dtype).reshape((k, m) if ta else (m, k))
                         b = _data(rng, k * n, dtype).reshape((n, k) if tb else (k, n))
                         bias = _data(rng, n, dtype) if with_bias else None
+                        # The products are not bit-comparable with the C core (it sums in
+                        # KC slices and uses FMA where the CPU has it), so: (1) the
+                        # kernel's float32 accumulator equals the sum in its own order,
+                        # p = 0 .. k-1, each product and sum rounded to float32; (2) its
+                        # epilogue equals the C core's, given that accumulator
+                        # (acc @ identity is exact in any summation order). Same for act_forward.
+                        af = (a.T if ta else a).astype(np.float32)
+                        bf = (b.T if tb else b).astype(np.float32)
+                        acc = np.zeros((m, n), np.float32)
+                        for p in range(k):
+                            acc += af[:, p:p + 1] * bf[p:p + 1, :]
+                        acc_gpu = np.full((m, n), 5, np.float32)
+                        _C.gemm(Dev(a), ta, Dev(b), tb, Dev(acc_gpu), m, n, k, None, 0, None, 0)
+                        last = _C.gemm_last_backend()  # cuBLASLt declined: it did not load
+                        if k and m and n and (last[0] != "portable" or "MEMFIT_CUBLASLT" not in last[1]):
+                            r.failures.append(f"{case}: expected the portable kernel after cuBLASLt declined, got {last}")
+                        r.same(case, "accumulator", acc, acc_gpu)
                         out = {}
                         for side, w in (("cpu", lambda x: x), ("cuda", Dev)):
                             c = np.full((m, n), 5, dtype)
                             pre = np.full((m, n), 6, np.float32) if with_pre else None
-                            _C.gemm(w(a), ta, w(b), tb, w(c), m, n, k, dev_or(w, bias), act, dev_or(w, pre), 0)
+                            if side == "cpu":
+                                _C.gemm(acc, False, np.eye(n, dtype=np.float32), False, c, m, n, n, bias, act, pre, 0)
+                            else:
+                                _C.gemm(w(a), ta, w(b), tb, w(c), m, n, k, dev_or(w, bias), act, dev_or(w, pre), 0)
                             out[side] = (c, pre)
                         r.same(case, "c", out["cpu"][0], out["cuda"][0])
                         if with_pre:
@@ -429,9 +459,26 @@ def group_gemm(r: Report, rng):
                     out[side] = d
                 r.same(case, "dpre", out["cpu"], out["cuda"])
             r.run(case, back)
-    last = _C.gemm_last_backend()
-    if last[0] != "portable":
-        r.failures.append(f"gemm: expected the portable kernel after cuBLASLt declined, got {last}")
+    # act_forward_kernel: no binding calls mf_cuda_act_forward, so ctypes does; the C
+    # core's forward activation is its GEMM epilogue, given x through an identity product
+    lib = ctypes.CDLL(_C.__file__)
+    for act in acts:
+        for dtype in DTYPES:
+            case = f"act_forward act={act} {dtype.name}"
+
+            def fwd(act=act, dtype=dtype, case=case):
+                n = 3000
+                x = _special(_data(rng, n, np.float32, scale=3.0), rng).astype(dtype)
+                y = np.full(n, 2, dtype)
+                st = lib.mf_cuda_act_forward(ctypes.byref(_MfTensor.of(x)), ctypes.byref(_MfTensor.of(y)),
+                                             act, None)
+                if st:
+                    raise RuntimeError(f"mf_cuda_act_forward: status {st}")
+                ref = np.full((1, n), 2, dtype)
+                _C.gemm(np.ones((1, 1), np.float32), False, x.astype(np.float32).reshape(1, n), False,
+                        ref, 1, n, 1, None, act, None, 0)  # [1] . x (1 x n): c = act(x)
+                r.same(case, "y", ref.ravel(), y)
+            r.run(case, fwd)
 
 
 GROUPS = {"quant": group_quant, "optim": group_optim, "unscale": group_unscale, "cast": group_cast,
