@@ -1,7 +1,7 @@
 /*
  * mfemu: a CUDA runtime that executes memfit's kernels (the .cu files of cuda/,
- * unchanged) on the CPU, so the test suite can compare every kernel bit for bit with the C core on a
- * machine with no GPU. This header replaces <cuda_runtime.h> for a g++ build of the
+ * unchanged) on the CPU, so the test suite can compare every kernel bit for bit with
+ * the C core on a machine with no GPU. This header replaces <cuda_runtime.h> for a g++ build of the
  * kernels (CMake: -DMEMFIT_CUDA=EMULATE); runtime.cpp implements it.
  *
  * How a kernel runs: one fiber (its own stack) per CUDA thread; the blocks of a launch
