@@ -8,7 +8,8 @@
  * run one after another and launches run synchronously, in call order, whatever the
  * stream. A scheduler runs the threads of a block; each runs until it waits (a
  * barrier, a warp collective, its exit). The next thread to run is drawn by a PRNG
- * seeded from MFEMU_SEED (0, the default: lowest-numbered runnable thread first), so a
+ * seeded from MFEMU_SEED (0, the default: first come, first run; see pick() in
+ * runtime.cpp for the odd and even seeds), so a
  * read of shared memory that a barrier does not order shows up as a mismatch under
  * some seeds. Warp collectives (__shfl*_sync, __ballot_sync, __syncwarp) wait only for
  * the lanes of their own 32-lane warp named in the mask; __syncthreads* waits for every

@@ -144,6 +144,7 @@ struct Runtime {
   std::mutex launch_mutex;
   std::vector<Fiber> fibers;
   std::vector<int> runq;
+  std::vector<uint64_t> priority; /* per warp (odd seeds) */
   Fiber *cur = nullptr;
   void *main_sp = nullptr;
 #ifdef MFEMU_UCONTEXT
@@ -300,9 +301,24 @@ void make_runnable(int i) {
   g.runq.push_back(i);
 }
 
+/* Seed 0: first come, first run (round robin). Even seeds: a uniformly random runnable
+ * thread. Odd seeds: the runnable thread of the warp with the highest priority, the
+ * priorities redrawn at every block start and __syncthreads, so one warp runs as far
+ * ahead of the others as the barriers let it: the schedule that shows a warp
+ * overwriting shared memory another warp has not read yet (uniform picks almost never
+ * let a warp through its shuffles that far ahead). */
+void draw_priorities() {
+  for (auto &p : g.priority) p = splitmix(&g.rng);
+}
+
 int pick() {
   size_t k = 0;
-  if (g.seed != 0) k = (size_t)(splitmix(&g.rng) % g.runq.size());
+  if (g.seed != 0 && (g.seed & 1)) {
+    for (size_t j = 1; j < g.runq.size(); j++)
+      if (g.priority[g.runq[j] / 32] > g.priority[g.runq[k] / 32]) k = j;
+  } else if (g.seed != 0) {
+    k = (size_t)(splitmix(&g.rng) % g.runq.size());
+  }
   const int i = g.runq[k];
   g.runq.erase(g.runq.begin() + (long)k); /* seed 0: first come, first run */
   return i;
@@ -357,6 +373,7 @@ void release_barrier() {
     make_runnable(i);
   }
   g.at_barrier = 0;
+  draw_priorities();
 }
 
 void run_block() {
@@ -370,6 +387,8 @@ void run_block() {
     make_runnable(i);
   }
   g.stacks_dirty = false;
+  g.priority.assign((size_t)(g.nthreads + 31) / 32, 0);
+  draw_priorities();
   g.live = g.nthreads;
   g.at_barrier = 0;
   for (;;) {
