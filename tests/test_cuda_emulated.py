@@ -1,0 +1,186 @@
+"""Every CUDA kernel executed on the CPU and compared bit for bit with the C core.
+
+The kernels of cuda/*.cu, unchanged, run on mfemu (cuda/emulate: one fiber per CUDA
+thread, seeded schedules, warp-scoped shuffles, poisoned shared memory); the cases are
+in emulated_cases.py, the build in emulated_util.py. Which kernels each test executes:
+
+* quant: quantize_blockwise_kernel, dequantize_blockwise_kernel (quant.cu)
+* optim: optim_quant_kernel<BS, 8/4> for every block size, optim_fp32_kernel,
+  optim_count_kernel (optim.cu)
+* unscale: unscale_grads_kernel, grad_norm_partial_kernel, grad_norm_finish_kernel,
+  clip_grads_kernel (unscale.cu)
+* cast: cast_kernel and the same-dtype copy (cast.cu)
+* scaler: scaler_update_kernel (scaler.cu)
+* gemm: gemm_tiled_kernel after cuBLASLt declines (gemm.cu, gemm_cublaslt.cu's loader),
+  act_forward_kernel, act_backward_kernel (gemm.cu)
+* device queries: device.cu
+
+What this cannot check (nvcc's code generation, warp lockstep, the GPU memory model,
+cuBLASLt, speed) is listed in docs/architecture.md; benchmarks/gpu_validate.sh checks
+it on a GPU.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import emulated_util as eu  # noqa: E402
+
+pytestmark = pytest.mark.cuda_emulated
+
+GROUPS = ("quant", "optim", "unscale", "cast", "scaler", "gemm")
+
+
+@pytest.fixture(scope="session")
+def emulated():
+    if not (eu.ROOT / "cuda" / "emulate" / "runtime.cpp").exists():
+        pytest.skip("needs the source tree")
+    return eu.build("emulated")
+
+
+@pytest.mark.parametrize("group", GROUPS)
+def test_kernels_match_the_c_core(emulated, group):
+    run = eu.run_cases(emulated, group)
+    assert run.returncode == 0 and " 0 mismatches" in run.stdout, eu.explain(run)
+
+
+@pytest.mark.parametrize("seed", [1, 2, 0xC0FFEE])
+def test_kernels_match_under_random_schedules(emulated, seed):
+    """The threads of a block run in a seeded random order between barriers (odd seeds:
+    warp by warp in a random priority; even: thread by thread): shared memory read
+    without a barrier shows up as a mismatch (the seed is in the report)."""
+    run = eu.run_cases(emulated, "quant", "optim-small", "unscale", "gemm", seed=seed)
+    assert run.returncode == 0 and " 0 mismatches" in run.stdout, f"MFEMU_SEED={seed}\n" + eu.explain(run)
+
+
+def _query(emulated, code, **env):
+    e = dict(os.environ, PYTHONPATH=str(emulated / "py"), **env)
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=e, cwd=str(emulated))
+
+
+@pytest.mark.parametrize("device,name,capability", [("t4", "Tesla T4", "(7, 5)"), ("h100", "H100", "(9, 0)")])
+def test_device_queries(emulated, device, name, capability):
+    run = _query(emulated, "from memfit import _C; print(_C.cuda_device_count(), _C.cuda_device_info(0), "
+                           "_C.cuda_unavailable())", MFEMU_DEVICE=device)
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.startswith("1 ") and name in run.stdout and capability in run.stdout, run.stdout
+    assert run.stdout.strip().endswith("None"), run.stdout
+
+
+# ---- the runtime itself ---------------------------------------------------------------
+def _selftest(tmp_path, cxx, *extra, runner=()):
+    cpp = tmp_path / "selftest.cpp"
+    subprocess.run([sys.executable, str(eu.ROOT / "cuda" / "emulate" / "rewrite_launches.py"),
+                    str(eu.ROOT / "tests" / "emulate" / "mfemu_selftest.cu"), str(cpp)], check=True)
+    exe = tmp_path / "selftest"
+    build = subprocess.run([cxx, "-std=c++17", "-O1", "-Wall", "-Wno-unknown-pragmas",
+                            f"-I{eu.ROOT / 'cuda' / 'emulate'}", str(cpp),
+                            str(eu.ROOT / "cuda" / "emulate" / "runtime.cpp"), "-o", str(exe), *extra],
+                           capture_output=True, text=True)
+    assert build.returncode == 0, build.stderr
+    run = subprocess.run([*runner, str(exe)], capture_output=True, text=True, timeout=120,
+                         env=dict(os.environ, ASAN_OPTIONS="detect_leaks=0"))
+    assert run.returncode == 0 and "mfemu selftest ok" in run.stdout, run.stdout + run.stderr
+    return run
+
+
+def test_runtime_selftest(tmp_path):
+    """Shuffles, ballots and barrier reductions give CUDA's values; shared memory is
+    poisoned between blocks; a deadlock, threads at different barriers, a mask naming a
+    missing or exited lane and a bad configuration fail the launch (not the process);
+    seeded schedules reorder warps. Under AddressSanitizer + UBSan too."""
+    cxx = shutil.which("g++")
+    if cxx is None:
+        pytest.skip("needs g++")
+    run = _selftest(tmp_path, cxx)
+    assert "deadlock" in run.stderr and "MFEMU_SEED=" in run.stderr  # the reports go to stderr
+    _selftest(tmp_path, cxx, "-fsanitize=address,undefined", "-fno-sanitize-recover=all")
+
+
+def test_runtime_selftest_aarch64(tmp_path):
+    """The aarch64 context switch, under qemu-aarch64 (as tests/test_aarch64.py)."""
+    tools = {n: shutil.which(n) for n in ("aarch64-linux-gnu-g++", "qemu-aarch64")}
+    missing = [n for n, p in tools.items() if p is None]
+    if missing:
+        msg = "missing " + ", ".join(missing)
+        if os.environ.get("CI"):
+            pytest.fail(f"{msg}: required in CI (.ci/run installs g++-aarch64-linux-gnu and qemu-user)")
+        pytest.skip(msg)
+    _selftest(tmp_path, tools["aarch64-linux-gnu-g++"], "-static", runner=(tools["qemu-aarch64"],))
+
+
+# ---- sanitizers -------------------------------------------------------------------------
+@pytest.mark.slow
+def test_kernels_under_sanitizers():
+    """A representative comparison with the runtime, the kernels and the core built with
+    -fsanitize=address,undefined (MEMFIT_SANITIZE), libasan preloaded into Python."""
+    libasan = subprocess.run(["g++", "-print-file-name=libasan.so"], capture_output=True, text=True).stdout.strip()
+    if not os.path.isabs(libasan):
+        pytest.skip("no libasan")
+    build = eu.build("emulated-asan", "MEMFIT_SANITIZE=ON")
+    env = {"LD_PRELOAD": libasan, "ASAN_OPTIONS": "detect_leaks=0:abort_on_error=0",
+           "UBSAN_OPTIONS": "halt_on_error=1:print_stacktrace=1"}
+    for seed in (0, 5):
+        run = eu.run_cases(build, "quant", "optim-small", "unscale", "cast", "scaler", "gemm", seed=seed, env=env)
+        assert run.returncode == 0 and " 0 mismatches" in run.stdout, f"MFEMU_SEED={seed}\n" + eu.explain(run)
+        assert "runtime error" not in run.stderr and "AddressSanitizer" not in run.stderr, run.stderr[-6000:]
+
+
+# ---- the comparison can fail ------------------------------------------------------------
+# (file, text, replacement, group): small bugs of the kinds a kernel change can bring
+MUTANTS = [
+    ("quant.cu", "m = mf_absmax_combine(m, __shfl_xor_sync(0xffffffffu, m, off));",
+     "m = mf_absmax_combine(m, __shfl_xor_sync(0xffffffffu, m, off > 1 ? off : 0));", "quant"),
+    ("quant.cu", "  __syncthreads();\n  const int64_t stride", "  const int64_t stride", "quant"),
+    ("optim.cu", "red1[parity]", "red1[0]", "optim-small"),  # no double buffer: a race
+    ("optim.cu", "const int lead = warp & ~(WARPS - 1);", "const int lead = warp / WARPS;", "optim-small"),
+    ("optim.cu", "t.p = (char *)t.p + at.elem * esize;", "t.p = (char *)t.p + (at.elem + 1) * esize;",
+     "optim-small"),
+    ("unscale.cu", "for (int off = 16; off > 0; off >>= 1) v = max(",
+     "for (int off = 16; off > 1; off >>= 1) v = max(", "unscale"),
+    ("unscale.cu", "  if (threadIdx.x % 32 == 0) s[threadIdx.x / 32] = v;\n  __syncthreads();\n  T r = 0;",
+     "  if (threadIdx.x % 32 == 0) s[threadIdx.x / 32] = v;\n  T r = 0;", "unscale"),
+    ("cast.cu", "for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < n;",
+     "for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x + 1; i < n;", "cast"),
+    ("scaler.cu", "for (int i = 0; i < n; i++) any", "for (int i = 1; i < n; i++) any", "scaler"),
+    ("gemm.cu", "    __syncthreads();\n  }\n#pragma unroll", "  }\n#pragma unroll", "gemm"),
+]
+
+
+@pytest.mark.slow
+def test_planted_bugs_are_caught():
+    """Each mutant of MUTANTS, built from a copy of cuda/, fails the comparison under
+    seed 0 or a random schedule (3: warp-priority, 4: uniform; see runtime.cpp, pick):
+    mismatches, a failed launch, or (the row offset, which writes past the last row) a
+    crash of the subprocess."""
+    src = eu.ROOT / "build" / "emulated-mutant-src" / "cuda"
+    if src.exists():
+        shutil.rmtree(src)
+    shutil.copytree(eu.ROOT / "cuda", src)
+    build = eu.build("emulated-mutant", f"MEMFIT_CUDA_SOURCE_DIR={src}")
+    missed = []
+    for file, old, new, group in MUTANTS:
+        text = (eu.ROOT / "cuda" / file).read_text()
+        assert text.count(old) >= 1, f"{file}: the mutant's text is gone: {old!r}"
+        (src / file).write_text(text.replace(old, new))
+        try:
+            eu.build("emulated-mutant", f"MEMFIT_CUDA_SOURCE_DIR={src}")
+            caught = []
+            for seed in (0, 3, 4):
+                run = eu.run_cases(build, group, seed=seed)
+                if run.returncode != 0:  # mismatches, a failed launch, or a crash
+                    why = run.stdout.splitlines()[-1] if "MISMATCH" in run.stdout else run.stderr.strip()[-200:]
+                    caught.append((seed, why or f"exit status {run.returncode}"))
+            if not caught:
+                missed.append(f"{file}: {old!r} -> {new!r}")
+            print(f"{file}: {new.strip()[:60]!r}: caught under seeds {[s for s, _ in caught]}: "
+                  f"{caught[0][1] if caught else ''}")
+        finally:
+            (src / file).write_text(text)
+    assert not missed, "planted bugs the comparison did not catch:\n" + "\n".join(missed)
