@@ -45,6 +45,7 @@ class _MemfitOptimizer(torch.optim.Optimizer):
 
     _kind: int = _core.ADAMW
     _bits: int = 8
+
     @property
     def _step_supports_amp_scaling(self) -> bool:
         """True: torch.amp.GradScaler (and memfit's) hand the kernels grad_scale and
