@@ -10,7 +10,8 @@ import weakref
 from memfit.checkpoint.chain import _resolve_chain, measure
 from memfit.checkpoint.meter import _torch
 from memfit.checkpoint.planner import Plan, plan
-from memfit.checkpoint.recompute import _Frame, _nullctx
+from memfit.checkpoint.recompute import (_compiled_checkpoint, _compiling, _Frame, _nullctx,
+                                         _outside_graph)
 
 
 class _Region:
@@ -48,6 +49,16 @@ class _BlockForward:
         orig = type(self.module).forward.__get__(self.module)
         if not torch.is_grad_enabled():
             return orig(*args, **kwargs)
+        if _compiling():
+            # Under torch.compile each block of the segment is its own torch
+            # checkpoint (a segment spans calls the parent makes, which one traced
+            # call cannot group): the compiled graph keeps every block's input of the
+            # segment, not only the first one's, and recomputes the rest. int8
+            # boundaries need the eager frame: this call then runs outside the graph.
+            if region.compress is not None:
+                return _outside_graph(self, *args, **kwargs)
+            return _compiled_checkpoint(orig, args, kwargs,
+                                        preserve_rng_state=region.preserve_rng_state)
         frame = region.frame
         if frame is None or index == region.start or region.expect != index:
             # a fresh pass (or blocks called out of order: start a new frame here)

@@ -51,6 +51,10 @@ def _find_blocks(model):
 def _resolve_chain(model_or_blocks, blocks):
     """-> (list of stage modules, runner(example) -> output)"""
     torch = _torch()
+    # torch.compile(model) wraps the model in an OptimizedModule holding it as
+    # _orig_mod: the blocks are the original model's, and they are measured eagerly
+    # (the compiled graph guards on their forward and recompiles once they are wrapped).
+    model_or_blocks = getattr(model_or_blocks, "_orig_mod", model_or_blocks)
     if blocks is not None:
         stages = list(blocks)
 

@@ -313,6 +313,41 @@ def _check_options(compress, use_reentrant, determinism_check, context_fn):
         raise TypeError("context_fn: expected a callable returning two context managers")
 
 
+def _compiling() -> bool:
+    """True while torch.compile (dynamo) traces the caller. The recompute frame
+    (saved-tensor hooks, a lock, per-backward slots) is eager machinery dynamo cannot
+    trace; under compile a checkpoint is torch's non-reentrant one instead, which
+    dynamo captures as a higher-order op so the compiled graph recomputes the region
+    in its backward."""
+    torch = _torch()
+    return torch.compiler.is_compiling()
+
+
+def _compiled_checkpoint(function, args, kwargs, *, preserve_rng_state,
+                         determinism_check="default", context_fn=None):
+    """checkpoint() under torch.compile: the same region checkpointed by
+    torch.utils.checkpoint (non-reentrant), whose graph dynamo traces (fullgraph=True
+    works)."""
+    torch = _torch()
+    extra = {} if context_fn is None else {"context_fn": context_fn}
+    return torch.utils.checkpoint.checkpoint(
+        function, *args, use_reentrant=False, preserve_rng_state=preserve_rng_state,
+        determinism_check=determinism_check, **extra, **kwargs)
+
+
+def _outside_graph(fn, *args, **kwargs):
+    """Call ``fn`` eagerly from inside a torch.compile trace, for compress="int8": the
+    quantized inputs are kept by memfit's eager frame, which has no compiled form. A
+    graph break (fullgraph=True reports this message); the rest of the model still
+    compiles."""
+    torch = _torch()
+    torch._dynamo.graph_break(
+        "memfit.checkpoint: compress='int8' keeps the checkpoint's inputs quantized by "
+        "eager code, which runs outside the compiled graph; use compress=None to compile "
+        "it whole (fullgraph=True)")
+    return torch.compiler.disable(fn)(*args, **kwargs)
+
+
 def checkpoint(function: Callable, *args, compress: str | None = None,
                use_reentrant: bool | None = None, preserve_rng_state: bool = True,
                determinism_check: str = "default", context_fn: Callable | None = None,
@@ -336,7 +371,10 @@ def checkpoint(function: Callable, *args, compress: str | None = None,
     * the recompute stops as soon as every tensor the backward needs exists;
     * a recompute that saves tensors of another shape, dtype or device, or a
       different number of them, raises :class:`CheckpointError`;
-    * gradients are bitwise those of the plain function for deterministic ops.
+    * gradients are bitwise those of the plain function for deterministic ops;
+    * inside a ``torch.compile``-d module it is torch's non-reentrant checkpoint
+      (which dynamo traces, ``fullgraph=True`` included); with ``compress="int8"``
+      it runs eagerly outside the compiled graph (a graph break).
 
     ``compress="int8"``: tensor inputs (the only thing a checkpoint keeps) are stored
     blockwise-quantized with :func:`memfit.quant.quantize_blockwise` (block 256, the
@@ -362,6 +400,16 @@ def checkpoint(function: Callable, *args, compress: str | None = None,
         raise TypeError(f"function: expected a callable, got {type(function).__name__}")
     if not torch.is_grad_enabled():
         return function(*args, **kwargs)
+    if _compiling():
+        if compress is not None:
+            return _outside_graph(checkpoint, function, *args, compress=compress,
+                                  preserve_rng_state=preserve_rng_state,
+                                  determinism_check=determinism_check,
+                                  context_fn=context_fn, **kwargs)
+        return _compiled_checkpoint(function, args, kwargs,
+                                    preserve_rng_state=preserve_rng_state,
+                                    determinism_check=determinism_check,
+                                    context_fn=context_fn)
     if context_fn is not None:
         fwd_ctx = context_fn()[0]
         recompute_ctx = lambda: context_fn()[1]  # noqa: E731  a fresh one per recompute
