@@ -115,12 +115,23 @@ def _nearest(code, x):
     return np.where(up, hi, lo).astype(np.uint8)
 
 
+def _nearest_keep_positive(code, x):
+    """mf_quantize_keep_positive_n in NumPy: nearest, but a positive x never takes a
+    code value <= 0 (the smallest positive one instead): the rule of second moments."""
+    q = _nearest(code, x)
+    first_positive = np.searchsorted(code, np.float32(0), side="right")
+    if first_positive < len(code):
+        q = np.where((x > 0) & (code[q] <= 0), first_positive, q).astype(np.uint8)
+    return q
+
+
 @pytest.mark.parametrize("bits,shape", [(8, (5001,)), (4, (4097,)), (4, (1,)), (4, (255,)), (8, (1,)),
                                          (8, (3, 1667)), (4, (5, 257)), (4, (3, 255)), (8, (4, 256))])
 def test_first_step_codes_exact(bits, shape):
     """After one step from zero states: exp_avg = (1-beta1)*g and exp_avg_sq =
     (1-beta2)*g*g in float32; absmax per block and the (4-bit: packed, odd sizes
-    included) nearest codes must match a NumPy computation bit for bit. Arrays of two
+    included) codes (nearest; exp_avg_sq's kept off 0) must match a NumPy computation
+    bit for bit. Arrays of two
     dimensions: blocks and 4-bit bytes per row (dim-0 slice), the last ones partial."""
     numel = int(np.prod(shape))
     rng = np.random.default_rng(numel + bits)
@@ -140,7 +151,8 @@ def test_first_step_codes_exact(bits, shape):
         absmax = np.abs(padded).reshape(rows, nb, bs).max(axis=2)
         np.testing.assert_array_equal(st[f"absmax{k}"], absmax.reshape(-1))
         inv = np.float32(1) / absmax
-        q = _nearest(code, val * np.repeat(inv, bs, axis=1)[:, :row_len])
+        search = _nearest if k == 1 else _nearest_keep_positive  # exp_avg_sq is non-negative
+        q = search(code, val * np.repeat(inv, bs, axis=1)[:, :row_len])
         if bits == 4:
             q = np.concatenate([q, np.zeros((rows, row_len % 2), np.uint8)], axis=1)
             q = (q[:, 0::2] | (q[:, 1::2] << 4)).astype(np.uint8)

@@ -42,6 +42,11 @@ for numel in (40001, 65536 + 7):                  # >= 32768: the lookup-table p
     # one 4096-block near the cluster of clustered_code(), every 64-block's absmax 1
     x[24576:28672] = np.float32(0.3) + rng.uniform(-1e-4, 1e-4, 4096).astype(np.float32)
     x[24576:28672:64] = 1.0
+    # tiny blocks (absmax below 2^-64; 1/absmax overflows below 2^-128): subnormal
+    # values, zeros among them, and a block of the smallest subnormal and zeros
+    x[32768:36864] = rng.standard_normal(4096).astype(np.float32) * np.float32(1e-40)
+    x[32768:36864:3] = 0.0
+    x[32768:32832] = np.float32(1e-45) * rng.integers(-1, 2, 64).astype(np.float32)
     for code in (None, q.dynamic_map(False), clustered_code()):
         for bs in (64, 4096):
             for dt in (torch.float32, torch.bfloat16, torch.float16):
