@@ -343,12 +343,12 @@ class _MemfitOptimizer(torch.optim.Optimizer):
                 # kahan was switched off (or p is float32 now): p is already the nearest
                 # value of p + kahan_comp, so the buffer is simply dropped
                 del state["kahan_comp"]
-            checked[p] = seen
-        for group, hp, rounding, buckets in plan:
+            checked[id(p)] = seen
+        for group, hp, rounding, buckets, halves in plan:
             sr_step = group.get("sr_step", 0)
             for b, ((device, fmt), items) in enumerate(buckets.items()):
                 bhp = hp
-                if rounding == "stochastic" and any(p.dtype != torch.float32 for p, *_ in items):
+                if rounding == "stochastic" and (device, fmt) in halves:
                     bhp = dict(hp, sr_seed=_core.sr_seed(group.get("sr_seed", 0), sr_step, b))
                 self._step_bucket(group, bhp, device, fmt, items, grad_scale, found_inf)
             group["sr_step"] = sr_step + 1
@@ -359,12 +359,14 @@ class _MemfitOptimizer(torch.optim.Optimizer):
         call into the core per device and state format); changes nothing.
 
         Returns (plan, new): plan is [(group, hparams, rounding, {(device, format):
-        [(param, grad, states, seen)]})], the tensors as the kernels take them (a DTensor's
-        local ones), states the tuple of ``_STATE_KEYS``; new is [(param, states to add,
-        drop kahan_comp, seen)] for parameters whose states are made or were replaced.
+        [(param, grad, states, seen)]}, {the (device, format) of buckets with float16 or
+        bfloat16 parameters})], the tensors as the kernels take them (a DTensor's local
+        ones), states the tuple of ``_STATE_KEYS``; new is [(param, states to add, drop
+        kahan_comp, seen)] for parameters whose states are made or were replaced.
 
-        ``seen`` (kept in ``self._state_checked`` per parameter): (key, format, rows,
-        index_base, states) of the layout p's states were last checked against, rows and
+        ``seen`` (kept in ``self._state_checked`` by id(p): a tensor's own hash is a
+        Python call): (key, format, rows, index_base, states, whether p is float16 or
+        bfloat16, its bucket) of the layout p's states were last checked against, rows and
         index_base those of the tensor the kernels step (a DTensor's local shard), and
         the state tensors checked. A step over a model of hundreds of tensors does not
         rebuild every expected layout every time: p's states are checked again only when
@@ -383,19 +385,20 @@ class _MemfitOptimizer(torch.optim.Optimizer):
             layout = (group["bits"], group.get("block_size"), group["min_8bit_size"], rounding,
                       hp["momentum"])
             buckets = {}  # (device, format) -> [(p, grad, states, seen)], in first-seen order
+            halves = set()
             for i, p in enumerate(group["params"]):
                 g = p.grad
                 if g is None:
                     continue
                 if g.is_sparse:
                     raise RuntimeError(f"{name} does not support sparse gradients")
-                shape, device, contiguous = p.shape, p.device, p.is_contiguous()
-                if g.shape != shape or g.dtype != p.dtype or g.device != device \
+                shape, dtype, device, contiguous = p.shape, p.dtype, p.device, p.is_contiguous()
+                if g.shape != shape or g.dtype != dtype or g.device != device \
                         or not (contiguous or _same_layout(g, p)):
                     _refuse_grad(f"{name}.step: param_groups[{gi}]['params'][{i}]", p, g)
                 state = state_of.get(p)
-                seen = checked.get(p)
-                key = (layout, p.dtype, shape, device, contiguous)
+                seen = checked.get(id(p))
+                key = (layout, dtype, shape, device, contiguous)
                 if state is not None and seen is not None and seen[0] == key:
                     get, s = state.get, seen[4]
                     states = (get("state1"), get("absmax1"), get("state2"), get("absmax2"),
@@ -416,16 +419,19 @@ class _MemfitOptimizer(torch.optim.Optimizer):
                     states = tuple(map(merged.get, _STATE_KEYS))
                     local = p.to_local() if _dtensor.is_dtensor(p) else p
                     seen = (key, self._format(group, p), state_rows(local),
-                            _dtensor.index_base(p, self._where), states)
+                            _dtensor.index_base(p, self._where), states, dtype != torch.float32,
+                            (device, self._format(group, p)))
                     new.append((p, added, drop, seen))
                 if dtensor_type is not None and isinstance(p, dtensor_type):
                     # FSDP2 & co.: the kernels step the local rows, in place
                     p, g, states = _dtensor.local_step_args(p, g, states, self._where)
-                items = buckets.get((device, seen[1]))
+                items = buckets.get(seen[6])
                 if items is None:
-                    items = buckets[(device, seen[1])] = []
+                    items = buckets[seen[6]] = []
                 items.append((p, g, states, seen))
-            plan.append((group, hp, rounding, buckets))
+                if seen[5]:
+                    halves.add(seen[6])
+            plan.append((group, hp, rounding, buckets, halves))
         return plan, new
 
     def _step_bucket(self, group, hp, device, fmt, items, grad_scale, found_inf):
