@@ -225,6 +225,42 @@ def _load_plain_rank(rank, world):
                             for v in plain.state[p].values()))
 
 
+def _corrupt_load_rank(rank, world):
+    """Sharded state dicts that are corrupt or incomplete (a NaN absmax in the last
+    rank's rows only, a state missing, a negative step): every rank refuses them, the
+    value checks being reduced over the mesh, and keeps its states."""
+    import math
+
+    import memfit
+
+    model = _shard(_model())
+    opt = memfit.optim.AdamW8bit(model.parameters(), **OPTIMIZERS["AdamW8bit"])
+    _fsdp_step(model, opt, 0)
+    params = list(model.parameters())
+    before = _full_states(opt, params)
+    out = {}
+
+    def attempt(label, spoil):
+        sd = opt.state_dict()
+        sd["state"] = {pid: {k: v.clone() for k, v in st.items()} for pid, st in sd["state"].items()}
+        spoil(sd["state"][4])  # the (37, 300) weight: 8-bit states, rows 19 + 18
+        try:
+            opt.load_state_dict(sd)
+            out[label] = None
+        except ValueError as e:
+            out[label] = str(e)
+
+    def nan_in_last_rank(st):
+        if rank == world - 1:
+            st["absmax1"].to_local()[-1, 0] = math.nan
+
+    attempt("nan_absmax", nan_in_last_rank)
+    attempt("missing", lambda st: st.pop("state2"))
+    attempt("step", lambda st: st["step"].fill_(-2.0))
+    out["unchanged"] = _same_states(_full_states(opt, params), before)
+    return out
+
+
 def _scaler_rank(rank, world):
     """GradScaler (memfit's, and torch's: both hand grad_scale/found_inf to memfit's
     step) with FSDP2 and AdamW8bit: an inf in the last rank's shard skips the step on
@@ -269,6 +305,7 @@ def _all_checks(rank, world, ckpt):
     return dict(bitwise=_bitwise_rank(rank, world), hsdp=_bitwise_rank(rank, world, ("AdamW8bit",), True),
                 bf16=_bitwise_rank(rank, world, ("AdamW8bit",), dtype=torch.bfloat16),
                 refusals=_refusals_rank(rank, world), load_plain=_load_plain_rank(rank, world),
+                corrupt=_corrupt_load_rank(rank, world),
                 scaler=_scaler_rank(rank, world),
                 dcp=_dcp_rank(rank, world, ckpt))
 
@@ -412,6 +449,18 @@ def test_state_dict_between_sharded_and_plain(two_ranks):
         assert st["into_sharded"] and st["sharded_are_dtensors"]
         assert st["from_replicated"] and st["replicated_placements"]
         assert st["into_plain"] and st["plain_are_plain"]
+
+
+def test_corrupt_sharded_state_dict_refused_on_every_rank(two_ranks):
+    _, res = two_ranks
+    where = "AdamW8bit.load_state_dict: param_groups[0]['params'][4] (shape (37, 300))"
+    for r in res:
+        msg = r["corrupt"]
+        assert msg["nan_absmax"] is not None and msg["nan_absmax"].startswith(
+            where + ": state 'absmax1' holds NaN, Inf or negative block scales"), msg
+        assert msg["missing"].startswith(where + ": has no state 'state2'"), msg
+        assert msg["step"].startswith(where + ": state 'step' (-2.0) is not a whole number"), msg
+        assert r["corrupt"]["unchanged"]
 
 
 def test_grad_scaler_with_fsdp2(two_ranks):

@@ -213,20 +213,22 @@ def test_layouts_that_cannot_be_stepped_are_refused():
     # a channels_last parameter with a row-major gradient: the orders differ
     p = torch.nn.Parameter(w.contiguous(memory_format=CL))
     p.grad = torch.randn(w.shape)
-    with pytest.raises(ValueError, match=r"params\[0\]: must be contiguous \(row-major\), or dense "
+    with pytest.raises(ValueError, match=r"param_groups\[0\]\['params'\]\[0\] \(shape \(12, 5, 3, 3\)\): "
+                                         r"must be contiguous \(row-major\), or dense "
                                          r"with a gradient of the same strides.*memory_format"):
         mo.AdamW8bit([p], min_8bit_size=0).step()
     # a parameter with gaps (every other column): not dense
     base = torch.randn(40, 60)
     q = torch.nn.Parameter(base[:, ::2])
     q.grad = torch.randn(q.shape)
-    with pytest.raises(ValueError, match=r"params\[0\]: must be contiguous \(this tensor has gaps"):
+    with pytest.raises(ValueError, match=r"param_groups\[0\]\['params'\]\[0\] \(shape \(40, 30\)\): "
+                                         r"must be contiguous \(this tensor has gaps"):
         mo.AdamW([q]).step()
     # overlapping elements (an expand): not dense either
     r = torch.nn.Parameter(torch.randn(1, 64).expand(4, 64))
     r.grad = torch.randn(4, 64)
-    with pytest.raises(ValueError, match=r"params\[0\]: must be contiguous \(this tensor has gaps "
-                                         r"or overlapping"):
+    with pytest.raises(ValueError, match=r"param_groups\[0\]\['params'\]\[0\] \(shape \(4, 64\)\): "
+                                         r"must be contiguous \(this tensor has gaps or overlapping"):
         mo.AdamW([r]).step()
     # states made for a row-major parameter that became channels_last afterwards
     s = torch.nn.Parameter(w.clone())
@@ -235,7 +237,9 @@ def test_layouts_that_cannot_be_stepped_are_refused():
     opt.step()
     s.data = s.data.contiguous(memory_format=CL)
     s.grad = s.grad.contiguous(memory_format=CL)
-    with pytest.raises(ValueError, match=r"state1\[0\]: its strides differ from params\[0\]'s"):
+    with pytest.raises(ValueError, match=r"param_groups\[0\]\['params'\]\[0\] \(shape \(12, 5, 3, 3\)\): "
+                                         r"state 'state1' has strides \(45, 9, 3, 1\), but holds one "
+                                         r"value per element and must be laid out as the parameter"):
         opt.step()
 
 

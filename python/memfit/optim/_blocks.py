@@ -40,7 +40,7 @@ import torch
 
 from memfit import _arrays, _C
 
-__all__ = ["dequantize_state", "quantize_state", "row_length", "state_rows"]
+__all__ = ["dequantize_state", "is_dense", "quantize_state", "row_length", "state_rows"]
 
 
 def state_rows(p) -> int:
@@ -64,17 +64,27 @@ def _blocks_per_row(length: int, block_size: int) -> int:
     return -(-length // block_size)
 
 
+def is_dense(t) -> bool:
+    """Whether ``t`` covers its storage without gaps or overlaps, in some order of its
+    dimensions (row-major, channels_last, a transpose): what the kernels can run over."""
+    if t.is_contiguous():
+        return True
+    expected = 1  # dense: the strides, sorted, are the running products of the sizes
+    for stride, size in sorted((st, sz) for st, sz in zip(t.stride(), t.shape) if sz != 1):
+        if stride != expected:
+            return False
+        expected *= size
+    return True
+
+
 def _storage(t):
     """A dense tensor's storage as a flat tensor, in memory order (a view, never a
     copy: the order the kernels run over; for row-major tensors the usual flat view)."""
     if t.is_contiguous():
         return t.view(-1)
-    expected = 1  # dense: the strides, sorted, are the running products of the sizes
-    for stride, size in sorted((st, sz) for st, sz in zip(t.stride(), t.shape) if sz != 1):
-        if stride != expected:
-            raise ValueError(f"expected a dense tensor, got one of shape {tuple(t.shape)} and "
-                             f"strides {tuple(t.stride())}")
-        expected *= size
+    if not is_dense(t):
+        raise ValueError(f"expected a dense tensor, got one of shape {tuple(t.shape)} and "
+                         f"strides {tuple(t.stride())}")
     return t.as_strided((t.numel(),), (1,))
 
 

@@ -22,9 +22,9 @@ from __future__ import annotations
 import torch
 
 try:  # torch builds without distributed support have no DTensor
-    from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+    from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 except ImportError:  # pragma: no cover - depends on the torch build
-    DTensor = Replicate = Shard = distribute_tensor = None
+    DTensor = Partial = Replicate = Shard = distribute_tensor = None
 
 
 # ``where``, in the functions below: a callable that names a parameter in an error
@@ -96,9 +96,10 @@ def zeros_state(p, shape: tuple, dtype, where):
                  _contiguous_stride(shape))
 
 
-def local_step_args(p, g, state: dict, where):
-    """(local parameter, local gradient, {key: local state}) of a DTensor parameter: what
-    the kernels step, in place. The gradient must be a DTensor laid out as ``p``."""
+def local_step_args(p, g, states: tuple, where):
+    """(local parameter, local gradient, local states) of a DTensor parameter: what the
+    kernels step, in place (``states``: a tuple of its states or None, step plain). The
+    gradient must be a DTensor laid out as ``p``."""
     if not is_dtensor(g) or g.device_mesh != p.device_mesh or g.placements != p.placements:
         got = (f"a DTensor with placements {_placements(g)}" if is_dtensor(g)
                else f"a {type(g).__name__}")
@@ -107,7 +108,30 @@ def local_step_args(p, g, state: dict, where):
             f"{where(p)}: the gradient of a DTensor parameter with placements {_placements(p)} is "
             f"{got}; it must be a DTensor of the parameter's mesh and placements"
             + ("; reduce it first (redistribute to the parameter's placements)" if partial else ""))
-    return p.to_local(), g.to_local(), local_state(state)
+    return p.to_local(), g.to_local(), tuple(v.to_local() if isinstance(v, DTensor) else v
+                                             for v in states)
+
+
+def describe(t, key=None) -> str:
+    """How a state (or, with ``key``, the states ``key`` of parameter ``t``) is laid out
+    across ranks, for error messages."""
+    if is_dtensor(t) and key != "step":
+        return f"a DTensor with placements {_placements(t)}"
+    return "a plain tensor"
+
+
+def with_local(value, local: torch.Tensor, stride=None):
+    """The DTensor ``value`` with its local tensor (the same rows, another memory layout)
+    replaced by ``local``; ``stride``: the global strides, by default contiguous."""
+    return _wrap(local, value, tuple(value.shape),
+                 _contiguous_stride(value.shape) if stride is None else stride)
+
+
+def sum_over_mesh(local: torch.Tensor, p) -> torch.Tensor:
+    """``local`` summed over the ranks of p's mesh (one all-reduce): what every rank
+    of the mesh needs to agree on, such as whether any rank found a corrupt state."""
+    return DTensor.from_local(local, p.device_mesh, [Partial()] * p.device_mesh.ndim,
+                              run_check=False).full_tensor()
 
 
 def local_state(state: dict) -> dict:

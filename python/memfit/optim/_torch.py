@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import itertools
+import math
 import sys
 from collections import defaultdict
 
 import torch
 
+from memfit._C import MemfitTypeError, MemfitValueError
 from memfit.optim import _blocks, _core, _dtensor, convert
 from memfit.optim._blocks import state_rows
 
@@ -23,6 +25,146 @@ _GROUP_FORMAT_KEY = "memfit_format"
 # clip it" (see _MemfitOptimizer._step_supports_amp_scaling): Lightning's, under both of
 # its package names.
 _UNSCALE_FIRST_CALLERS = ("lightning_fabric.", "pytorch_lightning.", "lightning.")
+
+
+# A parameter's state tensors in the order the step passes them to the core (absent: None).
+_STATE_KEYS = ("state1", "absmax1", "state2", "absmax2", "step", "kahan_comp")
+
+
+def _same_layout(a, b) -> bool:
+    """Same shape and the same strides along every dimension of more than one element:
+    the kernels pair the elements of a parameter, its gradient and its per-element
+    states in memory order (the binding's mf_py_same_layout)."""
+    return a.shape == b.shape and all(s == t for s, t, n in zip(a.stride(), b.stride(), a.shape)
+                                      if n != 1)
+
+
+def _dim_order(t) -> tuple:
+    """t's dimensions of more than one element, outermost in memory first."""
+    return tuple(sorted((d for d in range(t.dim()) if t.shape[d] != 1), key=lambda d: -t.stride(d)))
+
+
+def _check_dense(where, p) -> None:
+    """Refuses a parameter that is neither contiguous nor dense in another order
+    (channels_last): the kernels run over its storage."""
+    local = p.to_local() if _dtensor.is_dtensor(p) else p
+    if not _blocks.is_dense(local):
+        raise MemfitValueError(f"{where}: must be contiguous (this tensor has gaps or overlapping "
+                               "elements: a slice, an expand() or a view of part of a tensor, "
+                               f"strides {tuple(local.stride())}); call .contiguous() first; "
+                               "nothing was updated")
+
+
+def _refuse_grad(where, p, g):
+    """Raises for a gradient the step cannot take for p (step has found one of: another
+    shape, dtype, device, or another memory layout than a non-contiguous p's)."""
+    where = f"{where} (shape {tuple(p.shape)})"
+    if g.shape != p.shape:
+        raise MemfitValueError(
+            f"{where}: its gradient has shape {tuple(g.shape)}; a gradient must have its "
+            "parameter's shape (one of the same size in another layout, such as JAX's (in, out) "
+            "for torch's (out, in) weight, would update the wrong elements); nothing was updated")
+    if g.dtype != p.dtype:
+        raise MemfitTypeError(f"{where}: its gradient is {g.dtype} and the parameter {p.dtype}; "
+                              "cast the gradient to the parameter's dtype; nothing was updated")
+    if g.device != p.device:
+        raise MemfitValueError(f"{where}: its gradient is on {g.device} but the parameter on "
+                               f"{p.device}; nothing was updated")
+    _check_dense(where, p)
+    raise MemfitValueError(
+        f"{where}: must be contiguous (row-major), or dense with a gradient of the same "
+        f"strides, but has strides {tuple(p.stride())} and its gradient {tuple(g.stride())}; "
+        "make the gradient match the parameter's memory format (e.g. p.grad = p.grad."
+        "contiguous(memory_format=torch.channels_last)) or call .contiguous() on the "
+        "parameter; nothing was updated")
+
+
+def _state_problem(key, value, shape, dtype, p):
+    """None, or (exception class, message) for a state ``key`` of p that the kernels
+    cannot take as p's: not a tensor, another dtype or (global) shape, not laid out as
+    p's states are (a DTensor of p's mesh and placements for a DTensor p, except step),
+    another device, or other strides (p's for a state of one value per element, else
+    contiguous). Metadata only: no host sync."""
+    if not torch.is_tensor(value):
+        return MemfitTypeError, f"state {key!r} is a {type(value).__name__}, not a tensor"
+    if value.dtype != dtype:
+        return MemfitTypeError, f"state {key!r} is {value.dtype}, but needs {dtype} {shape}"
+    if tuple(value.shape) != shape:
+        return (MemfitValueError,
+                f"state {key!r} has shape {tuple(value.shape)}, but needs {dtype} {shape}")
+    dp, dv = _dtensor.is_dtensor(p), _dtensor.is_dtensor(value)
+    if dv != (dp and key != "step") or (dv and (value.device_mesh != p.device_mesh
+                                                or value.placements != p.placements)):
+        return MemfitValueError, (f"state {key!r} is {_dtensor.describe(value)}, but the "
+                                  f"parameter's states are {_dtensor.describe(p, key)}")
+    local = value.to_local() if dv else value
+    lp = p.to_local() if dp else p
+    if local.device != lp.device:
+        return MemfitValueError, f"state {key!r} is on {local.device}, the parameter on {lp.device}"
+    if key != "step" and shape == tuple(p.shape):
+        if not _same_layout(local, lp):
+            return MemfitValueError, (f"state {key!r} has strides {tuple(local.stride())}, but "
+                                      "holds one value per element and must be laid out as the "
+                                      f"parameter (strides {tuple(lp.stride())})")
+    elif not local.is_contiguous():
+        return MemfitValueError, (f"state {key!r} has strides {tuple(local.stride())}, but must "
+                                  "be contiguous")
+    return None
+
+
+_SAVED_FOR_ANOTHER = ("the state dict was saved for a different model or with different "
+                      "bits/block_size/min_8bit_size")
+
+
+def _check_saved_keys(where, saved, expected) -> None:
+    """Refuses a saved state of p (``saved``) whose keys are not those p needs
+    (``expected``, from _expected_state), or whose tensors have another dtype or shape."""
+    for key in saved:
+        if key not in expected:
+            raise MemfitValueError(f"{where}: has a state {key!r} that this optimizer does not "
+                                   f"keep for it: {_SAVED_FOR_ANOTHER}; nothing was loaded")
+    for key in expected:
+        # a missing Kahan buffer starts at zero: the parameter's value as it is
+        if key not in saved and key != "kahan_comp":
+            raise MemfitValueError(
+                f"{where}: has no state {key!r} (it has {', '.join(map(repr, saved))}; this "
+                f"optimizer keeps {', '.join(map(repr, expected))} for it): the state dict is "
+                "incomplete; nothing was loaded")
+    for key, value in saved.items():
+        shape, dtype = expected[key]
+        if not torch.is_tensor(value) or value.dtype != dtype or tuple(value.shape) != shape:
+            got = (f"{value.dtype} {tuple(value.shape)}" if torch.is_tensor(value)
+                   else type(value).__name__)
+            raise MemfitValueError(
+                f"{where}: state {key!r} is {got}, but needs {dtype} {shape}: "
+                f"{_SAVED_FOR_ANOTHER}, or is truncated; nothing was loaded")
+
+
+def _laid_out(where, key, value, p):
+    """``value`` (a loaded copy of p's state ``key``) in the memory layout the kernels
+    need: p's for a state of one value per element, else contiguous. Relaying out is
+    exact where each value keeps its meaning: float32 states, Kahan buffers, absmax and
+    4-bit codes (logical arrays), 8-bit codes stored in p's memory order (only their
+    strides differ, as in a slice). 8-bit codes stored in another order are refused: a
+    code's quantization block is given by its place in memory, so relaid codes would
+    be read with other blocks' absmax."""
+    dv = _dtensor.is_dtensor(value)
+    local = value.to_local() if dv else value
+    lp = p.to_local() if _dtensor.is_dtensor(p) else p
+    if key != "step" and tuple(value.shape) == tuple(p.shape):
+        if _same_layout(local, lp):
+            return value
+        if local.dtype == torch.uint8 and _dim_order(local) != _dim_order(lp):
+            raise MemfitValueError(
+                f"{where}: state {key!r} (8-bit codes) has strides {tuple(local.stride())}, in "
+                f"another memory order than the parameter's {tuple(lp.stride())}: its codes "
+                "belong to the quantization blocks of other elements; nothing was loaded")
+        fixed, stride = torch.empty_like(lp, dtype=local.dtype).copy_(local), p.stride()
+    else:
+        if local.is_contiguous():
+            return value
+        fixed, stride = local.contiguous(), None
+    return _dtensor.with_local(value, fixed, stride) if dv else fixed
 
 
 class _MemfitOptimizer(torch.optim.Optimizer):
@@ -149,28 +291,39 @@ class _MemfitOptimizer(torch.optim.Optimizer):
             out["kahan_comp"] = (tuple(p.shape), p.dtype)
         return out
 
-    def _init_state(self, group, p) -> dict:
-        state = self.state[p]
+    def _zero_state(self, p, key, shape, dtype):
+        """A zero state of global ``shape`` for ``p`` (step: a plain scalar on p's local
+        device). States of p's shape follow p's memory layout (zeros_like keeps the
+        strides of a dense tensor, channels_last included): the kernels run over the
+        storage in memory order, the same for p, its grad and these."""
+        if _dtensor.is_dtensor(p) and key != "step":
+            # a DTensor of p's mesh and placements, of the global shape
+            return _dtensor.zeros_state(p, shape, dtype, self._where)
+        local = p.to_local() if _dtensor.is_dtensor(p) else p
+        if shape == tuple(p.shape) and key != "step":
+            return torch.zeros_like(local, dtype=dtype)
+        return torch.zeros(shape, dtype=dtype, device=local.device)
+
+    def _new_states(self, where, group, p, state) -> tuple:
+        """(states to add, whether to drop kahan_comp) for p before its first step or
+        after its layout changed (bits, dtype, shape, device): the missing states as
+        zeros; the states p already has are checked against the layout ``group`` needs
+        (:func:`_state_problem`). Changes nothing: step adds them once every parameter
+        of every group is checked."""
+        state = state or {}
         expected = self._expected_state(group, p)
-        dtensor = _dtensor.is_dtensor(p)
-        if dtensor:
+        if _dtensor.is_dtensor(p):
             _dtensor.check_param(p, self._where)
+        added = {}
         for key, (shape, dtype) in expected.items():
-            if key not in state:
-                if dtensor and key != "step":
-                    # a DTensor of p's mesh and placements, of the global shape
-                    state[key] = _dtensor.zeros_state(p, shape, dtype, self._where)
-                    continue
-                # states of p's shape follow p's memory layout (zeros_like keeps the
-                # strides of a dense tensor, channels_last included): the kernels run
-                # over the storage in memory order, the same for p, its grad and these
-                state[key] = (torch.zeros_like(p, dtype=dtype) if shape == tuple(p.shape) and key != "step"
-                              else torch.zeros(shape, dtype=dtype, device=p.device))
-        if "kahan_comp" in state and "kahan_comp" not in expected:
-            # kahan was switched off (or p is float32 now): p is already the nearest value
-            # of p + kahan_comp, so the buffer is simply dropped
-            del state["kahan_comp"]
-        return state
+            value = state.get(key)
+            if value is None:
+                added[key] = self._zero_state(p, key, shape, dtype)
+                continue
+            problem = _state_problem(key, value, shape, dtype, p)
+            if problem is not None:
+                raise problem[0](f"{where}: {problem[1]}; nothing was updated")
+        return added, "kahan_comp" in state and "kahan_comp" not in expected
 
     def _where(self, p) -> str:
         """Names parameter ``p`` in error messages: its place in param_groups."""
@@ -190,6 +343,10 @@ class _MemfitOptimizer(torch.optim.Optimizer):
     def step(self, closure=None):
         """Performs a single optimization step.
 
+        Every parameter with a gradient, in every group, is checked (gradient dtype,
+        device, shape and layout; the states' layout) before any is stepped: a step that
+        raises has changed no parameter, state or step counter.
+
         Args:
             closure: a callable that re-evaluates the model and returns the loss.
         """
@@ -199,71 +356,118 @@ class _MemfitOptimizer(torch.optim.Optimizer):
                 loss = closure()
         grad_scale = _dtensor.plain(getattr(self, "grad_scale", None))
         found_inf = _dtensor.plain(getattr(self, "found_inf", None))
-        dtensor_type = _dtensor.DTensor
-        # parameter -> (key, format, rows, index_base) of the layout its state was last
-        # checked against (rows and index_base of the tensor the kernels step: the local
-        # shard of a DTensor), so that a step over a model with hundreds of tensors does
-        # not rebuild every expected layout every time (this loop and _step_bucket run per
-        # parameter per step: kept lean, it is most of the step's time for models of many
-        # small tensors)
-        checked = self.__dict__.setdefault("_state_checked", {})
-        state_of = self.state
-        for group in self.param_groups:
-            hp = self._hparams(group)
-            rounding = self._rounding(group)
-            layout = (group["bits"], group.get("block_size"), group["min_8bit_size"], rounding,
-                      hp["momentum"])
-            buckets = {}  # (device, format) -> [(p, grad, state)], in first-seen order
-            for p in group["params"]:
-                g = p.grad
-                if g is None:
-                    continue
-                if g.is_sparse:
-                    raise RuntimeError(f"{type(self).__name__} does not support sparse gradients")
-                state = state_of[p]
-                key = (layout, p.dtype, p.shape)
-                seen = checked.get(p)
-                if seen is None or seen[0] != key or "step" not in state:
-                    state = self._init_state(group, p)
-                    local = p.to_local() if _dtensor.is_dtensor(p) else p
-                    seen = checked[p] = (key, self._format(group, p), state_rows(local),
-                                         _dtensor.index_base(p, self._where))
-                if dtensor_type is not None and isinstance(p, dtensor_type):
-                    # FSDP2 & co.: the kernels step the local rows, in place
-                    p, g, state = _dtensor.local_step_args(p, g, state, self._where)
-                device = p.device
-                if g.device != device:
-                    raise ValueError(f"{type(self).__name__}: a gradient is on {g.device} but its "
-                                     f"parameter on {device}")
-                items = buckets.get((device, seen[1]))
-                if items is None:
-                    items = buckets[(device, seen[1])] = []
-                items.append((p, g, state, seen))
+        plan, new = self._plan_step()  # raises here, before anything changes
+        checked, state_of = self._state_checked, self.state
+        for p, added, drop, seen in new:
+            state = state_of[p]
+            state.update(added)
+            if drop:
+                # kahan was switched off (or p is float32 now): p is already the nearest
+                # value of p + kahan_comp, so the buffer is simply dropped
+                del state["kahan_comp"]
+            checked[id(p)] = seen
+        for group, hp, rounding, buckets, halves in plan:
             sr_step = group.get("sr_step", 0)
             for b, ((device, fmt), items) in enumerate(buckets.items()):
                 bhp = hp
-                if rounding == "stochastic" and any(p.dtype != torch.float32 for p, *_ in items):
+                if rounding == "stochastic" and (device, fmt) in halves:
                     bhp = dict(hp, sr_seed=_core.sr_seed(group.get("sr_seed", 0), sr_step, b))
                 self._step_bucket(group, bhp, device, fmt, items, grad_scale, found_inf)
             group["sr_step"] = sr_step + 1
         return loss
 
+    def _plan_step(self) -> tuple:
+        """Checks every parameter that has a gradient and sorts them into buckets (one
+        call into the core per device and state format); changes nothing.
+
+        Returns (plan, new): plan is [(group, hparams, rounding, {(device, format):
+        [(param, grad, states, seen)]}, {the (device, format) of buckets with float16 or
+        bfloat16 parameters})], the tensors as the kernels take them (a DTensor's local
+        ones), states the tuple of ``_STATE_KEYS``; new is [(param, states to add, drop
+        kahan_comp, seen)] for parameters whose states are made or were replaced.
+
+        ``seen`` (kept in ``self._state_checked`` by id(p): a tensor's own hash is a
+        Python call): (key, format, rows, index_base, states, whether p is float16 or
+        bfloat16, its bucket) of the layout p's states were last checked against, rows and
+        index_base those of the tensor the kernels step (a DTensor's local shard), and
+        the state tensors checked. A step over a model of hundreds of tensors does not
+        rebuild every expected layout every time: p's states are checked again only when
+        the key changes or a state tensor was replaced. This loop runs per parameter per
+        step, and is most of the step's time for models of many small tensors: it reads
+        only metadata (no host sync) and stays lean.
+        """
+        checked = self.__dict__.setdefault("_state_checked", {})
+        state_of = self.state
+        dtensor_type = _dtensor.DTensor
+        name = type(self).__name__
+        plan, new = [], []
+        for gi, group in enumerate(self.param_groups):
+            hp = self._hparams(group)
+            rounding = self._rounding(group)
+            layout = (group["bits"], group.get("block_size"), group["min_8bit_size"], rounding,
+                      hp["momentum"])
+            buckets = {}  # (device, format) -> [(p, grad, states, seen)], in first-seen order
+            halves = set()
+            for i, p in enumerate(group["params"]):
+                g = p.grad
+                if g is None:
+                    continue
+                if g.is_sparse:
+                    raise RuntimeError(f"{name} does not support sparse gradients")
+                shape, dtype, device, contiguous = p.shape, p.dtype, p.device, p.is_contiguous()
+                if g.shape != shape or g.dtype != dtype or g.device != device \
+                        or not (contiguous or _same_layout(g, p)):
+                    _refuse_grad(f"{name}.step: param_groups[{gi}]['params'][{i}]", p, g)
+                state = state_of.get(p)
+                seen = checked.get(id(p))
+                key = (layout, dtype, shape, device, contiguous)
+                if state is not None and seen is not None and seen[0] == key:
+                    get, s = state.get, seen[4]
+                    states = (get("state1"), get("absmax1"), get("state2"), get("absmax2"),
+                              get("step"), get("kahan_comp"))
+                    # (spelled out: the cheapest test that no state tensor was replaced)
+                    fresh = states[0] is s[0] and states[1] is s[1] and states[2] is s[2] \
+                        and states[3] is s[3] and states[4] is s[4] and states[5] is s[5]
+                else:
+                    fresh = False
+                if not fresh:
+                    where = f"{name}.step: param_groups[{gi}]['params'][{i}] (shape {tuple(shape)})"
+                    if not contiguous:
+                        _check_dense(where, p)
+                    added, drop = self._new_states(where, group, p, state)
+                    merged = {**(state or {}), **added}
+                    if drop:
+                        del merged["kahan_comp"]
+                    states = tuple(map(merged.get, _STATE_KEYS))
+                    local = p.to_local() if _dtensor.is_dtensor(p) else p
+                    seen = (key, self._format(group, p), state_rows(local),
+                            _dtensor.index_base(p, self._where), states, dtype != torch.float32,
+                            (device, self._format(group, p)))
+                    new.append((p, added, drop, seen))
+                if dtensor_type is not None and isinstance(p, dtensor_type):
+                    # FSDP2 & co.: the kernels step the local rows, in place
+                    p, g, states = _dtensor.local_step_args(p, g, states, self._where)
+                items = buckets.get(seen[6])
+                if items is None:
+                    items = buckets[seen[6]] = []
+                items.append((p, g, states, seen))
+                if seen[5]:
+                    halves.add(seen[6])
+            plan.append((group, hp, rounding, buckets, halves))
+        return plan, new
+
     def _step_bucket(self, group, hp, device, fmt, items, grad_scale, found_inf):
-        """One call into the core for the (parameter, gradient, state, checked layout)
-        items of one device and state format (see step's ``checked``)."""
+        """One call into the core for the (parameter, gradient, states, checked layout)
+        items of one device and state format (see _plan_step)."""
         params = [p.data for p, *_ in items]
         grads = [g if g.is_contiguous() and not g.requires_grad else _grad_view(p, g)
                  for p, g, *_ in items]
-        s1 = [st.get("state1") for _, _, st, _ in items]
-        s2 = [st.get("state2") for _, _, st, _ in items]
-        steps = [st["step"] for _, _, st, _ in items]
-        # lists the core takes as None when no parameter has the array
-        a1 = a2 = comps = None
-        if fmt != 32:
-            a1 = [st.get("absmax1") for _, _, st, _ in items]
-            a2 = [st.get("absmax2") for _, _, st, _ in items]
-        if self._rounding(group) == "kahan":
-            comps = [st.get("kahan_comp") for _, _, st, _ in items]
+        s1, a1, s2, a2, steps, comps = (list(x) for x in zip(*(st for _, _, st, _ in items)))
+        # the core takes absmax lists as None in 32-bit buckets, comps as None without Kahan
+        if fmt == 32:
+            a1 = a2 = None
+        if self._rounding(group) != "kahan":
+            comps = None
         rows = [seen[2] for *_, seen in items] if fmt != 32 else None
         # a shard's element 0 is element index_base of the whole tensor (stochastic rounding)
         bases = [seen[3] for *_, seen in items]
@@ -303,60 +507,109 @@ class _MemfitOptimizer(torch.optim.Optimizer):
         the same shapes. Codes, absmax and step are restored exactly (no dtype casts),
         so training resumes bit-identically. A torch.optim or bitsandbytes state dict of
         the same kind, or one of an older memfit format, is converted first (see
-        :mod:`memfit.optim.convert`). Anything else is refused with ValueError."""
+        :mod:`memfit.optim.convert`).
+
+        Everything is checked before anything changes: a refused state dict leaves the
+        optimizer as it was. Refused, with :class:`memfit.MemfitValueError` (a
+        ValueError) naming the parameter as ``param_groups[g]['params'][i]``, its shape
+        and the state: another optimizer's or format's state dict; a parameter's state
+        with a key missing (torch.optim would raise KeyError at the next step) or one it
+        does not keep; a state of another dtype or shape (a truncated tensor included);
+        NaN, Inf or negative absmax; a ``step`` that is not a whole number >= 0; NaN or
+        Inf float32 states or Kahan buffers, negative second moments; 8-bit codes laid
+        out in another memory order than the parameter. Repaired, exactly: states in
+        another memory layout whose values are well defined (float32 states, Kahan
+        buffers, absmax, 4-bit codes, 8-bit codes in the parameter's order) are copied
+        into the layout the kernels need. An empty state (``{}``, a parameter never
+        stepped) starts fresh, as in torch; a missing ``kahan_comp`` starts at zero (the
+        parameter's value as it is)."""
         state_dict = convert.to_current(self, state_dict)
         name = type(self).__name__
         self._check_saved_format(state_dict)
         groups = self.param_groups
         saved_groups = state_dict["param_groups"]
         if len(groups) != len(saved_groups):
-            raise ValueError("loaded state dict has a different number of parameter groups")
+            raise MemfitValueError("loaded state dict has a different number of parameter groups")
         if any(len(g["params"]) != len(sg["params"]) for g, sg in zip(groups, saved_groups)):
-            raise ValueError("loaded state dict contains a parameter group that doesn't match "
-                             "the size of optimizer's group")
-        id_map = dict(zip(itertools.chain.from_iterable(sg["params"] for sg in saved_groups),
-                          itertools.chain.from_iterable(g["params"] for g in groups)))
+            raise MemfitValueError("loaded state dict contains a parameter group that doesn't "
+                                   "match the size of optimizer's group")
+        # saved parameter id -> (group index, index in the group, the optimizer's parameter)
+        place = {pid: (gi, i, p) for gi, (g, sg) in enumerate(zip(groups, saved_groups))
+                 for i, (pid, p) in enumerate(zip(sg["params"], g["params"]))}
         new_groups = []
         for g, sg in zip(groups, saved_groups):
             ng = dict(sg)
             ng.pop(_GROUP_FORMAT_KEY, None)  # recorded by state_dict(), not a setting
             ng["params"] = g["params"]
             new_groups.append(ng)
-        group_of = {id(p): ng for ng in new_groups for p in ng["params"]}
-        state = defaultdict(dict)
-        for pid, saved in state_dict["state"].items():
-            if pid not in id_map:
-                continue
-            p = id_map[pid]
-            ng = group_of[id(p)]
-            expected = self._expected_state(ng, p)
-            for key, value in saved.items():
-                if key not in expected:
-                    raise ValueError(f"{name}.load_state_dict: parameter {pid} has an unexpected state "
-                                     f"{key!r} (saved with different settings?)")
-                shape, dtype = expected[key]
-                if not torch.is_tensor(value) or value.dtype != dtype or tuple(value.shape) != shape:
-                    got = (f"{value.dtype} {tuple(value.shape)}" if torch.is_tensor(value)
-                           else type(value).__name__)
-                    raise ValueError(
-                        f"{name}.load_state_dict: state {key!r} of parameter {pid} is {got}, but this "
-                        f"parameter (shape {tuple(p.shape)}) needs {dtype} {shape}: the state dict was "
-                        "saved for a different model or with different bits/block_size/min_8bit_size")
-            if "step" not in saved:
-                raise ValueError(f"{name}.load_state_dict: parameter {pid} has no 'step'")
-            state[p] = self._loaded_state(saved, p)
         for ng in new_groups:
             self._check_group(ng)
+        state = defaultdict(dict)
+        for pid, saved in state_dict["state"].items():
+            if pid not in place:
+                continue
+            gi, i, p = place[pid]
+            where = (f"{name}.load_state_dict: param_groups[{gi}]['params'][{i}] "
+                     f"(shape {tuple(p.shape)})")
+            if not isinstance(saved, dict):
+                raise MemfitValueError(f"{where}: its state is a {type(saved).__name__}, not a "
+                                       "dict of tensors; nothing was loaded")
+            if not saved:
+                continue  # never stepped (torch saves such a state as {}): starts fresh
+            group = new_groups[gi]
+            expected = self._expected_state(group, p)
+            _check_saved_keys(where, saved, expected)
+            loaded = {k: _laid_out(where, k, self._loaded_value(k, v, p), p)
+                      for k, v in saved.items()}
+            for key, value in loaded.items():
+                problem = _state_problem(key, value, *expected[key], p)
+                if problem is not None:
+                    raise problem[0](f"{where}: {problem[1]}; nothing was loaded")
+            self._check_values(where, group, p, loaded)
+            state[p] = loaded
         self.__setstate__({"state": state, "param_groups": new_groups})
         self.__dict__.pop("_state_checked", None)  # new states: check them on the next step
 
     @staticmethod
-    def _loaded_state(saved: dict, p) -> dict:
-        """Fresh copies of one parameter's checked states, laid out as p's states are
-        (DTensors of p's placements for a DTensor p, whatever the saved layout)."""
-        if _dtensor.is_dtensor(p) or any(_dtensor.is_dtensor(v) for v in saved.values()):
-            return {k: _dtensor.loaded_value(k, v, p) for k, v in saved.items()}
-        return {k: v.detach().to(device=p.device, copy=True) for k, v in saved.items()}
+    def _loaded_value(key, value, p):
+        """A fresh copy of one loaded state, laid out as p's states are (a DTensor of
+        p's placements for a DTensor p, whatever the saved layout)."""
+        if _dtensor.is_dtensor(p) or _dtensor.is_dtensor(value):
+            return _dtensor.loaded_value(key, value, p)
+        return value.detach().to(device=p.device, copy=True)
+
+    def _check_values(self, where, group, p, loaded) -> None:
+        """Refuses corrupt values in the loaded states of p: NaN, Inf or negative
+        absmax (a NaN scale would freeze its block for ever, silently), a step that is
+        not a whole number >= 0, NaN or Inf float32 states or Kahan buffers, negative
+        second moments. One host sync per parameter, at load only; for a DTensor p one
+        all-reduce over its mesh, so that every rank checks its own rows and all refuse
+        together."""
+        signed = _core.state_layout(self._kind, group["bits"], group["block_size"], 0,
+                                    self._hparams(group)["momentum"])["signed"]
+        checks = []  # (key, what is wrong, a 0-d bool tensor: True where it is)
+        for key, value in loaded.items():
+            v = value.to_local() if _dtensor.is_dtensor(value) else value
+            if key == "step":
+                whole = torch.isfinite(v) & (v >= 0) & (v == torch.floor(v))
+                checks.append((key, "is not a whole number of steps >= 0", ~whole))
+            elif key.startswith("absmax"):
+                # a block's scale is its largest |value|: finite and >= 0 (False for NaN)
+                checks.append((key, "holds NaN, Inf or negative block scales",
+                               ~((v >= 0) & (v < math.inf)).all()))
+            elif v.dtype != torch.uint8:  # float32 states and the Kahan buffer
+                checks.append((key, "holds NaN or Inf values", ~torch.isfinite(v).all()))
+                if key.startswith("state") and not signed[int(key[5:]) - 1]:
+                    checks.append((key, "holds negative values, but it is a second moment "
+                                        "(a mean of squares, >= 0)", (v < 0).any()))
+        flags = torch.stack([bad for *_, bad in checks]).float()
+        if _dtensor.is_dtensor(p):
+            flags = _dtensor.sum_over_mesh(flags, p)
+        for (key, what, _), bad in zip(checks, flags.tolist()):
+            if bad:
+                got = f" ({float(loaded[key])})" if key == "step" else ""
+                raise MemfitValueError(f"{where}: state {key!r}{got} {what}: the state dict is "
+                                       "corrupt; nothing was loaded")
 
 
 def saved_format(state_dict) -> tuple:

@@ -31,6 +31,7 @@ parameters need no compensation: ``kahan=True`` adds nothing for them.
 from __future__ import annotations
 
 from memfit import _arrays
+from memfit._C import MemfitValueError
 from memfit.optim import _core
 
 __all__ = [
@@ -104,15 +105,28 @@ def step(kind: str, param, grad, state: dict, *, grad_scale=None, found_inf=None
         raise ValueError(f"state: was made for {state['kind']!r}, not {kind!r}")
     k = _KINDS[kind]
     h = _core.hparams(**hp)
-    p = _arrays.as_input(param)
+    p, g = _arrays.as_input(param), _arrays.as_input(grad)
+    _check_grad_shape(p, g)
     ns = _core.state_layout(k, state["bits"], state["block_size"], 0, h["momentum"])["num_states"]
     for j in range(1, ns + 1):
         if state.get(f"state{j}") is None:
             raise ValueError(f"state: has no state{j}; make it with {kind}'s init and the same momentum")
-    _core.step(k, state["bits"], state["block_size"], h, [p], [_arrays.as_input(grad)],
+    _core.step(k, state["bits"], state["block_size"], h, [p], [g],
                [state["state1"]], [state["absmax1"]], [state["state2"]], [state["absmax2"]],
                [state["step"]], grad_scale, found_inf, _arrays.stream_of(p),
                [state.get("kahan_comp")], rows=[state.get("rows", 1)])
+
+
+def _check_grad_shape(param, grad) -> None:
+    """Refuses a gradient of another shape than its parameter (where both arrays have a
+    shape): the core sees only the element counts, and would apply a gradient of the
+    same size in another layout, such as JAX's (in, out) for torch's (out, in) weight,
+    to the wrong elements."""
+    ps, gs = getattr(param, "shape", None), getattr(grad, "shape", None)
+    if ps is not None and gs is not None and tuple(ps) != tuple(gs):
+        raise MemfitValueError(f"grad: has shape {tuple(gs)}, but param has shape {tuple(ps)}; "
+                               "a gradient must have its parameter's shape (transpose or reshape "
+                               "it to the parameter's layout first)")
 
 
 def _adam_hp(lr, betas, eps, weight_decay, maximize):
