@@ -10,7 +10,7 @@ import weakref
 from memfit.checkpoint.chain import _resolve_chain, measure
 from memfit.checkpoint.meter import _torch
 from memfit.checkpoint.planner import Plan, plan
-from memfit.checkpoint.recompute import _Frame, _nullctx
+from memfit.checkpoint.recompute import _Frame, _nullctx, _seal
 
 
 class _Region:
@@ -54,9 +54,9 @@ class _BlockForward:
             frame = _Frame(preserve_rng_state=region.preserve_rng_state, check=True,
                            recompute_ctx=_nullctx, compress=region.compress)
             region.frame = frame
-            frame.add_call(orig, args, kwargs)
+            call = frame.add_call(orig, args, kwargs)
         else:
-            frame.add_call(orig, args, kwargs, prev_out=region.prev_out, boundary=False)
+            call = frame.add_call(orig, args, kwargs, prev_out=region.prev_out, boundary=False)
         region.prev_out = None
         try:
             with frame.hooks():
@@ -64,6 +64,7 @@ class _BlockForward:
         except BaseException:
             region.frame = None
             raise
+        _seal(call)
         if index == region.end - 1:
             region.frame = None
             region.expect = None
