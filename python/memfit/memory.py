@@ -345,9 +345,13 @@ def parse_gpu(gpu: str) -> tuple:
         return int(mem * GB), bf16
     if g.endswith("gb"):
         try:
-            return int(float(g[:-2]) * GB), True
+            size = float(g[:-2])
         except ValueError:
-            pass
+            size = None
+        if size is not None:
+            if not (math.isfinite(size) and size > 0 and math.isfinite(size * GB)):
+                raise ValueError(f"gpu: the memory size must be a finite number of GB > 0, got {gpu!r}")
+            return int(size * GB), True
     raise ValueError(f"gpu: expected one of {', '.join(GPUS)} or a size like 24GB, got {gpu!r}")
 
 

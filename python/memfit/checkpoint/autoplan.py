@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import weakref
 
+from memfit.checkpoint.budget import parse_bytes
 from memfit.checkpoint.chain import _resolve_chain, measure
 from memfit.checkpoint.meter import _torch
 from memfit.checkpoint.planner import Plan, plan
@@ -125,6 +126,7 @@ def auto(model_or_module_list, example_input, budget="6GB", *, blocks=None,
     torch = _torch()
     if compress not in (None, "int8"):
         raise ValueError(f"compress: expected None or 'int8', got {compress!r}")
+    parse_bytes(budget, total=0, name="budget")  # named as the caller knows it, before anything runs
     stages, _ = _resolve_chain(model_or_module_list, blocks)
     for i, st in enumerate(stages):
         if not isinstance(st, torch.nn.Module):
