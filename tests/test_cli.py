@@ -3,16 +3,17 @@ and answers bad arguments with a usage error (exit 2) that names the problem."""
 
 import json
 import os
-import subprocess
 import sys
 
 import pytest
+
+import proc_util
 
 pytest.importorskip("torch")
 
 
 def run(*args, cwd=None, env=None):
-    return subprocess.run([sys.executable, "-m", "memfit", *args], capture_output=True, text=True, cwd=cwd,
+    return proc_util.run([sys.executable, "-m", "memfit", *args], capture_output=True, text=True, cwd=cwd,
                           env=env)
 
 
