@@ -30,7 +30,7 @@ def check_not_killed(proc: subprocess.CompletedProcess, what: str | None = None)
     """Raises ChildKilled (an AssertionError: the test fails) when ``proc`` was killed
     by a signal, with the signal's name and the child's output; returns ``proc``."""
     if proc.returncode is not None and proc.returncode < 0:
-        cmd = what or " ".join(map(str, proc.args)) if isinstance(proc.args, (list, tuple)) else proc.args
+        cmd = what or (" ".join(map(str, proc.args)) if isinstance(proc.args, (list, tuple)) else str(proc.args))
         out = proc.stdout if isinstance(proc.stdout, str) else (proc.stdout or b"").decode(errors="replace")
         err = proc.stderr if isinstance(proc.stderr, str) else (proc.stderr or b"").decode(errors="replace")
         raise ChildKilled(f"{cmd}: {describe_exit(proc.returncode)}\n"
