@@ -5,10 +5,21 @@ skipped cleanly (with the reason) everywhere else.
 """
 
 import importlib.util
+import os
 
 import pytest
+from hypothesis import HealthCheck, settings
 
 import memfit
+
+# Property-based tests (tests/test_properties.py): in CI a fixed, derandomized set of
+# examples per property, small enough for the suite's time budget; set
+# MEMFIT_HYPOTHESIS_PROFILE=thorough for a long randomized search (say, before a release).
+settings.register_profile("ci", derandomize=True, max_examples=30, deadline=None, print_blob=True,
+                          suppress_health_check=[HealthCheck.too_slow])
+settings.register_profile("thorough", max_examples=2000, deadline=None, print_blob=True,
+                          suppress_health_check=[HealthCheck.too_slow])
+settings.load_profile(os.environ.get("MEMFIT_HYPOTHESIS_PROFILE", "ci"))
 
 
 def _cuda_reason():

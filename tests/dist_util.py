@@ -25,6 +25,8 @@ import traceback
 
 import pytest
 
+from proc_util import describe_exit
+
 DEFAULT_TIMEOUT_S = 120.0
 
 
@@ -88,7 +90,7 @@ def run_ranks(fn, world_size: int = 2, args: tuple = (), timeout: float = DEFAUL
                             if r not in got and p.exitcode is not None and p.exitcode != 0]
                     if dead and results.empty():
                         for r in dead:
-                            got[r] = ("error", f"rank {r} exited with code {procs[r].exitcode} "
+                            got[r] = ("error", f"rank {r} ended ({describe_exit(procs[r].exitcode)}) "
                                       "without reporting")
                     continue
                 got[rank] = (kind, payload)

@@ -9,10 +9,11 @@ for speed, so nothing here is timed. Skipped where the tools are missing, except
 
 import os
 import shutil
-import subprocess
 from pathlib import Path
 
 import pytest
+
+import proc_util
 
 ROOT = Path(__file__).resolve().parents[1]
 TOOLCHAIN = ROOT / "cmake" / "aarch64-linux-gnu.cmake"
@@ -45,9 +46,9 @@ def arm_build(tmp_path_factory):
                  "-DCMAKE_BUILD_TYPE=Release"]
     if shutil.which("ninja"):
         configure += ["-G", "Ninja"]
-    run = subprocess.run(configure, capture_output=True, text=True)
+    run = proc_util.run(configure, capture_output=True, text=True)
     assert run.returncode == 0, run.stdout + run.stderr
-    run = subprocess.run([tools["cmake"], "--build", str(build), "-j2"], capture_output=True, text=True)
+    run = proc_util.run([tools["cmake"], "--build", str(build), "-j2"], capture_output=True, text=True)
     assert run.returncode == 0, run.stdout + run.stderr
     return build
 
@@ -62,7 +63,7 @@ def test_the_core_library_is_aarch64(arm_build):
     lib = arm_build / "libmemfit_core.a"
     assert lib.exists()
     ar = shutil.which("aarch64-linux-gnu-ar") or "ar"
-    objects = subprocess.run([ar, "t", str(lib)], capture_output=True, text=True, check=True).stdout.split()
+    objects = proc_util.run([ar, "t", str(lib)], capture_output=True, text=True, check=True).stdout.split()
     assert "optim.c.o" in objects and "cpu_isa.c.o" in objects
     # the x86-only kernel files are left out of a non-x86 build altogether
     assert not [o for o in objects if "_avx" in o], objects
@@ -73,6 +74,6 @@ def test_c_test_passes_under_qemu(arm_build, name):
     exe = arm_build / name
     assert elf_machine(exe) == EM_AARCH64, f"{name} was not built for aarch64"
     env = dict(os.environ, OMP_NUM_THREADS="2")
-    run = subprocess.run(["qemu-aarch64", "-L", SYSROOT, str(exe)], capture_output=True, text=True,
+    run = proc_util.run(["qemu-aarch64", "-L", SYSROOT, str(exe)], capture_output=True, text=True,
                          env=env, timeout=900)
     assert run.returncode == 0, f"{name} failed under qemu-aarch64:\n{run.stdout[-4000:]}\n{run.stderr[-4000:]}"

@@ -399,3 +399,55 @@ def test_old_import_paths_are_the_same_objects():
     assert amp.precision is mixed_precision.precision and amp.setup is mixed_precision.setup
     for name in amp.__all__:
         assert getattr(amp, name) is not None
+
+
+# ---- configuration errors echo the value given (issue 24 §6) --------------------------------
+
+@pytest.mark.parametrize("kwargs,message", [
+    ({"hysteresis": -1}, r"hysteresis: must be >= 1 .*got -1$"),
+    ({"hysteresis": -2**40}, r"hysteresis: must be >= 1 .*got -1099511627776$"),
+    ({"growth_interval": -1}, r"growth_interval: must be >= 1, got -1$"),
+    ({"growth_interval": -2**33}, r"growth_interval: must be >= 1, got -8589934592$"),
+    ({"growth_factor": 1e40}, r"growth_factor: .* got 1e\+40 \(inf in float32"),
+    ({"growth_factor": 1 + 1e-9}, r"growth_factor: .* got 1.000000001 \(1.0 in float32"),
+    ({"growth_factor": float("nan")}, r"growth_factor: .* got nan$"),
+    ({"backoff_factor": 1 - 1e-9}, r"backoff_factor: .* got 0.999999999 \(1.0 in float32"),
+    ({"backoff_factor": 1e-50}, r"backoff_factor: .* got 1e-50 \(0.0 in float32"),
+    ({"min_scale": -1e-50}, r"min_scale: must be a finite number >= 0, got -1e-50$"),
+    ({"min_scale": 1e40}, r"min_scale: .* got 1e\+40 \(inf in float32"),
+    ({"max_scale": float("inf")}, r"max_scale: .* got inf$"),
+    ({"min_scale": 2.5, "max_scale": 1.5}, r"min_scale: 2.5 is larger than max_scale 1.5$"),
+    ({"init_scale": 1e40}, r"init_scale: must be a finite number > 0 within float32's range .*got 1e\+40$"),
+    ({"init_scale": 1e-50}, r"init_scale: .*got 1e-50$"),
+    ({"init_scale": -3.0}, r"init_scale: .*got -3.0$"),
+])
+def test_scaler_config_errors_echo_the_given_value(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        amp.GradScaler(device="cpu", **kwargs)
+
+
+@pytest.mark.parametrize("setter,value,message", [
+    ("set_growth_factor", 1e40, r"got 1e\+40 \(inf in float32"),
+    ("set_backoff_factor", 1e-50, r"got 1e-50 \(0.0 in float32"),
+    ("set_growth_interval", -7, r"got -7$"),
+])
+def test_scaler_setters_echo_the_given_value_and_keep_the_old_one(setter, value, message):
+    s = amp.GradScaler(device="cpu")
+    before = (s.get_growth_factor(), s.get_backoff_factor(), s.get_growth_interval())
+    with pytest.raises(ValueError, match=message):
+        getattr(s, setter)(value)
+    assert (s.get_growth_factor(), s.get_backoff_factor(), s.get_growth_interval()) == before
+
+
+@pytest.mark.parametrize("key,value,message", [
+    ("scale", float("nan"), r"state_dict\['scale'\]: must be a finite number > 0 .*got nan"),
+    ("scale", -1.0, r"state_dict\['scale'\]: .*got -1.0"),
+    ("_growth_tracker", -1, r"state_dict\['_growth_tracker'\]: must be >= 0, got -1"),
+])
+def test_scaler_load_state_dict_refuses_bad_values_before_changing_anything(key, value, message):
+    s = amp.GradScaler(device="cpu", init_scale=8.0)
+    sd = s.state_dict()
+    sd[key] = value
+    with pytest.raises(ValueError, match=message):
+        s.load_state_dict(sd)
+    assert s.get_scale() == 8.0 and s.state_dict() == amp.GradScaler(device="cpu", init_scale=8.0).state_dict()

@@ -2,10 +2,11 @@
 
 import json
 import os
-import subprocess
 import sys
 
 import pytest
+
+import proc_util
 
 import memfit
 
@@ -25,12 +26,12 @@ def test_import_does_not_import_torch():
     code = ("import sys, memfit, memfit.quant, memfit.checkpoint as mc\n"
             "assert mc.plan([1, 1], [4, 4], None, 6).memory_bytes <= 6\n"
             "print('torch' in sys.modules)")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    out = proc_util.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
 
 
 def test_doctor_json_is_truthful():
-    out = subprocess.run([sys.executable, "-m", "memfit", "doctor", "--json"],
+    out = proc_util.run([sys.executable, "-m", "memfit", "doctor", "--json"],
                          capture_output=True, text=True, check=True)
     info = json.loads(out.stdout)
     assert info["build"] == memfit.build_info()
@@ -49,7 +50,7 @@ def test_doctor_reports_cpu_kernels_and_their_cap():
         env = {k: v for k, v in os.environ.items() if k != "MEMFIT_CPU_ISA"}
         if cap:
             env["MEMFIT_CPU_ISA"] = cap
-        out = subprocess.run([sys.executable, "-m", "memfit", "doctor", "--json"], env=env,
+        out = proc_util.run([sys.executable, "-m", "memfit", "doctor", "--json"], env=env,
                              capture_output=True, text=True, check=True)
         seen[cap] = json.loads(out.stdout)["runtime"]["cpu_kernels"]
         assert seen[cap] in order
@@ -57,7 +58,7 @@ def test_doctor_reports_cpu_kernels_and_their_cap():
     assert order.index(seen["avx2"]) <= order.index("avx2")
     assert order.index(seen["avx512"]) <= order.index("avx512")
     assert order.index(seen["avx2"]) <= order.index(seen["avx512"]) <= order.index(seen[None])
-    out = subprocess.run([sys.executable, "-m", "memfit", "doctor"], capture_output=True,
+    out = proc_util.run([sys.executable, "-m", "memfit", "doctor"], capture_output=True,
                          text=True, check=True)
     assert f"CPU kernels  : {seen[None]}" in out.stdout
     if "MEMFIT_CPU_ISA" not in os.environ:
@@ -65,14 +66,14 @@ def test_doctor_reports_cpu_kernels_and_their_cap():
 
 
 def test_doctor_text_and_console_script():
-    out = subprocess.run([sys.executable, "-m", "memfit", "doctor"], capture_output=True,
+    out = proc_util.run([sys.executable, "-m", "memfit", "doctor"], capture_output=True,
                          text=True, check=True)
     assert out.stdout.startswith(f"memfit {memfit.__version__}")
     assert "CPU threads" in out.stdout
 
 
 def test_cli_rejects_unknown_command():
-    out = subprocess.run([sys.executable, "-m", "memfit", "no-such-command"],
+    out = proc_util.run([sys.executable, "-m", "memfit", "no-such-command"],
                          capture_output=True, text=True)
     assert out.returncode == 2
     assert "invalid choice" in out.stderr

@@ -11,11 +11,12 @@ import json
 import os
 import shutil
 import statistics
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+import proc_util
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -48,8 +49,8 @@ def core_build(tmp_path_factory):
                  "-DMEMFIT_SANITIZE=ON", "-DCMAKE_BUILD_TYPE=Debug", "-DCMAKE_C_FLAGS_DEBUG=-g1"]
     if shutil.which("ninja"):
         configure += ["-G", "Ninja"]
-    subprocess.run(configure, check=True, capture_output=True, text=True)
-    build = subprocess.run([cmake, "--build", str(out), "-j2"], capture_output=True, text=True)
+    proc_util.run(configure, check=True, capture_output=True, text=True)
+    build = proc_util.run([cmake, "--build", str(out), "-j2"], capture_output=True, text=True)
     assert build.returncode == 0, build.stdout + build.stderr
     return out
 
@@ -62,7 +63,7 @@ def _variant_run(isa):
     """The variant the core picks on this CPU when asked for `isa` (memfit.cpu_kernels()
     of the installed module, the same selection code)."""
     code = "import memfit; print(memfit.cpu_kernels())"
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+    r = proc_util.run([sys.executable, "-c", code], capture_output=True, text=True,
                        env=dict(os.environ, MEMFIT_CPU_ISA=isa))
     return r.stdout.strip() if r.returncode == 0 else None
 
@@ -82,7 +83,7 @@ def isa_tests(core_build):
         return C_TESTS
     linked = []
     for name in C_TESTS:
-        symbols = subprocess.run([nm, "--defined-only", str(core_build / name)], capture_output=True,
+        symbols = proc_util.run([nm, "--defined-only", str(core_build / name)], capture_output=True,
                                  text=True, check=True).stdout.split()
         if "mf_cpu_isa" in symbols:
             linked.append(name)
@@ -95,7 +96,7 @@ def _ctest(core_build, names, **env):
     ctest = _tool("ctest")
     env = dict(os.environ, **SANITIZER_ENV, OMP_NUM_THREADS="2", **env)
     regex = "^(" + "|".join(names) + ")$"
-    run = subprocess.run([ctest, "--output-on-failure", "-R", regex], cwd=core_build,
+    run = proc_util.run([ctest, "--output-on-failure", "-R", regex], cwd=core_build,
                          capture_output=True, text=True, env=env)
     assert run.returncode == 0, f"{env.get('MEMFIT_CPU_ISA')}\n" + run.stdout + run.stderr
     assert "100% tests passed" in run.stdout
@@ -125,14 +126,14 @@ def test_c_optimizer_benchmark_builds_and_runs(core_build):
     exe = str(core_build / "bench_optim_step")
     env = dict(os.environ, **SANITIZER_ENV)
     for bits in (32, 8, 4):
-        out = subprocess.run([exe, "9000", "2", "2", "3", str(bits)], capture_output=True,
+        out = proc_util.run([exe, "9000", "2", "2", "3", str(bits)], capture_output=True,
                              text=True, check=True, env=env).stdout
         r = json.loads(out)
         assert (r["numel"], r["threads"], r["bits"]) == (9000, 2, bits)
         assert 0 < r["best_ms"] <= r["median_ms"]
-    bad = subprocess.run([exe, "9000", "2", "2", "3", "5"], capture_output=True, text=True, env=env)
+    bad = proc_util.run([exe, "9000", "2", "2", "3", "5"], capture_output=True, text=True, env=env)
     assert bad.returncode == 2 and "BITS 32, 8 or 4" in bad.stderr
-    assert subprocess.run([exe], capture_output=True, text=True, env=env).returncode == 2
+    assert proc_util.run([exe], capture_output=True, text=True, env=env).returncode == 2
 
 
 def test_c_optimizer_benchmark_against_a_revision(core_build, tmp_path, monkeypatch):
@@ -143,7 +144,7 @@ def test_c_optimizer_benchmark_against_a_revision(core_build, tmp_path, monkeypa
     the tool's own build is the same CMake call); REV is HEAD. A name that is not a
     commit is refused before anything is built."""
     monkeypatch.setenv("ASAN_OPTIONS", SANITIZER_ENV["ASAN_OPTIONS"])
-    if shutil.which("git") is None or subprocess.run(
+    if shutil.which("git") is None or proc_util.run(
             ["git", "-C", str(ROOT), "rev-parse", "HEAD"], capture_output=True).returncode:
         pytest.skip("not a git checkout")
     monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))

@@ -741,3 +741,65 @@ def test_readme_section_examples_run(capsys):
 def test_readme_points_to_the_checkpoint_section():
     readme = _repo_file("README.md")
     assert "memfit.checkpoint" in readme and "docs/checkpoint.md" in readme
+
+
+# ---- inputs modified in place after the forward (issue 24 §5) ----------------------------
+
+_INPLACE = r"modified by an inplace operation: \[torch.FloatTensor \[4, 3\]\], {} of the " \
+           r"checkpointed function, is at version 1; expected version 0 instead"
+
+
+def test_input_modified_in_place_after_forward_raises_like_autograd():
+    x = torch.randn(4, 3, requires_grad=True)
+    for run in (torch.sin, lambda t: mc.checkpoint(torch.sin, t)):
+        h = x * 1.0  # a non-leaf input, which may be modified in place
+        y = run(h)
+        h.add_(1.0)
+        with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+            y.sum().backward()  # plain autograd raises; so must the checkpoint
+    h = x * 1.0
+    y = mc.checkpoint(torch.sin, h)
+    h.add_(1.0)
+    with pytest.raises(mc.CheckpointError, match=_INPLACE.format("argument 0")):
+        y.sum().backward()
+    assert x.grad is None  # nothing was computed from the new value (cos(x + 1))
+
+
+def test_keyword_input_modified_in_place_is_named():
+    x = torch.randn(4, 3, requires_grad=True)
+    scale = torch.randn(4, 3)
+    y = mc.checkpoint(lambda t, s: torch.sin(t) * s, x, s=scale)
+    scale.mul_(2.0)
+    with pytest.raises(RuntimeError, match=_INPLACE.format("keyword argument 's'")):
+        y.sum().backward()
+
+
+def test_function_that_modifies_its_own_input_still_works():
+    # not a later modification: the recompute does it again, and twice (retain_graph)
+    x = torch.randn(4, 3, requires_grad=True)
+    mask = torch.randn(4, 3)
+
+    def f(t, m):
+        m.clamp_(min=0.0)  # idempotent: the recompute sees the same values
+        return torch.sin(t) * m
+
+    y = mc.checkpoint(f, x, mask)
+    y.sum().backward(retain_graph=True)
+    g = x.grad.clone()
+    x.grad = None
+    y.sum().backward()
+    assert torch.allclose(g, torch.cos(x.detach()) * mask) and torch.equal(x.grad, g)
+
+
+def test_auto_block_input_modified_in_place_raises():
+    model = gpt_blocks(n=6, p=0.0)
+    x = torch.randn(2, 16, 32)
+    plan = mc.auto(model, x, budget="30%")
+    try:
+        h = x * 1.0
+        out = model(h)
+        h.add_(1.0)
+        with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+            out.sum().backward()
+    finally:
+        plan.remove()

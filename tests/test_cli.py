@@ -3,16 +3,17 @@ and answers bad arguments with a usage error (exit 2) that names the problem."""
 
 import json
 import os
-import subprocess
 import sys
 
 import pytest
+
+import proc_util
 
 pytest.importorskip("torch")
 
 
 def run(*args, cwd=None, env=None):
-    return subprocess.run([sys.executable, "-m", "memfit", *args], capture_output=True, text=True, cwd=cwd,
+    return proc_util.run([sys.executable, "-m", "memfit", *args], capture_output=True, text=True, cwd=cwd,
                           env=env)
 
 
@@ -100,3 +101,98 @@ def test_demo_without_torch_says_how_to_get_it(monkeypatch, capsys):
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "torch" else real(name, *a))
     assert cli.main(["demo"]) == 2
     assert 'pip install "memfit[torch]"' in capsys.readouterr().err
+
+
+# ---- every command's numeric and path options (issue 24 §6) ---------------------------------
+
+def cli_error(capsys, *args):
+    """Runs the CLI in this process; returns its stderr, asserting an argparse-style
+    error: exit status 2, no traceback, the last line saying what is wrong."""
+    from memfit import cli
+
+    try:
+        rc = cli.main(list(args))
+    except SystemExit as e:  # argparse's own errors
+        rc = e.code
+    err = capsys.readouterr().err
+    assert rc == 2, err
+    assert "Traceback" not in err
+    last = err.strip().splitlines()[-1]
+    assert last.startswith("memfit") and ": error: " in last, err
+    return last
+
+
+@pytest.mark.parametrize("args,msg", [
+    (("estimate", "gpt2", "--gpu=infGB"), "gpu: the memory size must be a finite number of GB > 0, got 'infGB'"),
+    (("estimate", "gpt2", "--gpu=-1GB"), "gpu: the memory size must be a finite number of GB > 0, got '-1GB'"),
+    (("estimate", "gpt2", "--gpu=nanGB"), "got 'nanGB'"),
+    (("estimate", "gpt2", "--gpu=1e400GB"), "got '1e400GB'"),
+    (("estimate", "gpt2", "--micro-batch", "0"), "argument --micro-batch: need at least 1, got 0"),
+    (("estimate", "gpt2", "--micro-batch", "16"), "micro_batch: must be between 1 and batch"),
+    (("estimate", "gpt2", "--batch", "0"), "argument --batch: need at least 1, got 0"),
+    (("estimate", "gpt2", "--seq", "-4"), "argument --seq: need at least 1, got -4"),
+    (("estimate", "no-such-model"), "model: expected a preset"),
+    (("profile", "--heads", "0"), "argument --heads: need at least 1, got 0"),
+    (("profile", "--seq", "-4"), "argument --seq: need at least 1, got -4"),
+    (("profile", "--layers", "0"), "argument --layers: need at least 1, got 0"),
+    (("profile", "--d-model", "0"), "argument --d-model: need at least 1, got 0"),
+    (("profile", "--batch", "0"), "argument --batch: need at least 1, got 0"),
+    (("profile", "--steps", "x"), "argument --steps: expected an integer, got 'x'"),
+    (("profile", "--seed", "-1"), "argument --seed: need at least 0, got -1"),
+    (("profile", "--configs", ","), "configs: expected at least one of"),
+    (("profile", "--module", "nonexistent_memfit_module:fn"),
+     "module: cannot import 'nonexistent_memfit_module' (No module named 'nonexistent_memfit_module')"),
+    (("profile", "--module", "json:no_such_function"), "module: 'json' has no function 'no_such_function'"),
+    (("demo", "--steps", "0"), "argument --steps: need at least 5, got 0"),
+    (("demo", "--seed", str(2**64)), "argument --seed: must be < 2**64"),
+])
+def test_bad_numbers_and_names_are_one_line_errors(args, msg, capsys, tmp_path):
+    assert msg in cli_error(capsys, *args, *(("--out", str(tmp_path)) if args[0] != "estimate" else ()))
+
+
+@pytest.mark.parametrize("command", ["demo", "profile"])
+def test_device_cuda_without_a_gpu_is_a_one_line_error(command, capsys, tmp_path):
+    import torch
+
+    import memfit
+
+    if torch.cuda.is_available() and memfit.build_info()["cuda"] and memfit.cuda_device_count():
+        pytest.skip("a usable GPU is present: --device cuda is valid here")
+    last = cli_error(capsys, command, "--device", "cuda", "--out", str(tmp_path))
+    assert "device: --device cuda needs a CUDA GPU" in last and "--device cpu" in last
+
+
+@pytest.mark.parametrize("command", ["demo", "profile"])
+def test_unwritable_out_is_a_one_line_error_before_any_training(command, capsys, tmp_path):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a folder")
+    last = cli_error(capsys, command, "--device", "cpu", "--out", str(blocker / "sub"))
+    assert f"out: cannot write to the folder {str(blocker / 'sub')!r}" in last and "--out" in last
+    assert "[1/" not in capsys.readouterr().err  # nothing ran
+
+
+@pytest.mark.parametrize("config,msg", [
+    ({"num_attention_heads": 0}, "config: num_attention_heads/n_head must be an integer >= 1, got 0"),
+    ({"hidden_size": -768}, "config: hidden_size/n_embd must be an integer >= 1, got -768"),
+    ({"vocab_size": "many"}, "config: vocab_size must be an integer >= 1, got 'many'"),
+    ({"num_key_value_heads": 5}, "config: num_key_value_heads must be an integer that divides"),
+    ([1, 2], "config: expected a JSON object of model settings, got list"),
+])
+def test_estimate_bad_config_is_a_one_line_error(config, msg, capsys, tmp_path):
+    base = {"num_hidden_layers": 2, "hidden_size": 768, "num_attention_heads": 12, "vocab_size": 1000}
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({**base, **config} if isinstance(config, dict) else config))
+    assert msg in cli_error(capsys, "estimate", str(path))
+
+
+def test_estimate_unreadable_or_broken_config(capsys, tmp_path):
+    path = tmp_path / "config.json"
+    path.write_text("{not json")
+    assert "is not valid JSON" in cli_error(capsys, "estimate", str(path))
+
+
+def test_demo_api_refuses_zero_steps():
+    from memfit import demo
+
+    with pytest.raises(ValueError, match="steps: need at least 5"):
+        demo.main(steps=0, device="cpu")

@@ -149,3 +149,92 @@ def test_issue_api_names():
     assert torch.equal(memfit.amp.matmul(a, b), mm.matmul(a, b))
     x = torch.randn(100)
     assert torch.equal(memfit.amp.cast(x, torch.float16), x.half())
+
+
+# ---- double backward (issue 24 §5) and arguments that are not tensors (§6) ----------------
+
+_ACTS = [None, "relu", "gelu", "gelu_tanh"]
+
+
+def _torch_act(activation):
+    F = torch.nn.functional
+    return {None: lambda t: t, "relu": F.relu, "gelu": F.gelu,
+            "gelu_tanh": lambda t: F.gelu(t, approximate="tanh")}[activation]
+
+
+@pytest.mark.parametrize("activation", _ACTS)
+def test_linear_second_derivatives_match_torch_float64(activation):
+    # memfit's kernels take float32 at most: its first and second derivatives against
+    # torch's float64 ones on the same values, within float32 rounding
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(5, 7, generator=g)
+    w = torch.randn(4, 7, generator=g) / 3
+    b = torch.randn(4, generator=g)
+    v = torch.randn(5, 4, generator=g)
+    results = []
+    for fn, dt in ((lambda *a: MF.linear(*a, activation=activation), torch.float32),
+                   (lambda x, w, b: _torch_act(activation)(torch.nn.functional.linear(x, w, b)),
+                    torch.float64)):
+        xs, ws, bs = (t.to(dt).requires_grad_(True) for t in (x, w, b))
+        y = fn(xs, ws, bs)
+        gx, gw, gb = torch.autograd.grad(y, (xs, ws, bs), v.to(dt), create_graph=True)
+        assert gx.requires_grad and gw.requires_grad  # a graph to differentiate
+        second = torch.autograd.grad((gx ** 2).sum() + (gw * ws).sum() + gb.sum() ** 2,
+                                     (xs, ws, bs), allow_unused=True, materialize_grads=True)
+        results.append([t.double() for t in (y, gx, gw, gb, *second)])
+    for a, r in zip(*results):
+        assert torch.allclose(a, r, rtol=1e-4, atol=1e-4), (a - r).abs().max()
+
+
+@pytest.mark.filterwarnings("ignore:Input #.* is not a double precision")
+@pytest.mark.parametrize("activation", [None, "gelu"])
+def test_linear_gradcheck_and_gradgradcheck(activation):
+    # float32 (memfit's widest dtype) with a step where the finite differences of a
+    # bilinear function are exact up to float32 rounding
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(3, 4, generator=g, requires_grad=True)
+    w = torch.randn(2, 4, generator=g, requires_grad=True)
+    b = torch.randn(2, generator=g, requires_grad=True)
+    fn = lambda *a: MF.linear(*a, activation=activation)  # noqa: E731
+    kw = dict(eps=1e-2, atol=2e-2, rtol=2e-2, nondet_tol=1e-5)
+    assert torch.autograd.gradcheck(fn, (x, w, b), **kw)
+    assert torch.autograd.gradgradcheck(fn, (x, w, b), **kw)
+
+
+def test_wgan_gp_penalty_gradient_matches_torch():
+    torch.manual_seed(0)
+    ref = torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.GELU(), torch.nn.Linear(16, 1))
+    ours = torch.nn.Sequential(mnn.Linear(6, 16, activation="gelu"), mnn.Linear(16, 1))
+    ours[0].load_state_dict(ref[0].state_dict())
+    ours[1].load_state_dict(ref[2].state_dict())
+    real, fake = torch.randn(8, 6), torch.randn(8, 6)
+    eps = torch.rand(8, 1)
+    grads = []
+    for model in (ref, ours):
+        model.zero_grad()
+        xi = (eps * real + (1 - eps) * fake).requires_grad_(True)
+        (gx,) = torch.autograd.grad(model(xi).sum(), xi, create_graph=True)
+        penalty = ((gx.norm(2, dim=1) - 1) ** 2).mean()
+        penalty.backward()
+        grads.append([p.grad for p in model.parameters()])
+    assert grads[0][-1] is None and grads[1][-1] is None  # the last bias: no gradient
+    for a, r in zip(grads[0][:-1], grads[1][:-1]):
+        assert r.abs().max() > 0  # the penalty moves the critic (it moved nothing before)
+        assert torch.allclose(a, r, rtol=1e-4, atol=1e-6), (a - r).abs().max()
+
+
+def test_linear_without_create_graph_stays_in_memfits_kernels():
+    x = torch.randn(4, 8, requires_grad=True)
+    w = torch.randn(3, 8, requires_grad=True)
+    (gx,) = torch.autograd.grad(MF.linear(x, w).sum(), x)
+    assert not gx.requires_grad
+    assert torch.allclose(gx, torch.ones(4, 3) @ w.detach(), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("which", ["x", "w", "b"])
+def test_linear_names_an_argument_that_is_not_a_torch_tensor(which):
+    args = {"x": torch.randn(2, 3), "w": torch.randn(4, 3), "b": torch.randn(4)}
+    args[which] = args[which].numpy()
+    with pytest.raises(TypeError, match=rf"{which}: memfit.nn.functional.linear takes torch "
+                                        r"tensors .*numpy.ndarray.*memfit.nn.matmul"):
+        MF.linear(args["x"], args["w"], args["b"])

@@ -6,6 +6,7 @@ import math
 import random
 import time
 
+import numpy as np
 import pytest
 
 import memfit
@@ -241,3 +242,38 @@ def test_planner_imports_and_plans_without_torch():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.split() == ["140", "140", "4.0", "1024", "False"]
+
+
+# ---- sizes that overflow or make no sense (issue 24 §6) -----------------------------------
+
+@pytest.mark.parametrize("value", ["1e400GB", "1e400", "1e300GB", "1e400%"])
+def test_parse_bytes_overflow_is_a_value_error_naming_the_argument(value):
+    from memfit.checkpoint import parse_bytes
+
+    with pytest.raises(ValueError, match=r"^budget: '1e[34]00(GB|%)?' (is too large to be a size in bytes|must be a non-negative percentage)"):
+        parse_bytes(value, total=10**12)
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), -1.0, -1, "nanGB", "-1GB", "infGB", "inf", np.float32("nan")])
+def test_parse_bytes_refuses_nan_inf_and_negative_sizes(value):
+    from memfit.checkpoint import parse_bytes
+
+    with pytest.raises(ValueError, match=r"^budget: "):
+        parse_bytes(value)
+
+
+def test_parse_bytes_takes_numpy_floats():
+    from memfit.checkpoint import parse_bytes
+
+    assert parse_bytes(np.float32(1024.0)) == 1024 and parse_bytes(np.float64(2.5e9)) == 2_500_000_000
+
+
+@pytest.mark.parametrize("budget", ["1e400GB", float("nan"), -5, "-1GB"])
+def test_auto_names_a_bad_budget_before_touching_the_model(budget):
+    torch = pytest.importorskip("torch")
+    import memfit.checkpoint as mc
+
+    net = torch.nn.Sequential(*[torch.nn.Linear(4, 4) for _ in range(3)])
+    with pytest.raises(ValueError, match=r"^budget: "):
+        mc.auto(net, torch.randn(2, 4), budget=budget)
+    assert all("forward" not in b.__dict__ for b in net)

@@ -101,7 +101,7 @@ typedef struct {
   PyObject *tensor_type, *parameter_type;
   PyObject *float32, *float16, *bfloat16, *uint8, *strided;
   PyObject *s_requires_grad, *s_is_cpu, *s_is_cuda, *s_get_device, *s_dtype, *s_layout,
-      *s_is_contiguous, *s_numel, *s_shape, *s_stride, *s_dim, *s_data_ptr;
+      *s_is_contiguous, *s_numel, *s_shape, *s_stride, *s_dim, *s_data_ptr, *s_is_neg;
 } mf_py_torch_refs;
 const mf_py_torch_refs *mf_py_torch(void);
 

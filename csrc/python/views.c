@@ -62,12 +62,25 @@ static int view_from_dl_tensor(const mf_dl_tensor *dl, const char *name, mf_py_v
   }
   if (set_dtype_from_dl(dl->dtype, name, t)) return -1;
   int64_t numel = 1;
-  for (int d = 0; d < dl->ndim; d++) numel *= dl->shape[d];
+  for (int d = 0; d < dl->ndim; d++) {
+    if (dl->shape[d] < 0 || (dl->shape[d] > 0 && numel > INT64_MAX / dl->shape[d])) {
+      PyErr_Format(mf_py_ValueError, "%s: invalid DLPack shape (size %lld in dimension %d)",
+                   name, (long long)dl->shape[d], d);
+      return -1;
+    }
+    numel *= dl->shape[d];
+  }
   if (numel > 0 && dl->strides && !is_c_contiguous(dl->ndim, dl->shape, dl->strides, 1)) {
     PyErr_Format(mf_py_ValueError,
                  "%s: must be contiguous (row-major); call .contiguous() or "
                  "numpy.ascontiguousarray() first",
                  name);
+    return -1;
+  }
+  if (!dl->data && numel > 0) {
+    /* what NumPy refuses too: a NULL pointer is only an array when it has no elements */
+    PyErr_Format(mf_py_ValueError, "%s: DLPack tensor has a NULL data pointer but %lld elements",
+                 name, (long long)numel);
     return -1;
   }
   t->numel = numel;
@@ -198,7 +211,8 @@ const mf_py_torch_refs *mf_py_torch(void) {
         {&r.s_requires_grad, "requires_grad"}, {&r.s_is_cpu, "is_cpu"}, {&r.s_is_cuda, "is_cuda"},
         {&r.s_get_device, "get_device"}, {&r.s_dtype, "dtype"}, {&r.s_layout, "layout"},
         {&r.s_is_contiguous, "is_contiguous"}, {&r.s_numel, "numel"}, {&r.s_shape, "shape"},
-        {&r.s_stride, "stride"}, {&r.s_dim, "dim"}, {&r.s_data_ptr, "data_ptr"}};
+        {&r.s_stride, "stride"}, {&r.s_dim, "dim"}, {&r.s_data_ptr, "data_ptr"},
+        {&r.s_is_neg, "is_neg"}};
     for (size_t i = 0; i < sizeof names / sizeof names[0]; i++)
       ok = (*names[i].slot = PyUnicode_InternFromString(names[i].name)) && ok;
     Py_XDECREF(nn);
@@ -356,6 +370,19 @@ static int view_from_torch(PyObject *obj, const char *what, Py_ssize_t index, in
     Py_XDECREF(str);
     return -1;
   }
+  /* a lazy negation (x.conj().imag, torch._neg_view) keeps the values' sign in a flag,
+   * not in memory: refused, as torch's __dlpack__ refuses it, rather than read without
+   * its sign or copied silently. (The conjugate bit exists only on complex tensors,
+   * which the dtype check above has refused.) */
+  if (!(a = PyObject_CallMethodNoArgs(obj, T->s_is_neg))) return -1;
+  truth = a == Py_True;
+  Py_DECREF(a);
+  if (truth) {
+    PyErr_Format(mf_py_ValueError, "%s: the tensor has its negative bit set (a lazy negation "
+                 "view such as x.conj().imag or torch._neg_view(x)); call .resolve_neg() first",
+                 arg_name(buf, sizeof buf, what, index));
+    return -1;
+  }
   /* is_cpu first: one read for a CPU tensor, two for a CUDA one (whose step pays a
    * kernel launch per call anyway) */
   if (!(a = PyObject_GetAttr(obj, T->s_is_cpu))) return -1;
@@ -477,6 +504,15 @@ static int dtype_from_array_interface(PyObject *obj, PyObject *typestr, const ch
     t->dtype = MF_BFLOAT16;
     return 0;
   }
+  if (ts[0] == '>') {
+    /* the dtype itself may be one we take: say what is wrong with it */
+    PyErr_Format(mf_py_TypeError,
+                 "%s: big-endian %s arrays (typestr '%s') are not supported; memfit takes "
+                 "native little-endian arrays: convert with x.astype(x.dtype.newbyteorder('<'))",
+                 name, dn, ts);
+    Py_XDECREF(dname);
+    return -1;
+  }
   PyErr_Format(mf_py_TypeError,
                "%s: unsupported dtype %s; memfit takes float32, float16, bfloat16 and uint8",
                name, dn);
@@ -510,6 +546,11 @@ static int view_from_array_interface(PyObject *obj, PyObject *iface, const char 
   for (int d = 0; d < ndim; d++) {
     dims[d] = PyLong_AsLongLong(PyTuple_GET_ITEM(shape, d));
     if (dims[d] == -1 && PyErr_Occurred()) return -1;
+    if (dims[d] < 0 || (dims[d] > 0 && numel > INT64_MAX / dims[d])) {
+      PyErr_Format(mf_py_ValueError, "%s: invalid __array_interface__ shape (size %lld in "
+                   "dimension %d)", name, (long long)dims[d], d);
+      return -1;
+    }
     numel *= dims[d];
   }
   if (strides && strides != Py_None && numel > 0) {
@@ -534,6 +575,12 @@ static int view_from_array_interface(PyObject *obj, PyObject *iface, const char 
   }
   void *ptr = PyLong_AsVoidPtr(PyTuple_GET_ITEM(data, 0));
   if (!ptr && PyErr_Occurred()) return -1;
+  if (!ptr && numel > 0) {
+    /* NumPy refuses this too: only an array without elements may have no memory */
+    PyErr_Format(mf_py_ValueError, "%s: __array_interface__ has a NULL data pointer but %lld "
+                 "elements", name, (long long)numel);
+    return -1;
+  }
   PyObject *offset = PyDict_GetItemString(iface, "offset");
   if (offset && PyLong_Check(offset)) ptr = (char *)ptr + PyLong_AsSsize_t(offset);
   t->data = ptr;

@@ -33,8 +33,48 @@ def framework(x) -> str:
 
 
 def dtype_name(dtype) -> str:
-    """'float32', 'bfloat16', ... for a torch, NumPy (ml_dtypes), CuPy or JAX dtype."""
+    """'float32', 'bfloat16', ... for a dtype as users write it: a name, a torch dtype,
+    a NumPy dtype or scalar type (``np.float16``, ``np.dtype("float16")``),
+    ``ml_dtypes.bfloat16``, a CuPy or JAX dtype.
+
+    >>> dtype_name(np.float16), dtype_name(np.dtype("float32")), dtype_name("bfloat16")
+    ('float16', 'float32', 'bfloat16')
+    """
+    if isinstance(dtype, str):
+        return dtype
+    if isinstance(dtype, (type, np.dtype)):
+        # NumPy scalar types and ml_dtypes' types print as "<class '...'>": ask NumPy
+        try:
+            return np.dtype(dtype).name
+        except TypeError:
+            pass
     return str(dtype).rsplit(".", 1)[-1]
+
+
+def torch_dtype(dtype):
+    """The torch dtype for any dtype :func:`dtype_name` reads (None stays None)."""
+    import torch
+
+    if dtype is None or isinstance(dtype, torch.dtype):
+        return dtype
+    name = dtype_name(dtype)
+    t = getattr(torch, name, None)
+    if not isinstance(t, torch.dtype):
+        raise TypeError(f"dtype: no torch dtype for {dtype!r}")
+    return t
+
+
+def check_out_grad(out, fn: str) -> None:
+    """Refuses an ``out=`` tensor that requires grad while autograd records, as torch's
+    ``out=`` operators do: writing into it would bypass autograd."""
+    if framework(out) == "torch" and out.requires_grad:
+        import torch
+
+        if torch.is_grad_enabled():
+            raise RuntimeError(
+                f"{fn}(): functions with out=... arguments don't support automatic "
+                "differentiation, but out requires grad; pass a tensor that does not "
+                "require grad, or call under torch.no_grad()")
 
 
 def numpy_dtype(name: str):

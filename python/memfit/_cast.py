@@ -32,9 +32,10 @@ _FLOATS = ("float32", "float16", "bfloat16")
 
 
 def _dtype_arg(dtype) -> str:
-    name = dtype if isinstance(dtype, str) else _arrays.dtype_name(dtype)
+    name = _arrays.dtype_name(dtype)
     if name not in _FLOATS:
-        raise MemfitTypeError(f"dtype: expected float32, float16 or bfloat16, got {dtype}")
+        raise MemfitTypeError(f"dtype: expected float32, float16 or bfloat16 (a name, a torch "
+                              f"or NumPy dtype, ml_dtypes.bfloat16), got {dtype!r}")
     return name
 
 
@@ -43,11 +44,14 @@ def cast(x, dtype, rounding: str = "nearest", seed: int | None = None, out=None)
 
     Args:
         x: float32, float16 or bfloat16 array (torch, NumPy, CuPy, JAX), contiguous.
-        dtype: target dtype: a torch or NumPy dtype, or "float32"/"float16"/"bfloat16".
+        dtype: target dtype: a torch dtype, a NumPy dtype or scalar type (``np.float16``),
+            ``ml_dtypes.bfloat16``, or "float32"/"float16"/"bfloat16".
         rounding: "nearest" (ties to even, as torch) or "stochastic" (unbiased).
         seed: seed for stochastic rounding; the same seed gives the same bits on CPU
             and GPU; random when None.
-        out: optional preallocated array of x's shape and the target dtype.
+        out: optional preallocated array of x's shape and the target dtype (a torch
+            tensor that requires grad is refused while grad mode is on, as torch's
+            ``out=`` operators refuse it).
 
     Returns:
         A new array (or ``out``) in x's framework, on x's device.
@@ -65,6 +69,7 @@ def cast(x, dtype, rounding: str = "nearest", seed: int | None = None, out=None)
         result = _arrays.empty(src, tuple(x.shape), name)
     else:
         _arrays.framework(out)
+        _arrays.check_out_grad(out, "memfit.cast")
         if tuple(out.shape) != tuple(x.shape):
             raise MemfitValueError(f"out: expected shape {tuple(x.shape)}, got {tuple(out.shape)}")
         if _arrays.dtype_name(out.dtype) != name:

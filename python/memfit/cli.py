@@ -6,6 +6,61 @@ import argparse
 import sys
 
 
+def _int_at_least(minimum: int, why: str = ""):
+    """An argparse type: an int >= minimum (argparse then says which option is wrong)."""
+    def parse(text: str) -> int:
+        try:
+            v = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+        if v < minimum:
+            raise argparse.ArgumentTypeError(f"need at least {minimum}{why}, got {v}")
+        return v
+
+    parse.__name__ = "int"
+    return parse
+
+
+def _seed(text: str) -> int:
+    v = _int_at_least(0)(text)
+    if v >= 2**64:
+        raise argparse.ArgumentTypeError(f"must be < 2**64 (torch's seed range), got {v}")
+    return v
+
+
+_POSITIVE = _int_at_least(1)
+
+
+def _check_device(device: str) -> None:
+    """--device cuda on a machine where torch or memfit cannot use a GPU."""
+    if device != "cuda":
+        return
+    import torch
+
+    import memfit
+
+    if not (torch.cuda.is_available() and memfit.build_info()["cuda"] and memfit.cuda_device_count() > 0):
+        raise ValueError(
+            "device: --device cuda needs a CUDA GPU that torch and memfit can both use "
+            f"(torch.cuda.is_available(): {torch.cuda.is_available()}, memfit built with CUDA: "
+            f"{bool(memfit.build_info()['cuda'])}); use --device cpu or --device auto")
+
+
+def _check_out(folder: str) -> None:
+    """--out: the folder must exist or be creatable, and take files, before a run of
+    minutes is spent on results that cannot be written."""
+    import tempfile
+    from pathlib import Path
+
+    try:
+        Path(folder).mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=folder):
+            pass
+    except OSError as e:
+        raise ValueError(f"out: cannot write to the folder {folder!r} ({e.strerror or e}); choose "
+                         "another with --out") from None
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="memfit", description="Train bigger models in less GPU memory.")
     sub = p.add_subparsers(dest="command", metavar="COMMAND")
@@ -13,31 +68,32 @@ def build_parser() -> argparse.ArgumentParser:
     d = sub.add_parser("doctor", help="show what memfit was built with and what it sees at run time")
     d.add_argument("--json", action="store_true", help="print JSON instead of text")
     m = sub.add_parser("demo", help="train a small GPT the usual way and the memfit way, side by side")
-    m.add_argument("--steps", type=int, default=None, help="training steps per run (default: 200 CPU, 300 GPU)")
+    m.add_argument("--steps", type=_int_at_least(5), default=None,
+                   help="training steps per run, at least 5 (default: 200 CPU, 300 GPU)")
     m.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     m.add_argument("--out", default="memfit-demo", help="folder for loss.png and demo.json")
-    m.add_argument("--seed", type=int, default=0)
+    m.add_argument("--seed", type=_seed, default=0)
     f = sub.add_parser("profile", help="measure training memory per component for real, per configuration")
     f.add_argument("--model", default="gpt2", help="a GPT-2-style preset built at small scale (default gpt2)")
     f.add_argument("--module", default=None,
                    help="instead of a preset: 'package.module:function' returning (model, batches, loss_fn)")
-    f.add_argument("--layers", type=int, default=2)
-    f.add_argument("--d-model", type=int, default=128)
-    f.add_argument("--heads", type=int, default=4)
-    f.add_argument("--batch", type=int, default=4)
-    f.add_argument("--seq", type=int, default=128)
-    f.add_argument("--steps", type=int, default=3)
+    f.add_argument("--layers", type=_POSITIVE, default=2)
+    f.add_argument("--d-model", type=_POSITIVE, default=128)
+    f.add_argument("--heads", type=_POSITIVE, default=4)
+    f.add_argument("--batch", type=_POSITIVE, default=4)
+    f.add_argument("--seq", type=_POSITIVE, default=128)
+    f.add_argument("--steps", type=_int_at_least(2, " (one warm-up, one measured)"), default=3)
     f.add_argument("--configs", default="baseline,autocast,adamw8bit,checkpoint,memfit",
                    help="comma-separated: baseline, autocast, adamw8bit, checkpoint, memfit")
     f.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
-    f.add_argument("--seed", type=int, default=0)
+    f.add_argument("--seed", type=_seed, default=0)
     f.add_argument("--out", default="memfit-profile", help="folder for profile.png and profile.json")
     f.add_argument("--json", action="store_true", help="print JSON instead of the table")
     e = sub.add_parser("estimate", help="estimate training memory and whether it fits a GPU")
     e.add_argument("model", help="a preset (gpt2, gpt2-medium, gpt2-xl, roberta-base, llama-1b, ...) "
                                  "or a path to a Hugging Face config.json")
-    e.add_argument("--batch", type=int, default=8)
-    e.add_argument("--seq", type=int, default=1024)
+    e.add_argument("--batch", type=_POSITIVE, default=8)
+    e.add_argument("--seq", type=_POSITIVE, default=1024)
     e.add_argument("--precision", default=None, choices=["fp32", "fp16", "bf16", "bf16-pure"],
                    help="for the single-setting line (default: the comparison table only)")
     e.add_argument("--optimizer", default="adamw")
@@ -45,7 +101,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="bf16-pure weights keep a Kahan compensation buffer (memfit.optim's kahan=True): "
                         "+2 bytes per parameter")
     e.add_argument("--checkpoint", default="none", choices=["none", "every", "sqrt"])
-    e.add_argument("--micro-batch", type=int, default=None)
+    e.add_argument("--micro-batch", type=_POSITIVE, default=None, help="at most --batch (default: --batch)")
     e.add_argument("--attention", default="sdpa", choices=["sdpa", "eager"])
     e.add_argument("--gpu", default=None, help="t4, l4, a10, v100, a100-40, a100-80, h100, h200 or a size like 24GB")
     e.add_argument("--cpu", action="store_true",
@@ -140,6 +196,8 @@ def main(argv=None) -> int:
         from memfit import profile
 
         try:
+            _check_device(args.device)
+            _check_out(args.out)
             return profile.main(args)
         except ValueError as err:
             print(f"memfit profile: error: {err}", file=sys.stderr)
@@ -148,6 +206,8 @@ def main(argv=None) -> int:
         from memfit import demo
 
         try:
+            _check_device(args.device)
+            _check_out(args.out)
             return demo.main(steps=args.steps, device=args.device, out=args.out, seed=args.seed)
         except ValueError as err:
             print(f"memfit demo: error: {err}", file=sys.stderr)

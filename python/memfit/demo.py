@@ -125,7 +125,7 @@ def main(steps: int | None = None, device: str = "auto", out: str = "memfit-demo
     if dev.type not in SIZES:
         raise ValueError(f"device: expected cpu or cuda, got {device!r}")
     kw, batch, seq, default_steps = SIZES[dev.type]
-    steps = steps or default_steps
+    steps = default_steps if steps is None else steps
     if steps < 5:
         raise ValueError("steps: need at least 5")
     raw = torch.frombuffer(bytearray(stdlib_corpus()), dtype=torch.uint8)

@@ -159,10 +159,25 @@ PRESETS = {
 }
 
 
+def _integral(v) -> bool:
+    """An int, or a float with an integral value (JSON writers differ), not a bool."""
+    return not isinstance(v, bool) and (isinstance(v, int) or (isinstance(v, float) and v.is_integer()))
+
+
 def from_hf_config(path_or_dict) -> ModelSpec:
     """A ModelSpec from a Hugging Face ``config.json`` (GPT-2, BERT/RoBERTa, Llama,
     Mistral and other models using the common key names)."""
-    cfg = path_or_dict if isinstance(path_or_dict, dict) else json.loads(Path(path_or_dict).read_text())
+    if isinstance(path_or_dict, dict):
+        cfg = path_or_dict
+    else:
+        try:
+            cfg = json.loads(Path(path_or_dict).read_text())
+        except OSError as e:
+            raise ValueError(f"config: cannot read {str(path_or_dict)!r} ({e.strerror or e})") from None
+        except json.JSONDecodeError as e:
+            raise ValueError(f"config: {str(path_or_dict)!r} is not valid JSON ({e})") from None
+    if not isinstance(cfg, dict):
+        raise ValueError(f"config: expected a JSON object of model settings, got {type(cfg).__name__}")
     get = lambda *keys, default=None: next((cfg[k] for k in keys if k in cfg and cfg[k] is not None), default)  # noqa: E731
     n_layer = get("num_hidden_layers", "n_layer")
     d = get("hidden_size", "n_embd", "d_model")
@@ -171,6 +186,15 @@ def from_hf_config(path_or_dict) -> ModelSpec:
     if None in (n_layer, d, heads, vocab):
         raise ValueError("config: needs num_hidden_layers/n_layer, hidden_size/n_embd, "
                          "num_attention_heads/n_head and vocab_size")
+    sizes = {"num_hidden_layers/n_layer": n_layer, "hidden_size/n_embd": d,
+             "num_attention_heads/n_head": heads, "vocab_size": vocab}
+    for key, v in sizes.items():
+        if not _integral(v) or v < 1:
+            raise ValueError(f"config: {key} must be an integer >= 1, got {v!r}")
+    kv = get("num_key_value_heads", default=0) or 0
+    if not _integral(kv) or kv < 0 or (kv and int(heads) % int(kv)):
+        raise ValueError(f"config: num_key_value_heads must be an integer that divides "
+                         f"num_attention_heads ({heads}), got {kv!r}")
     mtype = cfg.get("model_type", "")
     act = str(get("hidden_act", "activation_function", default="gelu"))
     swiglu = act in ("silu", "swish") or mtype in ("llama", "mistral", "qwen2", "gemma")
@@ -347,9 +371,13 @@ def parse_gpu(gpu: str) -> tuple:
         return int(mem * GB), bf16
     if g.endswith("gb"):
         try:
-            return int(float(g[:-2]) * GB), True
+            size = float(g[:-2])
         except ValueError:
-            pass
+            size = None
+        if size is not None:
+            if not (math.isfinite(size) and size > 0 and math.isfinite(size * GB)):
+                raise ValueError(f"gpu: the memory size must be a finite number of GB > 0, got {gpu!r}")
+            return int(size * GB), True
     raise ValueError(f"gpu: expected one of {', '.join(GPUS)} or a size like 24GB, got {gpu!r}")
 
 

@@ -285,7 +285,15 @@ def load_factory(spec: str):
     mod_name, _, fn_name = spec.partition(":")
     if not mod_name or not fn_name:
         raise ValueError(f"module: expected 'package.module:function', got {spec!r}")
-    fn = getattr(importlib.import_module(mod_name), fn_name)
+    try:
+        fn = getattr(importlib.import_module(mod_name), fn_name)
+    except ImportError as e:
+        raise ValueError(f"module: cannot import {mod_name!r} ({e}); check the name and that it "
+                         "is on PYTHONPATH") from None
+    except AttributeError:
+        raise ValueError(f"module: {mod_name!r} has no function {fn_name!r}") from None
+    if not callable(fn):
+        raise ValueError(f"module: {spec} is not a function")
     result = fn()
     if not (isinstance(result, tuple) and len(result) == 3):
         raise ValueError(f"module: {spec} must return (model, batches, loss_fn)")
@@ -306,11 +314,16 @@ def main(args) -> int:
         device = "cuda" if torch.cuda.is_available() and memfit.cuda_device_count() > 0 else "cpu"
     dev = torch.device(device)
     configs = [c.strip() for c in args.configs.split(",") if c.strip()]
+    if not configs:
+        raise ValueError(f"configs: expected at least one of {', '.join(CONFIGS)}")
     for c in configs:
         if c not in CONFIGS:
             raise ValueError(f"configs: unknown configuration {c!r} (choose from {', '.join(CONFIGS)})")
     if args.steps < 2:
         raise ValueError("steps: need at least 2 (one warm-up, one measured)")
+    for name in ("layers", "d_model", "heads", "batch", "seq"):  # profile.main is public too
+        if getattr(args, name) < 1:
+            raise ValueError(f"{name}: must be >= 1, got {getattr(args, name)}")
     rows = []
     spec = None
     for i, name in enumerate(configs):

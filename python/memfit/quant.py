@@ -224,6 +224,7 @@ def dequantize_blockwise(state: QuantState, out=None):
         result = _arrays.empty(codes, state.shape, _arrays.dtype_name(state.dtype))
     else:
         _arrays.framework(out)
+        _arrays.check_out_grad(out, "dequantize_blockwise")
         if tuple(out.shape) != tuple(state.shape):
             raise MemfitValueError(f"out: expected shape {tuple(state.shape)}, got {tuple(out.shape)}")
         result = out

@@ -8,6 +8,7 @@ from contextlib import nullcontext
 
 import torch
 
+from memfit import _arrays
 from memfit._C import MemfitValueError
 from memfit.amp.report import ScalerWarning
 from memfit.amp.scaler import GradScaler
@@ -112,10 +113,12 @@ class AutocastContext:
 def _dtype_of(p) -> torch.dtype:
     if isinstance(p, torch.dtype):
         return p
-    name = {"bfloat16": "bf16", "float16": "fp16", "half": "fp16", "float32": "fp32"}.get(p, p)
+    # NumPy dtypes and scalar types, ml_dtypes.bfloat16: by their names
+    key = p if isinstance(p, str) else _arrays.dtype_name(p)
+    name = {"bfloat16": "bf16", "float16": "fp16", "half": "fp16", "float32": "fp32"}.get(key, key)
     if name not in _DTYPES:
-        raise MemfitValueError(f"precision: expected 'auto', 'bf16', 'fp16', 'fp32' or a torch "
-                               f"dtype, got {p!r}")
+        raise MemfitValueError(f"precision: expected 'auto', 'bf16', 'fp16', 'fp32', a torch or "
+                               f"NumPy dtype, got {p!r}")
     return _DTYPES[name]
 
 

@@ -33,6 +33,40 @@ class ScalerConfigError(MemfitValueError, AssertionError):
     ``growth_factor <= 1`` and ``backoff_factor >= 1``."""
 
 
+def _float32(v: float) -> float:
+    """v as the float32 the scaler computes in (inf where float32 overflows)."""
+    with np.errstate(over="ignore"):
+        return float(np.float32(v))
+
+
+def _check_scale(v, name: str) -> float:
+    """A scale: a number > 0 that stays finite and non-zero in float32."""
+    if torch.is_tensor(v) and v.numel() == 1:
+        v = v.item()
+    f = _as_float(v, name)
+    if not (math.isfinite(f) and f > 0 and math.isfinite(_float32(f)) and _float32(f) > 0):
+        raise ScalerConfigError(f"{name}: must be a finite number > 0 within float32's range "
+                                f"(about 1.4e-45 to 3.4e38: the scale is a float32), got {v!r}")
+    return f
+
+
+def _echo_given(message: str, given: dict) -> str:
+    """The core checks the config as it will hold it (float32, int32 clamped to
+    [0, 2**31 - 1]); its message echoes that. Echo the value the caller gave instead,
+    and what float32 made of it where that is the reason."""
+    name = message.split(":", 1)[0]
+    if name not in given or ", got " not in message:
+        if name == "min_scale" and "larger than max_scale" in message:
+            return (f"min_scale: {given['min_scale']!r} is larger than max_scale "
+                    f"{given['max_scale']!r}")
+        return message
+    v = given[name]
+    text = f"{message.rsplit(', got ', 1)[0]}, got {v!r}"
+    if isinstance(v, float) and not math.isnan(v) and _float32(v) != v:
+        text += f" ({_float32(v)!r} in float32, which the scaler computes in)"
+    return text
+
+
 class OptState(Enum):
     """Where an optimizer is in the current iteration (torch's OptState): unscale_ moves
     READY to UNSCALED, step moves READY or UNSCALED to STEPPED, update returns every
@@ -121,9 +155,7 @@ class GradScaler(ScalerReport):
         self._unscaled_lists: list = []
         self._clip_unscaled: dict = {}
         if self._enabled:
-            self._init_scale = _as_float(init_scale, "init_scale")
-            if not (math.isfinite(self._init_scale) and self._init_scale > 0):
-                raise ScalerConfigError(f"init_scale: must be a finite number > 0, got {init_scale}")
+            self._init_scale = _check_scale(init_scale, "init_scale")
             self._growth_factor = _as_float(growth_factor, "growth_factor")
             self._backoff_factor = _as_float(backoff_factor, "backoff_factor")
             self._growth_interval = _as_int(growth_interval, "growth_interval")
@@ -141,10 +173,17 @@ class GradScaler(ScalerReport):
                 self._nonfinite_loss == "skip")
 
     def _check_config(self) -> None:
+        given = {"growth_factor": self._growth_factor, "backoff_factor": self._backoff_factor,
+                 "growth_interval": self._growth_interval, "hysteresis": self._hysteresis,
+                 "min_scale": self._min_scale, "max_scale": self._max_scale}
+        for name in ("min_scale", "max_scale"):
+            v = given[name]  # a negative value too small for float32 would pass as -0.0
+            if v is not None and not (math.isfinite(v) and v >= 0):
+                raise ScalerConfigError(f"{name}: must be a finite number >= 0, got {v!r}")
         try:
             _C.scaler_config_check(self._config())
         except MemfitValueError as e:
-            raise ScalerConfigError(str(e)) from None
+            raise ScalerConfigError(_echo_given(str(e), given)) from None
 
     def get_growth_factor(self) -> float:
         """The scale growth factor."""
@@ -596,8 +635,10 @@ class GradScaler(ScalerReport):
         if len(state_dict) == 0:
             raise RuntimeError("The source state dict is empty, possibly because it was saved "
                                "from a disabled instance of GradScaler.")
-        scale = float(state_dict["scale"])
-        tracker = int(state_dict["_growth_tracker"])
+        scale = _check_scale(state_dict["scale"], "state_dict['scale']")
+        tracker = _as_int(state_dict["_growth_tracker"], "state_dict['_growth_tracker']")
+        if tracker < 0:
+            raise ScalerConfigError(f"state_dict['_growth_tracker']: must be >= 0, got {tracker}")
         old = (self._growth_factor, self._backoff_factor, self._growth_interval)
         self._growth_factor = float(state_dict["growth_factor"])
         self._backoff_factor = float(state_dict["backoff_factor"])

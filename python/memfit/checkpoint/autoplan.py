@@ -7,11 +7,12 @@ from __future__ import annotations
 
 import weakref
 
+from memfit.checkpoint.budget import parse_bytes
 from memfit.checkpoint.chain import _resolve_chain, measure
 from memfit.checkpoint.meter import _torch
 from memfit.checkpoint.planner import Plan, plan
 from memfit.checkpoint.recompute import (_compiled_checkpoint, _compiling, _Frame, _nullctx,
-                                         _outside_graph)
+                                         _outside_graph, _seal)
 
 
 class _Region:
@@ -65,9 +66,9 @@ class _BlockForward:
             frame = _Frame(preserve_rng_state=region.preserve_rng_state, check=True,
                            recompute_ctx=_nullctx, compress=region.compress)
             region.frame = frame
-            frame.add_call(orig, args, kwargs)
+            call = frame.add_call(orig, args, kwargs)
         else:
-            frame.add_call(orig, args, kwargs, prev_out=region.prev_out, boundary=False)
+            call = frame.add_call(orig, args, kwargs, prev_out=region.prev_out, boundary=False)
         region.prev_out = None
         try:
             with frame.hooks():
@@ -75,6 +76,7 @@ class _BlockForward:
         except BaseException:
             region.frame = None
             raise
+        _seal(call)
         if index == region.end - 1:
             region.frame = None
             region.expect = None
@@ -135,6 +137,7 @@ def auto(model_or_module_list, example_input, budget="6GB", *, blocks=None,
     torch = _torch()
     if compress not in (None, "int8"):
         raise ValueError(f"compress: expected None or 'int8', got {compress!r}")
+    parse_bytes(budget, total=0, name="budget")  # named as the caller knows it, before anything runs
     stages, _ = _resolve_chain(model_or_module_list, blocks)
     for i, st in enumerate(stages):
         if not isinstance(st, torch.nn.Module):

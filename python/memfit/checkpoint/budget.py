@@ -5,6 +5,7 @@ prints one. Imports no torch.
 from __future__ import annotations
 
 import math
+import numbers
 import re
 
 
@@ -39,27 +40,35 @@ def parse_bytes(value, *, total: int | None = None, name: str = "budget") -> int
                 raise ValueError(f"{name}: cannot read {value!r} as a percentage") from None
             if not (frac >= 0.0 and math.isfinite(frac)):
                 raise ValueError(f"{name}: {value!r} must be a non-negative percentage")
-            return int(math.floor(frac * total))
+            return _whole_bytes(frac * total, value, name)
         m = _SIZE_RE.match(s)
         if not m or m.group(2).lower() not in _UNITS:
             raise ValueError(f"{name}: cannot read {value!r} as a size; use bytes (an int) "
                              "or e.g. '6GB', '6GiB', '512MiB', '50%'")
-        out = float(m.group(1)) * _UNITS[m.group(2).lower()]
-        return int(math.floor(out))
+        return _whole_bytes(float(m.group(1)) * _UNITS[m.group(2).lower()], value, name)
     try:
         import operator
 
         v = operator.index(value)
     except TypeError:
-        if isinstance(value, float):
-            if not (math.isfinite(value) and value >= 0):
-                raise ValueError(f"{name}: must be a finite size >= 0, got {value}") from None
-            return int(math.floor(value))
+        if isinstance(value, numbers.Real):  # float, NumPy floats
+            f = float(value)
+            if not (math.isfinite(f) and f >= 0):
+                raise ValueError(f"{name}: must be a finite size >= 0, got {value!r}") from None
+            return int(math.floor(f))
         raise TypeError(f"{name}: expected bytes as an int or a string like '6GB', "
                         f"got {type(value).__name__}") from None
     if v < 0:
         raise ValueError(f"{name}: must be >= 0 bytes, got {v}")
     return int(v)
+
+
+def _whole_bytes(size: float, value, name: str) -> int:
+    """floor(size), or a ValueError naming the argument where the text overflowed a
+    float ("1e400GB" reads as inf)."""
+    if not math.isfinite(size):
+        raise ValueError(f"{name}: {value!r} is too large to be a size in bytes")
+    return int(math.floor(size))
 
 
 def _fmt_bytes(n) -> str:

@@ -89,7 +89,36 @@ def _detached(t):
 
 
 class _Call:
-    __slots__ = ("fn", "args", "kwargs", "rng_cpu", "rng_cuda", "autocast")
+    __slots__ = ("fn", "args", "kwargs", "rng_cpu", "rng_cuda", "autocast", "versions")
+
+
+def _kept_tensors(call):
+    """(name, tensor) of each tensor a call keeps as it was given (not quantized, not a
+    link to the previous call's output): what the recompute will read again."""
+    named = [(f"argument {i}", e) for i, e in enumerate(call.args)]
+    named += [(f"keyword argument {k!r}", e) for k, e in call.kwargs.items()]
+    return [(name, e[1]) for name, e in named if e[0] == _TENSOR]
+
+
+def _seal(call):
+    """Records the version counters of the tensors the recompute will read, once the
+    call's forward (or a recompute, which may modify them itself) has run."""
+    call.versions = [t._version for _, t in _kept_tensors(call)]
+
+
+def _check_versions(call):
+    """Autograd's check for saved tensors (which saved-tensor hooks switch off), on
+    what the recompute starts from: an input modified in place after the forward
+    would be recomputed from its new value, giving wrong gradients silently."""
+    for (name, t), expected in zip(_kept_tensors(call), call.versions or ()):
+        if t._version != expected:
+            raise CheckpointError(
+                "one of the variables needed for gradient computation has been modified "
+                f"by an inplace operation: [{t.type()} {list(t.shape)}], {name} of the "
+                f"checkpointed function, is at version {t._version}; expected version "
+                f"{expected} instead. memfit.checkpoint recomputes from its inputs in "
+                "the backward pass: do not modify them in place between the forward and "
+                "the backward (pass a .clone() instead).")
 
 
 class _Frame:
@@ -144,6 +173,7 @@ class _Frame:
                 c.rng_cuda = [(d, torch.cuda.get_rng_state(d)) for d in devs]
                 self.devices.update(devs)
         c.autocast = _autocast_state()
+        c.versions = None  # set by _seal once the forward has run
         self.calls.append(c)
         return c
 
@@ -197,6 +227,7 @@ class _Frame:
                 return _follow(prev_out, entry[1])
             return entry[1]
 
+        _check_versions(call)
         return [load(a) for a in call.args], {k: load(v) for k, v in call.kwargs.items()}
 
     def _recompute(self, gid):
@@ -256,8 +287,11 @@ class _Frame:
                             for d, st in call.rng_cuda:
                                 torch.cuda.set_rng_state(st, d)
                         args, kwargs = self._args_for(call, prev)
-                        with _autocast_ctx(call.autocast):
-                            prev = call.fn(*args, **kwargs)
+                        try:
+                            with _autocast_ctx(call.autocast):
+                                prev = call.fn(*args, **kwargs)
+                        finally:
+                            _seal(call)  # a function that modifies its inputs did so again
             except _StopRecompute:
                 stopped = True
         if not stopped and n > 0:
@@ -371,10 +405,15 @@ def checkpoint(function: Callable, *args, compress: str | None = None,
     * the recompute stops as soon as every tensor the backward needs exists;
     * a recompute that saves tensors of another shape, dtype or device, or a
       different number of them, raises :class:`CheckpointError`;
+    * a tensor argument modified in place after the forward raises
+      :class:`CheckpointError` (a RuntimeError) at the backward, with autograd's
+      "modified by an inplace operation ... is at version N; expected version M"
+      message, instead of recomputing from the new value;
     * gradients are bitwise those of the plain function for deterministic ops;
     * inside a ``torch.compile``-d module it is torch's non-reentrant checkpoint
-      (which dynamo traces, ``fullgraph=True`` included); with ``compress="int8"``
-      it runs eagerly outside the compiled graph (a graph break).
+      (which dynamo traces, ``fullgraph=True`` included, and which checks in-place
+      modification itself); with ``compress="int8"`` it runs eagerly outside the
+      compiled graph (a graph break).
 
     ``compress="int8"``: tensor inputs (the only thing a checkpoint keeps) are stored
     blockwise-quantized with :func:`memfit.quant.quantize_blockwise` (block 256, the
@@ -417,6 +456,8 @@ def checkpoint(function: Callable, *args, compress: str | None = None,
         fwd_ctx, recompute_ctx = _nullctx(), _nullctx
     frame = _Frame(preserve_rng_state=preserve_rng_state, check=determinism_check != "none",
                    recompute_ctx=recompute_ctx, compress=compress)
-    frame.add_call(function, args, kwargs)
+    call = frame.add_call(function, args, kwargs)
     with frame.hooks(), fwd_ctx:
-        return function(*args, **kwargs)
+        out = function(*args, **kwargs)
+    _seal(call)
+    return out

@@ -136,9 +136,10 @@ def _device_of(device):
 def _out_dtype(out_dtype, like_name: str) -> str:
     if out_dtype is None:
         return like_name
-    name = out_dtype if isinstance(out_dtype, str) else _arrays.dtype_name(out_dtype)
+    name = _arrays.dtype_name(out_dtype)
     if name not in _FLOATS:
-        raise MemfitTypeError(f"out_dtype: expected float32, float16 or bfloat16, got {out_dtype}")
+        raise MemfitTypeError(f"out_dtype: expected float32, float16 or bfloat16 (a name, a torch "
+                              f"or NumPy dtype, ml_dtypes.bfloat16), got {out_dtype!r}")
     return name
 
 

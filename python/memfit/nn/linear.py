@@ -3,6 +3,7 @@ Imports torch."""
 
 import torch
 
+from memfit import _arrays
 from memfit.nn import functional
 from memfit.nn.gemm import activation_code
 
@@ -19,7 +20,9 @@ class Linear(torch.nn.Linear):
     """
 
     def __init__(self, in_features, out_features, bias=True, device=None, dtype=None, activation=None):
-        super().__init__(in_features, out_features, bias=bias, device=device, dtype=dtype)
+        # torch.nn.Linear takes torch dtypes only; NumPy's and ml_dtypes' are read by name
+        super().__init__(in_features, out_features, bias=bias, device=device,
+                         dtype=_arrays.torch_dtype(dtype))
         activation_code(activation)
         self.activation = activation
 

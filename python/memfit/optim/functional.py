@@ -96,11 +96,26 @@ def _zeros(like, shape, dtype):
     return a
 
 
+_STATE_KEYS = ("step", "bits", "block_size", "state1", "absmax1", "state2", "absmax2")
+
+
+def _check_state_arg(kind: str, state) -> None:
+    """TypeError/ValueError naming ``state`` for anything but the dict init made."""
+    if not isinstance(state, dict):
+        raise TypeError(f"state: expected the dict that {kind}'s init returned (e.g. "
+                        f"init({kind!r}, param, bits)), got {type(state).__name__}")
+    missing = [k for k in _STATE_KEYS if k not in state]
+    if missing:
+        raise ValueError(f"state: has no {', '.join(map(repr, missing))}; pass the dict that "
+                         f"{kind}'s init returned, unchanged")
+
+
 def step(kind: str, param, grad, state: dict, *, grad_scale=None, found_inf=None, **hp) -> None:
     """One step of optimizer ``kind`` with hyperparameters ``hp`` (lr, beta1, beta2,
     eps, weight_decay, momentum, dampening, alpha, nesterov, maximize)."""
     if kind not in _KINDS:
         raise ValueError(f"kind: expected one of {', '.join(_KINDS)}, got {kind!r}")
+    _check_state_arg(kind, state)
     if state.get("kind", kind) != kind:
         raise ValueError(f"state: was made for {state['kind']!r}, not {kind!r}")
     k = _KINDS[kind]
@@ -129,8 +144,15 @@ def _check_grad_shape(param, grad) -> None:
                                "it to the parameter's layout first)")
 
 
+def _betas(betas) -> tuple:
+    if isinstance(betas, (str, bytes)) or not hasattr(betas, "__len__") or len(betas) != 2:
+        raise (ValueError if hasattr(betas, "__len__") else TypeError)(
+            f"betas: expected a pair (beta1, beta2), got {betas!r}")
+    return tuple(betas)
+
+
 def _adam_hp(lr, betas, eps, weight_decay, maximize):
-    b1, b2 = betas
+    b1, b2 = _betas(betas)
     return dict(lr=lr, beta1=b1, beta2=b2, eps=eps, weight_decay=weight_decay, maximize=maximize)
 
 
@@ -196,7 +218,7 @@ def lion8bit_init(param, block_size=256, min_8bit_size=0, kahan=False):
 def lion8bit_step(param, grad, state, *, lr=1e-4, betas=(0.9, 0.99), weight_decay=0.0,
                   maximize=False, grad_scale=None, found_inf=None):
     """Lion step with an 8-bit exp_avg (from :func:`lion8bit_init`)."""
-    b1, b2 = betas
+    b1, b2 = _betas(betas)
     step("lion", param, grad, state, grad_scale=grad_scale, found_inf=found_inf, lr=lr,
          beta1=b1, beta2=b2, weight_decay=weight_decay, maximize=maximize)
 
