@@ -219,7 +219,7 @@ def test_cli_estimate_text_and_json():
     (("estimate", "gpt2", "--gpu", "tpu"), "gpu: expected"),
     (("estimate", "gpt2", "--optimizer", "adagrad"), "optimizer: expected one of"),
     (("estimate", "gpt2", "--micro-batch", "16"), "micro_batch: must be between 1 and batch"),
-    (("estimate", "gpt2", "--batch", "x"), "invalid int value"),
+    (("estimate", "gpt2", "--batch", "x"), "--batch: expected an integer, got 'x'"),
 ])
 def test_cli_estimate_bad_arguments(args, msg):
     out = run_cli(*args)
