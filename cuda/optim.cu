@@ -16,8 +16,9 @@
  * writes the parameter, then the block reduces the new absmax (max of the float bit
  * patterns with the sign cleared, exactly as the CPU does) and requantizes with
  * mf_optim_quantize() (the binary search that the CPU's lookup table reproduces bit for
- * bit). The absmax reduction is a warp shuffle, then one value per warp in shared
- * memory: one barrier per tile. 4-bit codes of elements 2j and 2j+1 live in
+ * bit; keep_positive for non-negative states; values scaled by mf_absmax_scale). The
+ * absmax reduction is a warp shuffle, then one value per warp in shared memory: one
+ * barrier per tile. 4-bit codes of elements 2j and 2j+1 live in
  * neighbouring lanes and are packed with one shuffle.
  * optim_fp32_kernel: float32 states, element-wise.
  * Both read and write parameters through mf_optim_load_param/mf_optim_store_param
@@ -159,6 +160,8 @@ __global__ void __launch_bounds__(kThreads)
 
   if (skipped(found_inf)) return;
   const int ns = mf_optim_num_states(&h);
+  /* non-negative states never round a positive value to a code value <= 0 */
+  const int keep1 = !mf_optim_state_signed(h.kind, 1), keep2 = !mf_optim_state_signed(h.kind, 2);
   for (int i = threadIdx.x; i < CS; i += blockDim.x) {
     if (ns >= 1) c1s[i] = code1[i];
     if (ns >= 2) c2s[i] = code2[i];
@@ -227,13 +230,13 @@ __global__ void __launch_bounds__(kThreads)
       if (ns >= 1) t.a1[blk] = am1;
       if (ns >= 2) t.a2[blk] = am2;
     }
-    const float inv1 = mf_absmax_inverse(am1), inv2 = mf_absmax_inverse(am2);
+    const mf_block_scale sc1 = mf_absmax_scale(am1), sc2 = mf_absmax_scale(am2);
 #pragma unroll
     for (int k = 0; k < ITEMS; k++) {
       const int64_t i = base + (int64_t)k * kThreads + tid;
       const bool in = i < cend;
-      uint8_t q1 = (in && ns >= 1) ? mf_optim_quantize(c1s, CS, s1v[k] * inv1) : 0;
-      uint8_t q2 = (in && ns >= 2) ? mf_optim_quantize(c2s, CS, s2v[k] * inv2) : 0;
+      uint8_t q1 = (in && ns >= 1) ? mf_optim_quantize(c1s, CS, mf_block_normalize(s1v[k], sc1), keep1) : 0;
+      uint8_t q2 = (in && ns >= 2) ? mf_optim_quantize(c2s, CS, mf_block_normalize(s2v[k], sc2), keep2) : 0;
       if (BITS == 8) {
         if (in && ns >= 1) ((uint8_t *)t.s1)[i] = q1;
         if (in && ns >= 2) ((uint8_t *)t.s2)[i] = q2;

@@ -49,10 +49,10 @@ __global__ void quantize_blockwise_kernel(const void *__restrict__ x, mf_dtype d
     m = mf_absmax_step(m, mf_load_f32(x, i, dtype));
   m = block_absmax(m); /* contains __syncthreads: code_s is ready too */
   if (threadIdx.x == 0) absmax[blockIdx.x] = m;
-  const float inv = mf_absmax_inverse(m);
+  const mf_block_scale s = mf_absmax_scale(m);
 
   for (int64_t i = first + threadIdx.x; i < end; i += blockDim.x) {
-    float xn = mf_load_f32(x, i, dtype) * inv;
+    const float xn = mf_block_normalize(mf_load_f32(x, i, dtype), s);
     codes[i] = stochastic ? mf_quantize_stochastic(code_s, xn, mf_uniform(seed, (uint64_t)i))
                           : mf_quantize_nearest(code_s, xn);
   }

@@ -221,7 +221,7 @@ def assert_quantized_from(opt, p, floats):
                                     opt._hparams(g)["momentum"])["signed"][k - 1]
         code = _core.code_table(g["bits"], signed)
         codes, absmax = _blocks.quantize_state(want, g["bits"], code, g["block_size"],
-                                               _blocks.state_rows(p))
+                                               _blocks.state_rows(p), keep_positive=not signed)
         assert torch.equal(st[f"state{k}"], codes) and torch.equal(st[f"absmax{k}"], absmax)
         rows = _blocks.state_rows(p)
         bound = absmax.repeat_interleave(g["block_size"], dim=1)[:, :p.numel() // rows]
@@ -501,7 +501,7 @@ def test_requantizing_dequantized_states_after_steps(cls):
             signed = layout["signed"][k - 1]
             code = _core.code_table(g["bits"], signed)
             codes, absmax = _blocks.quantize_state(deq[nm], g["bits"], code, g["block_size"],
-                                                   _blocks.state_rows(p))
+                                                   _blocks.state_rows(p), keep_positive=not signed)
             same = absmax == st[f"absmax{k}"]
             if not signed:
                 assert same.all()

@@ -27,23 +27,24 @@ static void unlock(void) { atomic_flag_clear_explicit(&cache_lock, memory_order_
 
 /* q at the float whose key is `key`; NaN keys are ordered past +-Inf and take q(+-Inf),
  * which keeps q monotone over all keys (callers map NaN to 0 themselves). */
-static uint8_t search(const float *code, int size, uint32_t key) {
+static uint8_t search(const float *code, int size, int keep_positive, uint32_t key) {
   uint32_t u = key & 0x80000000u ? key ^ 0x80000000u : ~key;
   if ((u & 0x7fffffffu) > 0x7f800000u) u = (u & 0x80000000u) | 0x7f800000u;
-  return mf_quantize_nearest_n(code, size, mf_f32_from_bits(u));
+  return mf_optim_quantize(code, size, mf_f32_from_bits(u), keep_positive);
 }
 
 /* The entry of bucket b: keys [b << 16, (b << 16) + 0xffff]. */
-static uint32_t bucket_entry(const float *code, int size, uint32_t b) {
+static uint32_t bucket_entry(const float *code, int size, int keep_positive, uint32_t b) {
   const uint32_t lo = b << 16;
-  const uint32_t q0 = search(code, size, lo), q1 = search(code, size, lo + 0xffffu);
+  const uint32_t q0 = search(code, size, keep_positive, lo);
+  const uint32_t q1 = search(code, size, keep_positive, lo + 0xffffu);
   uint32_t jump = 0x10000u; /* never */
   if (q1 != q0) {
     if (q1 != q0 + 1) return MF_CODE_LUT_SLOW - lo;
     uint32_t below = 0, at = 0xffffu; /* q(lo + below) == q0, q(lo + at) == q1 */
     while (at - below > 1) {
       const uint32_t mid = (below + at) / 2;
-      if (search(code, size, lo + mid) == q0) below = mid;
+      if (search(code, size, keep_positive, lo + mid) == q0) below = mid;
       else at = mid;
     }
     jump = at;
@@ -51,36 +52,39 @@ static uint32_t bucket_entry(const float *code, int size, uint32_t b) {
   return (q0 << 16) + 0x10000u - jump - lo;
 }
 
-static int build(const float *code, int size, mf_code_lut *t) {
+static int build(const float *code, int size, int keep_positive, mf_code_lut *t) {
   uint32_t *entry = (uint32_t *)malloc(MF_CODE_LUT_BUCKETS * sizeof(uint32_t));
   if (!entry) return 0;
   t->has_slow = 0;
   for (uint32_t b = 0; b < MF_CODE_LUT_BUCKETS; b++) {
-    entry[b] = bucket_entry(code, size, b);
+    entry[b] = bucket_entry(code, size, keep_positive, b);
     t->has_slow |= ((entry[b] + (b << 16)) & MF_CODE_LUT_SLOW) != 0;
   }
   t->entry = entry;
   t->size = size;
+  t->keep_positive = keep_positive;
   return 1;
 }
 
-static const mf_code_lut *find(const float *code, int size) {
+static const mf_code_lut *find(const float *code, int size, int keep_positive) {
   for (int i = 0; i < cache_used; i++)
-    if (cache[i].lut.size == size && !memcmp(cache[i].code, code, (size_t)size * sizeof(float)))
+    if (cache[i].lut.size == size && cache[i].lut.keep_positive == keep_positive &&
+        !memcmp(cache[i].code, code, (size_t)size * sizeof(float)))
       return &cache[i].lut;
   return NULL;
 }
 
-const mf_code_lut *mf_code_lut_get(const float *code, int size) {
+const mf_code_lut *mf_code_lut_get(const float *code, int size, int keep_positive) {
+  keep_positive = keep_positive != 0;
   lock();
-  const mf_code_lut *found = find(code, size);
+  const mf_code_lut *found = find(code, size, keep_positive);
   unlock();
   if (found) return found;
   cache_slot fresh;
   memcpy(fresh.code, code, (size_t)size * sizeof(float));
-  if (!build(fresh.code, size, &fresh.lut)) return NULL; /* outside the lock: ~1 ms */
+  if (!build(fresh.code, size, keep_positive, &fresh.lut)) return NULL; /* outside the lock: ~1 ms */
   lock();
-  found = find(code, size); /* another thread may have won */
+  found = find(code, size, keep_positive); /* another thread may have won */
   if (!found && cache_used < CACHE_SLOTS) {
     cache_slot *s = &cache[cache_used];
     *s = fresh;

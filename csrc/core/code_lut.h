@@ -1,7 +1,9 @@
 /*
  * Private to the core: an exact lookup table for nearest-code search on the CPU.
  *
- * q(x) = mf_quantize_nearest_n(code, size, x) is monotone in x (x not NaN), so it is a
+ * q(x) = mf_optim_quantize(code, size, x, keep_positive) (nearest, or nearest with
+ * positive values kept off the code values <= 0: optim.h) is monotone in x (x not
+ * NaN), so it is a
  * step function with at most size - 1 jumps. We order all floats by their key, the bit
  * pattern made monotone as an unsigned integer (u ^ 0x80000000 for x >= +0, ~u for
  * negative x), and cut the keys into 65536 buckets by their top 16 bits (sign,
@@ -34,7 +36,7 @@
 #include <stdint.h>
 
 #include "memfit/numeric.h"
-#include "memfit/quant.h"
+#include "memfit/optim.h"
 
 #define MF_CODE_LUT_BUCKETS 65536
 #define MF_CODE_LUT_SLOW 0x80000000u  /* set in entry + key: this bucket needs the search */
@@ -43,13 +45,15 @@ typedef struct {
   const uint32_t *entry;   /* MF_CODE_LUT_BUCKETS entries, as above */
   const float *code;       /* the code (a private copy, sorted ascending in [-1, 1]) */
   int size;                /* 16 or 256 entries */
+  int keep_positive;       /* the search it reproduces (mf_optim_quantize) */
   int has_slow;            /* some bucket is slow */
 } mf_code_lut;
 
-/* The table for this code (size 16 or 256, validated by the caller), or NULL when out
- * of memory or when the cache is full (callers then use the binary search, which gives
- * the same answers). Thread-safe. */
-const mf_code_lut *mf_code_lut_get(const float *code, int size);
+/* The table for this code (size 16 or 256, validated by the caller) and search
+ * (keep_positive: see mf_optim_quantize), or NULL when out of memory or when the cache
+ * is full (callers then use the binary search, which gives the same answers).
+ * Thread-safe. */
+const mf_code_lut *mf_code_lut_get(const float *code, int size, int keep_positive);
 
 /* The float's bits as an unsigned integer in the order of the values (-0 just below
  * +0; negative NaNs below -Inf, positive ones above +Inf). */
@@ -57,13 +61,13 @@ static inline uint32_t mf_code_lut_key(uint32_t u) {
   return u ^ ((uint32_t)((int32_t)u >> 31) | 0x80000000u);
 }
 
-/* Exactly mf_quantize_nearest_n(t->code, t->size, x). */
+/* Exactly mf_optim_quantize(t->code, t->size, x, t->keep_positive). */
 static inline uint8_t mf_code_lut_quantize(const mf_code_lut *t, float x) {
   const uint32_t u = mf_f32_bits(x);
   if ((u & 0x7fffffffu) > 0x7f800000u) return 0; /* NaN */
   const uint32_t key = mf_code_lut_key(u);
   const uint32_t sum = t->entry[key >> 16] + key;
-  if (sum & MF_CODE_LUT_SLOW) return mf_quantize_nearest_n(t->code, t->size, x);
+  if (sum & MF_CODE_LUT_SLOW) return mf_optim_quantize(t->code, t->size, x, t->keep_positive);
   return (uint8_t)(sum >> 16);
 }
 

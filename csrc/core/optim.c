@@ -52,21 +52,23 @@ MF_INLINE void dequant4(const uint8_t *restrict q, const float *restrict code, f
   for (int64_t i = 0; i < n; i++) out[i] = code[(q[i >> 1] >> ((i & 1) * 4)) & 15] * absmax;
 }
 
-/* q[i] = nearest code index of s[i] * inv, through the table when there is one. */
-MF_INLINE void quantize_run(const float *restrict s, float inv, int64_t n, const float *code,
-                            int size, const mf_code_lut *lut, uint8_t *restrict q) {
-  if (lut) {
-    mf_code_lut_quantize_n(lut, s, inv, n, q);
+/* q[i] = code index of state k's s[i] * inv (mf_optim_quantize), through the table
+ * when there is one. */
+MF_INLINE void quantize_run(const float *restrict s, float inv, int64_t n, const quant_ctx *qc,
+                            int k, uint8_t *restrict q) {
+  if (qc->lut[k]) {
+    mf_code_lut_quantize_n(qc->lut[k], s, inv, n, q);
   } else {
-    for (int64_t i = 0; i < n; i++) q[i] = mf_optim_quantize(code, size, s[i] * inv);
+    for (int64_t i = 0; i < n; i++)
+      q[i] = mf_optim_quantize(qc->code[k], qc->code_size, s[i] * inv, qc->keep_positive[k]);
   }
 }
 
-mf_status mf_optim_quantize_fast(const float *code, int size, const float *x, int64_t n,
-                                 uint8_t *out) {
+mf_status mf_optim_quantize_fast(const float *code, int size, int keep_positive, const float *x,
+                                 int64_t n, uint8_t *out) {
   if (size != MF_CODE_SIZE && size != MF_CODE4_SIZE)
     return mf_error(MF_ERR_VALUE, "size: must be 16 or 256, got %d", size);
-  const mf_code_lut *lut = mf_code_lut_get(code, size);
+  const mf_code_lut *lut = mf_code_lut_get(code, size, keep_positive);
   if (!lut) return mf_error(MF_ERR_NOMEM, "quantize: no table");
   mf_code_lut_quantize_n(lut, x, 1.0f, n, out);
   return MF_OK;
@@ -130,9 +132,10 @@ MF_INLINE void block_step_impl(const mf_optim_hparams *h, const mf_optim_consts 
       const float *v = s[k] + off;
       const float a = block_absmax(v, len);
       absmax[j] = a;
-      const float inv = mf_absmax_inverse(a);
+      const mf_block_scale sc = mf_absmax_scale(a);
+      prescale_block(s[k] + off, len, sc.pre);
       uint8_t *dst = fmt == MF_STATE_8BIT ? (uint8_t *)st[k]->data + first + off : b->q;
-      quantize_run(v, inv, len, qc->code[k], qc->code_size, qc->lut[k], dst);
+      quantize_run(v, sc.inv, len, qc, k, dst);
       if (fmt == MF_STATE_4BIT) pack4(b->q, len, (uint8_t *)st[k]->data + (first + off) / 2);
     }
   }
@@ -217,7 +220,7 @@ const char *mf_optim_cpu_kernel(void) {
     /* the measurement needs a search table: the one of AdamW8bit's first state */
     float code[MF_CODE_SIZE];
     const mf_code_lut *lut = mf_dynamic_map(code, MF_CODE_SIZE, 1, 8, 7) == MF_OK
-                                 ? mf_code_lut_get(code, MF_CODE_SIZE) : NULL;
+                                 ? mf_code_lut_get(code, MF_CODE_SIZE, 0) : NULL;
     if (!lut) return "avx2";
     return mf_optim_avx2_scalar_search(lut) ? "avx2-scalar" : "avx2-gather";
   }
@@ -254,12 +257,14 @@ mf_status mf_optim_step_cpu(const mf_optim_hparams *h, mf_state_format fmt, int6
   if (found_inf && *(const float *)found_inf->data != 0.0f) return MF_OK; /* skipped step */
   const float inv_scale = grad_scale ? 1.0f / *(const float *)grad_scale->data : 1.0f;
   const int ns = mf_optim_num_states(h);
-  quant_ctx qc = {{NULL, NULL}, {NULL, NULL}, fmt == MF_STATE_4BIT ? MF_CODE4_SIZE : MF_CODE_SIZE, 0};
+  quant_ctx qc = {{NULL, NULL}, {NULL, NULL}, {0, 0},
+                  fmt == MF_STATE_4BIT ? MF_CODE4_SIZE : MF_CODE_SIZE, 0};
   if (fmt != MF_STATE_FP32) {
     const mf_tensor *codes[2] = {code1, code2};
     for (int k = 0; k < ns; k++) {
       qc.code[k] = (const float *)codes[k]->data;
-      qc.lut[k] = mf_code_lut_get(qc.code[k], qc.code_size);
+      qc.keep_positive[k] = !mf_optim_state_signed(h->kind, k + 1);
+      qc.lut[k] = mf_code_lut_get(qc.code[k], qc.code_size, qc.keep_positive[k]);
     }
   }
   const block_fn block_step = pick_block_fn();

@@ -25,6 +25,7 @@ mf_status mf_optim_step_cpu(const mf_optim_hparams *h, mf_state_format fmt, int6
 typedef struct {
   const float *code[2];        /* code tables of state1, state2 */
   const mf_code_lut *lut[2];   /* their search tables (NULL: binary search) */
+  int keep_positive[2];        /* the state is non-negative (mf_optim_quantize) */
   int code_size;               /* 256 or 16 */
   int scalar_search;           /* AVX2 fused kernels: search by scalar loads, not gathers */
 } quant_ctx;
@@ -114,6 +115,14 @@ MF_INLINE void store_params(const mf_optim_hparams *h, const mf_optim_tensor *t,
   } else {
     narrow(v, t->param.dtype, first, n, t->param.data);
   }
+}
+
+/* s[i] *= pre for a block whose absmax is so small that it is brought to [-1, 1] in
+ * two products (mf_absmax_scale; pre = 1 for every other block, and nothing is done).
+ * The block's values are scratch by then: only the code search reads them. */
+MF_INLINE void prescale_block(float *restrict s, int64_t n, float pre) {
+  if (pre != 1.0f)
+    for (int64_t i = 0; i < n; i++) s[i] *= pre;
 }
 
 /* 4-bit states: q[2i] in the low nibble of out[i], q[2i+1] in the high one. */

@@ -89,7 +89,7 @@ typedef struct {
   float *absmax[2];   /* and absmax, per block */
   float *p;           /* parameters as float32 (the tensor's own, or scratch) */
   const float *g;     /* gradients as float32 */
-  float inv_prev[2];  /* 1 / absmax of block j - 1 */
+  float inv_prev[2];  /* inv of block j - 1's mf_absmax_scale (its pre already applied) */
 } fused_state;
 
 /* The states of the group at `at` (element index in the item) into the ring at `o`. */
@@ -151,7 +151,9 @@ MF_INLINE FUSED_TARGET void fused_round(const mf_optim_kind kind, const int ns, 
     for (int k = 0; k < ns; k++) {
       const float a = mf_f32_from_bits(acc_max(mx[k]));
       s->absmax[k][j] = a;
-      s->inv_prev[k] = mf_absmax_inverse(a);
+      const mf_block_scale sc = mf_absmax_scale(a);
+      prescale_block(cur[k], bs, sc.pre);
+      s->inv_prev[k] = sc.inv;
     }
   }
 }

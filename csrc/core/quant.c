@@ -158,14 +158,17 @@ static void quantize_block_cpu(const float *x, int64_t n, int64_t first, const f
   float m = block_absmax_cpu(x, n);
 #endif
   *absmax = m;
-  float inv = mf_absmax_inverse(m);
+  const mf_block_scale s = mf_absmax_scale(m);
   if (rounding == MF_ROUND_STOCHASTIC) {
     for (int64_t i = 0; i < n; i++)
-      out[i] = mf_quantize_stochastic(code, x[i] * inv, mf_uniform(seed, (uint64_t)(first + i)));
-  } else if (lut) {
-    mf_code_lut_quantize_n(lut, x, inv, n, out);
+      out[i] = mf_quantize_stochastic(code, mf_block_normalize(x[i], s),
+                                      mf_uniform(seed, (uint64_t)(first + i)));
+  } else if (lut && s.pre == 1.0f) {
+    mf_code_lut_quantize_n(lut, x, s.inv, n, out);
+  } else if (lut) { /* a tiny block (x is the caller's: scaled one value at a time) */
+    for (int64_t i = 0; i < n; i++) out[i] = mf_code_lut_quantize(lut, mf_block_normalize(x[i], s));
   } else {
-    for (int64_t i = 0; i < n; i++) out[i] = mf_quantize_nearest(code, x[i] * inv);
+    for (int64_t i = 0; i < n; i++) out[i] = mf_quantize_nearest(code, mf_block_normalize(x[i], s));
   }
 }
 
@@ -187,7 +190,7 @@ static mf_status quantize_cpu(const mf_tensor *x, const float *code, uint8_t *co
                               float *absmax, int64_t bs, mf_rounding rounding, uint64_t seed) {
   const int64_t numel = x->numel, nblocks = mf_quant_num_blocks(numel, bs);
   const mf_code_lut *lut = rounding == MF_ROUND_NEAREST && numel >= MF_LUT_MIN_NUMEL
-                               ? mf_code_lut_get(code, MF_CODE_SIZE)
+                               ? mf_code_lut_get(code, MF_CODE_SIZE, 0)
                                : NULL;
   int failed = 0;
 #pragma omp parallel num_threads(mf_get_num_threads()) if (nblocks > 4)

@@ -51,15 +51,18 @@ static PyObject *py_dequantize_blockwise(PyObject *self, PyObject *args) {
   Py_RETURN_NONE;
 }
 
-/* code_quantize(code, x, out): out[i] = index of the entry of `code` (16 or 256 sorted
- * float32 values) nearest to x[i], by the optimizer kernels' own exact search
- * (mf_optim_quantize_fast), so that states quantized outside a step carry the bits a
- * step would give them. x: the values already scaled by 1/absmax. CPU float32 arrays
- * and a uint8 out of x's size, all contiguous. */
+/* code_quantize(code, x, out, keep_positive=0): out[i] = index of the entry of `code`
+ * (16 or 256 sorted float32 values) nearest to x[i] (with keep_positive, a positive
+ * x[i] never takes an entry <= 0: the rule of non-negative states), by the optimizer
+ * kernels' own exact search (mf_optim_quantize_fast), so that states quantized outside
+ * a step carry the bits a step would give them. x: the values already brought to
+ * [-1, 1] (mf_block_normalize). CPU float32 arrays and a uint8 out of x's size, all
+ * contiguous. */
 static PyObject *py_code_quantize(PyObject *self, PyObject *args) {
   (void)self;
   PyObject *o[3];
-  if (!PyArg_ParseTuple(args, "OOO", &o[0], &o[1], &o[2])) return NULL;
+  int keep_positive = 0;
+  if (!PyArg_ParseTuple(args, "OOO|p", &o[0], &o[1], &o[2], &keep_positive)) return NULL;
   static const char *const names[] = {"code", "x", "out"};
   static const int flags[] = {MF_PY_READ, MF_PY_READ, MF_PY_WRITABLE};
   mf_py_view v[3];
@@ -81,7 +84,7 @@ static PyObject *py_code_quantize(PyObject *self, PyObject *args) {
                   (long long)v[1].t.numel, (long long)v[2].t.numel);
   if (st) goto finish;
   Py_BEGIN_ALLOW_THREADS
-  st = mf_optim_quantize_fast((const float *)v[0].t.data, (int)v[0].t.numel,
+  st = mf_optim_quantize_fast((const float *)v[0].t.data, (int)v[0].t.numel, keep_positive,
                               (const float *)v[1].t.data, v[1].t.numel, (uint8_t *)v[2].t.data);
   Py_END_ALLOW_THREADS
 finish:
@@ -145,7 +148,7 @@ PyMethodDef mf_quant_methods[] = {
     {"dequantize_blockwise", py_dequantize_blockwise, METH_VARARGS,
      "dequantize_blockwise(codes, absmax, code, out, block_size, stream)"},
     {"code_quantize", py_code_quantize, METH_VARARGS,
-     "code_quantize(code, x, out): nearest code index of each x (16- or 256-entry code)"},
+     "code_quantize(code, x, out, keep_positive=False): the optimizer kernels' code index of each x (16- or 256-entry code)"},
     {"dynamic_map", py_dynamic_map, METH_VARARGS,
      "dynamic_map(out, signed, total_bits, max_exponent_bits)"},
     {"linear_map", py_linear_map, METH_VARARGS, "linear_map(out, signed, total_bits)"},

@@ -1,6 +1,7 @@
 /* C tests of the optimizer core: the CPU's table-driven code search must return exactly
  * what mf_optim_quantize (the binary search the CUDA kernels use) returns, for every
- * code the optimizers use; the element update must skip non-finite values (Adam's
+ * code the optimizers use and both rules (nearest; keep_positive, where a positive
+ * value never takes a code value <= 0); the element update must skip non-finite values (Adam's
  * shortcut test against the contract, on every combination of special values); and the
  * Kahan-compensated store of half-precision parameters. */
 #include <math.h>
@@ -14,22 +15,36 @@
 
 #define BATCH 4096
 
-static void compare(const float *code, int size, const float *x, int64_t n, const char *what) {
+static void compare_rule(const float *code, int size, int keep, const float *x, int64_t n,
+                         const char *what) {
   uint8_t fast[BATCH];
   for (int64_t off = 0; off < n; off += BATCH) {
     int64_t m = n - off < BATCH ? n - off : BATCH;
-    mf_status st = mf_optim_quantize_fast(code, size, x + off, m, fast);
+    mf_status st = mf_optim_quantize_fast(code, size, keep, x + off, m, fast);
     CHECK(st == MF_OK, "%s: %s", what, mf_last_error());
     for (int64_t i = 0; i < m; i++) {
-      uint8_t want = mf_optim_quantize(code, size, x[off + i]);
+      const float v = x[off + i];
+      uint8_t want = mf_optim_quantize(code, size, v, keep);
+      /* the rule itself: keep_positive differs from nearest only where nearest gives a
+       * positive value a code value <= 0, and then gives the smallest positive one */
+      const uint8_t near = mf_quantize_nearest_n(code, size, v);
+      const int moved = keep && v > 0.0f && !(code[near] > 0.0f) && code[size - 1] > 0.0f;
+      CHECK(moved ? (code[want] > 0.0f && (want == 0 || !(code[want - 1] > 0.0f))) : want == near,
+            "%s (keep_positive %d): x=%.9g: rule gives %d, nearest %d", what, keep, (double)v, want, near);
       if (fast[i] != want) {
         uint32_t u;
         memcpy(&u, &x[off + i], 4);
-        CHECK(0, "%s: x=%.9g (0x%08x): table %d, search %d", what, (double)x[off + i], u, fast[i], want);
+        CHECK(0, "%s (keep_positive %d): x=%.9g (0x%08x): table %d, search %d", what, keep,
+              (double)v, u, fast[i], want);
         return;
       }
     }
   }
+}
+
+static void compare(const float *code, int size, const float *x, int64_t n, const char *what) {
+  compare_rule(code, size, 0, x, n, what);
+  compare_rule(code, size, 1, x, n, what);
 }
 
 static float xs[BATCH];
@@ -59,9 +74,10 @@ static void test_code(const float *code, int size, const char *what) {
       compare(code, size, xs, k, what);
     }
   }
-  /* 3. specials */
+  /* 3. specials, and the smallest positive values (keep_positive's step at 0+) */
   float sp[] = {0.0f, -0.0f, INFINITY, -INFINITY, NAN, -NAN, 1e-45f, -1e-45f, 1.0f, -1.0f,
-                1.0000001f, -1.0000001f, 3e38f, -3e38f};
+                1.0000001f, -1.0000001f, 3e38f, -3e38f, 2.8e-45f, 1.1754942e-38f, 1.1754944e-38f,
+                1e-30f, 1e-10f, 1e-7f};
   compare(code, size, sp, (int64_t)(sizeof sp / sizeof sp[0]), what);
 }
 
@@ -325,9 +341,10 @@ static void test_step_matches_reference(const float *dense, const float *u8, con
     }
     ref_a1[b] = mf_f32_from_bits(m1);
     ref_a2[b] = mf_f32_from_bits(m2);
+    const mf_block_scale sc1 = mf_absmax_scale(ref_a1[b]), sc2 = mf_absmax_scale(ref_a2[b]);
     for (int i = 0; i < BS; i++) {
-      ref_q1[b * BS + i] = mf_optim_quantize(dense, 256, s1[i] * mf_absmax_inverse(ref_a1[b]));
-      ref_q2[b * BS + i] = mf_optim_quantize(u8, 256, s2[i] * mf_absmax_inverse(ref_a2[b]));
+      ref_q1[b * BS + i] = mf_optim_quantize(dense, 256, mf_block_normalize(s1[i], sc1), 0);
+      ref_q2[b * BS + i] = mf_optim_quantize(u8, 256, mf_block_normalize(s2[i], sc2), 1);
     }
   }
   mf_optim_tensor t = step_tensor(p, g, MF_FLOAT32, q1, q2, MF_UINT8, N, &step);

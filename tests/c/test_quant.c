@@ -81,10 +81,11 @@ static void test_search_matches_exhaustive(void) {
 static void test_lut_is_exact(int is_signed) {
   float code[256];
   mf_dynamic_map(code, 256, is_signed, 8, 7);
-  const mf_code_lut *lut = mf_code_lut_get(code, 256);
+  const mf_code_lut *lut = mf_code_lut_get(code, 256, 0);
   CHECK(lut != NULL, "lookup table");
   if (!lut) return;
-  CHECK(mf_code_lut_get(code, 256) == lut, "the table is cached");
+  CHECK(mf_code_lut_get(code, 256, 0) == lut, "the table is cached");
+  CHECK(mf_code_lut_get(code, 256, 1) != lut, "keep_positive has a table of its own");
   CHECK(!lut->has_slow, "the dynamic map needs no binary-search buckets");
   for (int k = 0; k + 1 < 256; k++) {
     float mid = 0.5f * (code[k] + code[k + 1]);
@@ -138,7 +139,7 @@ static void test_round_trip(mf_dtype dt, int64_t bs, int64_t numel) {
     double xv = mf_load_f32(x, i, dt), yv = mf_load_f32(y, i, dt);
     err += fabs(xv - yv);
     int64_t b = i / bs;
-    float xn = (float)mf_load_f32(x, i, dt) * mf_absmax_inverse(absmax[b]);
+    float xn = mf_block_normalize((float)mf_load_f32(x, i, dt), mf_absmax_scale(absmax[b]));
     CHECK(codes[i] == mf_quantize_nearest(code, xn), "code of element %lld", (long long)i);
   }
   err /= (double)numel;

@@ -283,9 +283,21 @@ static inline MF_HD int mf_optim_update_one(mf_optim_kind kind, const mf_optim_c
 
 #define MF_CODE4_SIZE 16
 
-/* Code index of x (already divided by absmax) for a code of `size` (16 or 256). */
-static inline MF_HD uint8_t mf_optim_quantize(const float *code, int size, float x) {
-  return mf_quantize_nearest_n(code, size, x);
+/* Code index of x (already brought to [-1, 1]: mf_block_normalize) for a code of
+ * `size` (16 or 256): the nearest code value, but for a non-negative state
+ * (keep_positive = !mf_optim_state_signed: Adam's second moment, RMSprop's square_avg)
+ * a positive value never goes to a code value <= 0 (mf_quantize_keep_positive_n). Such
+ * a state sits under a square root in a denominator: rounded to 0 while the first
+ * moment is not, the next step with a zero gradient moves the weight by lr * m / eps
+ * (490 for AdamW8bit at lr 1e-2, where torch moves it by 0.007). Rounded up to the
+ * smallest positive code value instead, the denominator is too large, never too small:
+ * that update is smaller than torch's, and decays with m. First moments and momenta
+ * keep nearest rounding: rounding them away from 0 would keep a decaying momentum alive
+ * at the smallest code value for ever. */
+static inline MF_HD uint8_t mf_optim_quantize(const float *code, int size, float x,
+                                              int keep_positive) {
+  return keep_positive ? mf_quantize_keep_positive_n(code, size, x)
+                       : mf_quantize_nearest_n(code, size, x);
 }
 
 /* ---- entry points ------------------------------------------------------------- */
@@ -401,9 +413,9 @@ mf_status mf_optim_step(const mf_optim_hparams *h, mf_state_format fmt, int64_t 
 mf_status mf_optim_check_hparams(const mf_optim_hparams *h);
 
 /* The CPU's fast exact code search (table lookup; see optim.c), exported for tests:
- * out[i] = mf_optim_quantize(code, size, x[i]) for size 16 or 256. */
-mf_status mf_optim_quantize_fast(const float *code, int size, const float *x, int64_t n,
-                                 uint8_t *out);
+ * out[i] = mf_optim_quantize(code, size, x[i], keep_positive) for size 16 or 256. */
+mf_status mf_optim_quantize_fast(const float *code, int size, int keep_positive, const float *x,
+                                 int64_t n, uint8_t *out);
 
 /* The CPU kernel that 8-bit and 4-bit states take on this machine: "avx512-vbmi",
  * "avx512-gather", "avx2-gather" or "avx2-scalar" (AVX2 code search by gathers or by

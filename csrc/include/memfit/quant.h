@@ -48,10 +48,32 @@ static inline MF_HD float mf_absmax_combine(float a, float b) {
   return a > b ? a : b;
 }
 
-/* 1/absmax, or 0 for an all-zero block (every value then maps to the code nearest 0)
- * and for a NaN block. */
-static inline MF_HD float mf_absmax_inverse(float absmax) {
-  return absmax > 0.0f ? 1.0f / absmax : 0.0f;
+/* How a block's values are brought to [-1, 1] before the code search:
+ *     x_n = (x * pre) * inv,   pre = 1, inv = 1/absmax        (absmax >= 2^-64)
+ *                              pre = 2^64, inv = 1/(absmax * 2^64)   (absmax < 2^-64)
+ *     pre = 1, inv = 0 for an all-zero block (every value maps to the code nearest 0)
+ *     and for a NaN block.
+ * Why two factors: 1/absmax overflows to +Inf for absmax below about 2.9e-39 (2^-128;
+ * subnormal blocks), which turned every element into +-Inf (and zeros into NaN). A
+ * product by a power of two is exact unless it overflows or underflows, which cannot
+ * happen here (|x| <= absmax < 2^-64), so x_n is the value x * (1/absmax) would have
+ * had with an unbounded exponent: where 1/absmax is finite both forms round the same
+ * real number the same way, so the bits are those of the plain x * (1/absmax) at every
+ * absmax where that did not overflow (x * 1 is exact). Kernels multiply by pre only in
+ * blocks where it is not 1 (a branch per block, never taken by ordinary data). */
+typedef struct {
+  float pre, inv;
+} mf_block_scale;
+
+static inline MF_HD mf_block_scale mf_absmax_scale(float absmax) {
+  mf_block_scale s;
+  s.pre = absmax < 5.42101086242752217e-20f ? 18446744073709551616.0f : 1.0f; /* 2^-64, 2^64 */
+  s.inv = absmax > 0.0f ? 1.0f / (absmax * s.pre) : 0.0f;
+  return s;
+}
+
+static inline MF_HD float mf_block_normalize(float x, mf_block_scale s) {
+  return (x * s.pre) * s.inv;
 }
 
 /* Largest index i with code[i] <= x in a sorted code of `size` entries (a power of
@@ -68,6 +90,22 @@ static inline MF_HD uint8_t mf_quantize_nearest_n(const float *code, int size, f
   int lo = mf_code_floor_n(code, size, x);
   if (lo + 1 < size && (code[lo + 1] - x) < (x - code[lo])) lo++;
   return (uint8_t)lo;
+}
+
+/* Nearest, except that a positive x never gets a code value <= 0: where the nearest
+ * one is, x takes the smallest positive code value instead (if the code has one).
+ * The optimizers store their non-negative states (second moments) this way: a second
+ * moment rounded to 0 under a non-zero first moment makes an update of lr * m / eps
+ * (docs/optim.md, "Second moments never round to zero"). Still monotone in x, with one
+ * step more at 0+ than nearest (the lookup tables of csrc/core/code_lut.h rely on
+ * that). */
+static inline MF_HD uint8_t mf_quantize_keep_positive_n(const float *code, int size, float x) {
+  int q = mf_quantize_nearest_n(code, size, x);
+  if (x > 0.0f && !(code[q] > 0.0f)) {
+    const int first_positive = mf_code_floor_n(code, size, 0.0f) + 1;
+    if (first_positive < size) q = first_positive;
+  }
+  return (uint8_t)q;
 }
 
 /* The same for the 256-entry codes of 8-bit quantization. */

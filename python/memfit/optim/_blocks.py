@@ -13,8 +13,12 @@ and absmax the same way.
 - 4-bit codes: uint8 ``(rows, ceil(L / 2))``: element ``c`` of row ``r`` in byte
   ``[r, c // 2]``, the low nibble for even ``c``; an odd row's last high nibble is 0.
 - An element ``x`` of block ``(r, j)`` is stored as the index of the code entry nearest
-  to ``x * inv`` with ``inv = 1 / absmax[r, j]`` in float32 (0 for an all-zero block),
-  ties to the lower index; it reads back as ``code[index] * absmax[r, j]``.
+  to ``(x * pre) * inv`` with ``inv = 1 / (absmax[r, j] * pre)`` in float32 (0 for an
+  all-zero block) and ``pre = 2**64`` for blocks with absmax below ``2**-64`` (where
+  ``1 / absmax`` may overflow), else 1; ties to the lower index. A non-negative state
+  (second moments) never stores a positive ``x`` as an entry ``<= 0``: it takes the
+  smallest positive entry instead (``keep_positive``; docs/optim.md). It reads back as
+  ``code[index] * absmax[r, j]``.
 
 Format 1 (flat blocks over the whole storage, absmax ``(ceil(n / block_size),)``,
 4-bit codes ``(ceil(n / 2),)``) is this layout with one row: ``rows=1``.
@@ -100,7 +104,8 @@ def _pad_rows(x, width):
     return out
 
 
-def quantize_state(values, bits: int, code, block_size: int, rows: int):
+def quantize_state(values, bits: int, code, block_size: int, rows: int,
+                   keep_positive: bool = False):
     """Quantizes float32 ``values`` (a dense tensor of a parameter's shape and memory
     layout, ``rows`` rows as :func:`state_rows` gives them) into ``(codes, absmax)`` of
     the layout above, with the bits an optimizer step's requantization gives them.
@@ -111,6 +116,9 @@ def quantize_state(values, bits: int, code, block_size: int, rows: int):
         code: the sorted float32 code table (256 or 16 values; NumPy or torch).
         block_size: elements per block, one of memfit.quant.BLOCK_SIZES.
         rows: rows of the layout (``state_rows(param)``; 1 for format 1).
+        keep_positive: the values are a non-negative state (a second moment): a
+            positive value never takes a code entry ``<= 0`` (the kernels' rule for
+            such states).
 
     Returns:
         ``codes`` (uint8: ``values``' shape and layout for 8 bits, ``(rows, ceil(L/2))``
@@ -144,17 +152,24 @@ def quantize_state(values, bits: int, code, block_size: int, rows: int):
         padded = torch.empty_like(x, dtype=torch.uint8)
         _C.quantize_blockwise(x, code_t, padded, absmax, block_size, False, 0,
                               _arrays.stream_of(x))
+        if keep_positive:  # nearest, then mf_quantize_keep_positive_n's correction
+            first_positive = int(torch.searchsorted(code_t.cpu(), torch.tensor(0.0), right=True))
+            if first_positive < code_t.numel():
+                moved = (x > 0) & (code_t[padded.long()] <= 0)
+                padded[moved] = first_positive
         _storage(codes).view(rows, length).copy_(padded[:, :length])
         return codes, absmax
     blocks = x.view(rows, bpr, block_size)
     torch.amax(blocks.abs(), dim=2, out=absmax)
-    # 1/absmax as a float32 division (IEEE, as the kernel's mf_absmax_inverse), 0 for an
-    # all-zero block; then one float32 product per element, as the kernel scales
-    inv = torch.where(absmax > 0, torch.ones_like(absmax).div(absmax), torch.zeros_like(absmax))
-    scaled = (blocks * inv.unsqueeze(2)).view(rows, -1)[:, :length].contiguous()
-    host = scaled.cpu()
+    # (x * pre) * inv in float32 as the kernel's mf_absmax_scale / mf_block_normalize:
+    # inv = 1 / (absmax * pre), 0 for an all-zero block; pre = 2^64 below absmax 2^-64
+    pre = torch.where(absmax < 2.0**-64, 2.0**64, 1.0).to(torch.float32)
+    inv = torch.where(absmax > 0, torch.ones_like(absmax).div(absmax * pre),
+                      torch.zeros_like(absmax))
+    scaled = ((blocks * pre.unsqueeze(2)) * inv.unsqueeze(2)).view(rows, -1)[:, :length]
+    host = scaled.contiguous().cpu()
     index = torch.empty_like(host, dtype=torch.uint8)
-    _C.code_quantize(code_t.cpu(), host, index)
+    _C.code_quantize(code_t.cpu(), host, index, bool(keep_positive))
     index = index.to(values.device)
     codes[:, :length // 2] = index[:, 0:length - 1:2] | (index[:, 1::2] << 4)
     if length % 2:

@@ -195,8 +195,11 @@ def _memfit_state(optimizer, group, p, floats, step, extra=None):
         if f"absmax{k}" not in expected:
             out[f"state{k}"] = dense
             continue
+        # the unsigned codes are those of the non-negative states (second moments),
+        # which the kernels store with keep_positive
         out[f"state{k}"], absmax = _blocks.quantize_state(
-            dense, group["bits"], code, group["block_size"], _blocks.state_rows(p))
+            dense, group["bits"], code, group["block_size"], _blocks.state_rows(p),
+            keep_positive=float(code[0]) >= 0)
         out[f"absmax{k}"] = absmax.reshape(expected[f"absmax{k}"][0])
     out.update(extra or {})
     return out
