@@ -120,22 +120,33 @@ MF_TARGET_AVX512 static inline void dequant64_4(const float *code, const uint8_t
   for (int i = 0; i < 64; i += 16) dequant4_16_avx512(q + i / 2, table, a, out + i);
 }
 
+/* 16 floats s * inv -> their code indices as dwords: by the arithmetic search where the
+ * code has one (code_lut.h; no memory access), by the table where it has not or where a
+ * lane is ambiguous (about one call in 100). The same indices either way. */
+MF_TARGET_AVX512 static inline __m512i quantize16(const mf_code_lut *lut, const float *s, __m512 inv) {
+  if (lut->arith) {
+    __mmask16 amb;
+    const __m512i q = mf_code_lut_arith16(lut, _mm512_mul_ps(_mm512_loadu_ps(s), inv), &amb);
+    if (__builtin_expect(amb == 0, 1)) return q;
+  }
+  return _mm512_srli_epi32(mf_code_lut_sum16(lut, _mm512_loadu_ps(s), inv), 16);
+}
+
 /* 32 floats s * inv -> 32 code indices: bytes (bits 8), or nibbles, element 2i in the
  * low nibble of byte i (bits 4). */
 #ifndef MF_FUSED_GATHER
-/* With VBMI one byte permute takes the indices (byte 2 of each sum, code_lut.h) out of
- * 32 sums at once: no shifts, and no vpmovdb (two uops each). */
+/* With VBMI one byte permute takes the indices (byte 0 of each dword) out of 32 dwords
+ * at once: no vpmovdb (two uops each). */
 MF_TARGET_VBMI static inline void quantize32(const mf_code_lut *lut, int scalar, const float *s,
                                              float inv, int bits, uint8_t *out) {
   (void)scalar; /* AVX-512 CPUs gather fast */
   const __m512 vinv = _mm512_set1_ps(inv);
-  /* byte i <- byte 2 of dword i of the 32 dwords of (lo, hi); bytes 32-63 unused */
-  const __m512i pick = _mm512_set_epi32(0x7e7a7672, 0x6e6a6662, 0x5e5a5652, 0x4e4a4642,
-                                        0x3e3a3632, 0x2e2a2622, 0x1e1a1612, 0x0e0a0602,
-                                        0x7e7a7672, 0x6e6a6662, 0x5e5a5652, 0x4e4a4642,
-                                        0x3e3a3632, 0x2e2a2622, 0x1e1a1612, 0x0e0a0602);
-  const __m512i lo = mf_code_lut_sum16(lut, _mm512_loadu_ps(s), vinv);
-  const __m512i hi = mf_code_lut_sum16(lut, _mm512_loadu_ps(s + 16), vinv);
+  /* byte i <- byte 0 of dword i of the 32 dwords of (lo, hi); bytes 32-63 unused */
+  const __m512i pick = _mm512_set_epi32(0x7c787470, 0x6c686460, 0x5c585450, 0x4c484440,
+                                        0x3c383430, 0x2c282420, 0x1c181410, 0x0c080400,
+                                        0x7c787470, 0x6c686460, 0x5c585450, 0x4c484440,
+                                        0x3c383430, 0x2c282420, 0x1c181410, 0x0c080400);
+  const __m512i lo = quantize16(lut, s, vinv), hi = quantize16(lut, s + 16, vinv);
   const __m256i q = _mm512_castsi512_si256(_mm512_permutex2var_epi8(lo, pick, hi));
   if (bits == 8) {
     _mm256_storeu_si256((__m256i *)out, q);
@@ -150,8 +161,7 @@ MF_TARGET_AVX512 static inline void quantize32(const mf_code_lut *lut, int scala
   (void)scalar;
   const __m512 vinv = _mm512_set1_ps(inv);
   for (int v = 0; v < 32; v += 16) {
-    const __m512i sum = mf_code_lut_sum16(lut, _mm512_loadu_ps(s + v), vinv);
-    const __m128i q = _mm512_cvtepi32_epi8(_mm512_srli_epi32(sum, 16));
+    const __m128i q = _mm512_cvtepi32_epi8(quantize16(lut, s + v, vinv));
     if (bits == 8) {
       _mm_storeu_si128((__m128i *)(out + v), q);
     } else {
