@@ -187,6 +187,33 @@ static int fit_segment(const float *code, int size, int keep_positive, int s, mf
   return 0;
 }
 
+/* The tree of thresholds of a 16-entry code (mf_code_lut.tree4): the smallest finite
+ * float with q >= k (searched over keys, as bucket_entry does), -Inf where q(-FLT_MAX)
+ * is already k or more, +Inf where no finite float reaches k. */
+static void build_tree4(const float *code, int keep_positive, mf_code_lut *t) {
+  float thr[16];
+  for (int k = 1; k < 16; k++) {
+    uint32_t lo = mf_code_lut_key(0xff7fffffu), hi = mf_code_lut_key(0x7f7fffffu);
+    if (search(code, 16, keep_positive, lo) >= k) {
+      thr[k] = -INFINITY;
+    } else if (search(code, 16, keep_positive, hi) < k) {
+      thr[k] = INFINITY;
+    } else {
+      while (hi - lo > 1) { /* q(lo) < k <= q(hi) */
+        const uint32_t mid = lo + (hi - lo) / 2;
+        if (search(code, 16, keep_positive, mid) >= k) hi = mid;
+        else lo = mid;
+      }
+      thr[k] = mf_f32_from_bits(hi & 0x80000000u ? hi ^ 0x80000000u : ~hi);
+    }
+  }
+  /* node n at depth d (n in [2^d, 2^(d+1))) splits the 2^(4-d) indices it covers,
+   * [(n - 2^d) 2^(4-d), ...), in the middle */
+  t->tree4[0] = 0.0f;
+  for (int d = 0; d < 4; d++)
+    for (int j = 0; j < (1 << d); j++) t->tree4[(1 << d) + j] = thr[(2 * j + 1) << (3 - d)];
+}
+
 /* Builds and checks the arithmetic search; t->arith = 1 when it holds for every x. */
 static void build_arith(const float *code, int size, int keep_positive, mf_code_lut *t) {
   t->arith = 0;
@@ -210,6 +237,7 @@ static void build_arith(const float *code, int size, int keep_positive, mf_code_
 
 static int build(const float *code, int size, int keep_positive, mf_code_lut *t) {
   build_arith(code, size, keep_positive, t);
+  if (size == 16) build_tree4(code, keep_positive, t);
   uint32_t *entry = (uint32_t *)malloc(MF_CODE_LUT_BUCKETS * sizeof(uint32_t));
   if (!entry) return 0;
   t->has_slow = 0;

@@ -76,6 +76,12 @@ typedef struct {
   int32_t top_q;           /* q(x) = top_q for x >= top: the last step, left out of */
   float top;               /* the lines (1.0 is closer to the code below it than the
                             * dynamic map's spacing, a convex corner) */
+  /* 16-entry codes: the thresholds T_1 .. T_15 (the smallest float with q >= k) as a
+   * search tree, node n (1 .. 15) at tree4[n]: the root T_8, then n's children 2n and
+   * 2n + 1; q(x) is the leaf 16 + q reached from the root by going to 2n + (x >= T)
+   * four times. Exact for every x but NaN (the compares are IEEE ones; +-0 compare
+   * equal, as q treats them). */
+  _Alignas(64) float tree4[16];
   _Alignas(64) float a[MF_CODE_LUT_LINES][MF_CODE_LUT_SEGMENTS];
   _Alignas(64) float c[MF_CODE_LUT_LINES][MF_CODE_LUT_SEGMENTS];
 } mf_code_lut;
@@ -113,6 +119,13 @@ static inline int mf_code_lut_arith_index(const mf_code_lut *t, float x, int *am
   q = q < 0 ? 0 : q;
   q = x >= t->top ? t->top_q : q;
   return ax == 0.0f ? t->at_zero : q;
+}
+
+/* q(x) of a 16-entry code by its threshold tree (t->tree4), for x not NaN. */
+static inline int mf_code_lut_tree4_index(const mf_code_lut *t, float x) {
+  int n = 1;
+  for (int d = 0; d < 4; d++) n = 2 * n + (x >= t->tree4[n]);
+  return n - 16;
 }
 
 /* The table for this code (size 16 or 256, validated by the caller) and search

@@ -52,6 +52,20 @@ MF_TARGET_AVX512 static inline __m512i mf_code_lut_arith16(const mf_code_lut *t,
   return _mm512_mask_mov_epi32(q, zero, _mm512_set1_epi32(t->at_zero));
 }
 
+/* The 16-entry code search by its threshold tree (mf_code_lut.tree4): 16 floats x
+ * (already times inv) -> their code indices as dwords, exact, four compares each. */
+MF_TARGET_AVX512 static inline __m512i mf_code_lut_tree4_16(const mf_code_lut *t, __m512 x) {
+  const __m512 tree = _mm512_load_ps(t->tree4);
+  const __m512i one = _mm512_set1_epi32(1);
+  __m512i n = one;
+  for (int d = 0; d < 4; d++) {
+    const __mmask16 up = _mm512_cmp_ps_mask(x, _mm512_permutexvar_ps(n, tree), _CMP_GE_OQ);
+    n = _mm512_add_epi32(n, n);
+    n = _mm512_mask_add_epi32(n, up, n, one);
+  }
+  return _mm512_sub_epi32(n, _mm512_set1_epi32(16));
+}
+
 /* 16 floats x * inv -> 16 code indices as bytes; the vector form of
  * mf_code_lut_quantize. *slow collects the sums (bit 31: a bucket that needs the
  * binary search). NaN maps to 0, as in the binary search (only the public search sees

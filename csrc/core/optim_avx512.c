@@ -123,7 +123,9 @@ MF_TARGET_AVX512 static inline void dequant64_4(const float *code, const uint8_t
 /* 16 floats s * inv -> their code indices as dwords: by the arithmetic search where the
  * code has one (code_lut.h; no memory access), by the table where it has not or where a
  * lane is ambiguous (about one call in 100). The same indices either way. */
-MF_TARGET_AVX512 static inline __m512i quantize16(const mf_code_lut *lut, const float *s, __m512 inv) {
+MF_TARGET_AVX512 static inline __m512i quantize16(const mf_code_lut *lut, const int bits,
+                                                  const float *s, __m512 inv) {
+  if (bits == 4) return mf_code_lut_tree4_16(lut, _mm512_mul_ps(_mm512_loadu_ps(s), inv));
   if (lut->arith) {
     __mmask16 amb;
     const __m512i q = mf_code_lut_arith16(lut, _mm512_mul_ps(_mm512_loadu_ps(s), inv), &amb);
@@ -146,7 +148,7 @@ MF_TARGET_VBMI static inline void quantize32(const mf_code_lut *lut, int scalar,
                                         0x3c383430, 0x2c282420, 0x1c181410, 0x0c080400,
                                         0x7c787470, 0x6c686460, 0x5c585450, 0x4c484440,
                                         0x3c383430, 0x2c282420, 0x1c181410, 0x0c080400);
-  const __m512i lo = quantize16(lut, s, vinv), hi = quantize16(lut, s + 16, vinv);
+  const __m512i lo = quantize16(lut, bits, s, vinv), hi = quantize16(lut, bits, s + 16, vinv);
   const __m256i q = _mm512_castsi512_si256(_mm512_permutex2var_epi8(lo, pick, hi));
   if (bits == 8) {
     _mm256_storeu_si256((__m256i *)out, q);
@@ -161,7 +163,7 @@ MF_TARGET_AVX512 static inline void quantize32(const mf_code_lut *lut, int scala
   (void)scalar;
   const __m512 vinv = _mm512_set1_ps(inv);
   for (int v = 0; v < 32; v += 16) {
-    const __m128i q = _mm512_cvtepi32_epi8(quantize16(lut, s + v, vinv));
+    const __m128i q = _mm512_cvtepi32_epi8(quantize16(lut, bits, s + v, vinv));
     if (bits == 8) {
       _mm_storeu_si128((__m128i *)(out + v), q);
     } else {

@@ -152,6 +152,21 @@ static void test_arith_search_is_exact(int bits, int is_signed) {
     if ((u & 0x7f800000u) != 0x7f800000u) ARITH_AGREES(mf_f32_from_bits(u));
   }
   CHECK(ambiguous < total / 500, "%ld of %ld ambiguous", ambiguous, total);
+  if (size == 16) { /* and the threshold tree, around every step and at random */
+    for (int k = 0; k + 1 < size; k++)
+      for (int d = -300; d <= 300; d++) {
+        const float x = mf_f32_from_bits(mf_f32_bits(0.5f * (code[k] + code[k + 1])) + (uint32_t)d);
+        CHECK(mf_code_lut_tree4_index(lut, x) == mf_optim_quantize(code, size, x, !is_signed) &&
+                  mf_code_lut_tree4_index(lut, -x) == mf_optim_quantize(code, size, -x, !is_signed),
+              "4-bit tree at +-%.9g", (double)x);
+      }
+    for (int k = 0; k < 1000000; k++) {
+      const uint32_t u = (uint32_t)(uniform01() * 4294967296.0);
+      const float x = (u & 0x7f800000u) == 0x7f800000u ? 0.0f : mf_f32_from_bits(u);
+      CHECK(mf_code_lut_tree4_index(lut, x) == mf_optim_quantize(code, size, x, !is_signed),
+            "4-bit tree at %.9g", (double)x);
+    }
+  }
   const float specials[] = {0.0f, -0.0f, 1.0f, -1.0f, 1.0000001f, -1.0000001f, 2.0f, 1e-40f,
                             -1e-40f, 1.4e-45f, -1.4e-45f, 2.3283064e-10f, 3.4e38f, -3.4e38f};
   for (size_t k = 0; k < sizeof specials / sizeof specials[0]; k++) ARITH_AGREES(specials[k]);
