@@ -78,6 +78,12 @@ MF_TARGET_AVX2 static inline void quantize32(const mf_code_lut *lut, int scalar,
                                              float inv, int bits, uint8_t *out) {
   const __m256 vinv = _mm256_set1_ps(inv);
   __m256i sum[4]; /* byte 2 of each lane: the code index (code_lut.h) */
+  if (bits == 4) { /* the threshold tree: no table */
+    for (int v = 0; v < 4; v++)
+      sum[v] = _mm256_slli_epi32(mf_code_lut_tree4_8(lut, _mm256_mul_ps(_mm256_loadu_ps(s + 8 * v), vinv)), 16);
+    _mm_storeu_si128((__m128i *)out, mf_code_lut_nibbles32(sum[0], sum[1], sum[2], sum[3]));
+    return;
+  }
   for (int v = 0; v < 4; v++) {
     const __m256 x = _mm256_loadu_ps(s + 8 * v);
     sum[v] = scalar ? mf_code_lut_sum8_loads(lut, mf_code_lut_key8(x, vinv)) : mf_code_lut_sum8(lut, x, vinv);
