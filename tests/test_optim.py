@@ -682,9 +682,11 @@ def test_fused_kernels_match_block_kernel_bitwise():
     import sys
 
     digests = {}
-    # the AVX2 kernels' code search by gathers or by scalar loads (MEMFIT_OPTIM_KERNEL)
+    # the 8-bit code search in each form (MEMFIT_OPTIM_KERNEL): AVX2 by gathers or by
+    # scalar loads, AVX-512 by gathers or by the arithmetic of code_lut.h
     for isa, kernel in (("generic", None), ("avx2", "avx2-gather"), ("avx2", "avx2-scalar"),
-                        ("avx512", None), ("avx512vbmi", None)):
+                        ("avx512", "avx512-table"), ("avx512", "avx512-arith"),
+                        ("avx512vbmi", "avx512-table"), ("avx512vbmi", "avx512-arith")):
         env = {**os.environ, "MEMFIT_CPU_ISA": isa}
         if kernel:
             env["MEMFIT_OPTIM_KERNEL"] = kernel

@@ -8,11 +8,7 @@
 #include "optim_cpu.h"
 
 #ifdef MF_X86_SIMD
-#include <math.h>
-#include <stdatomic.h>
-#include <stdlib.h>
 #include <string.h>
-#include <time.h>
 
 #define FUSED_TARGET MF_TARGET_AVX2
 #define FUSED8_ENTRY mf_optim_fused8_avx2
@@ -101,47 +97,18 @@ MF_TARGET_AVX2 static inline void quantize32(const mf_code_lut *lut, int scalar,
  * CPUID does not say how fast a gather is: an 8-lane vpgatherdd is microcoded on AMD Zen
  * 1/2, where eight scalar loads beat it, and fast on Zen 3/4 and on Intel, where the
  * gather wins (measured and llvm-mca numbers: benchmarks/RESULTS.md, "AMD EPYC"). So
- * the first AVX2 step of a process times both forms on the same synthetic block (well
- * under a millisecond) and keeps the faster. */
+ * the first AVX2 step of a process times both forms (mf_optim_search_form) and keeps
+ * the faster. */
 
-static double now_s(void) {
-  struct timespec t;
-  clock_gettime(CLOCK_MONOTONIC, &t);
-  return (double)t.tv_sec + (double)t.tv_nsec * 1e-9;
+MF_TARGET_AVX2 static void search_run_avx2(const mf_code_lut *lut, int form, const float *x,
+                                           int64_t n, uint8_t *q) {
+  for (int64_t i = 0; i + 32 <= n; i += 32) quantize32(lut, form, x + i, 1.0f, 8, q + i);
 }
 
-/* Whether the fastest of 9 alternating runs over CALIB synthetic states (normalised by
- * their absmax: spread over [-1, 1], denser near 0) was the scalar one. */
-#define CALIB 2048
-static int measure_scalar_faster(const mf_code_lut *lut) {
-  float x[CALIB];
-  uint8_t q[CALIB];
-  uint32_t r = 12345u;
-  for (int i = 0; i < CALIB; i++, r = r * 1664525u + 1013904223u)
-    x[i] = powf((float)(r >> 8) / 8388608.0f - 1.0f, 3.0f);
-  double best[2] = {1e30, 1e30};
-  for (int rep = 0; rep < 18; rep++) {
-    const double t0 = now_s();
-    for (int i = 0; i < CALIB; i += 32) quantize32(lut, rep & 1, x + i, 1.0f, 8, q + i);
-    const double dt = now_s() - t0;
-    best[rep & 1] = dt < best[rep & 1] ? dt : best[rep & 1];
-  }
-  return best[1] < best[0];
-}
-
-/* -1: not yet known. Racing first calls may both measure; either answer is right. */
 static _Atomic int scalar_cached = -1;
 
 int mf_optim_avx2_scalar_search(const mf_code_lut *lut) {
-  int v = atomic_load_explicit(&scalar_cached, memory_order_relaxed);
-  if (v < 0) {
-    const char *force = getenv("MEMFIT_OPTIM_KERNEL");
-    if (force && !strcmp(force, "avx2-scalar")) v = 1;
-    else if (force && !strcmp(force, "avx2-gather")) v = 0;
-    else v = measure_scalar_faster(lut);
-    atomic_store_explicit(&scalar_cached, v, memory_order_relaxed);
-  }
-  return v;
+  return mf_optim_search_form(&scalar_cached, "avx2-scalar", "avx2-gather", lut, search_run_avx2);
 }
 
 #endif /* MF_X86_SIMD */

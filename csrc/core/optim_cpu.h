@@ -10,6 +10,8 @@
 #include "cpu_isa.h" /* kernel variants per ISA, picked at run time */
 #include "memfit/optim.h"
 
+#include <stdatomic.h>
+
 #if defined(__GNUC__)
 #define MF_INLINE static inline __attribute__((always_inline))
 #else
@@ -27,7 +29,10 @@ typedef struct {
   const mf_code_lut *lut[2];   /* their search tables (NULL: binary search) */
   int keep_positive[2];        /* the state is non-negative (mf_optim_quantize) */
   int code_size;               /* 256 or 16 */
-  int scalar_search;           /* AVX2 fused kernels: search by scalar loads, not gathers */
+  int search;                  /* the fused kernels' 8-bit code search on this CPU: AVX2:
+                                * 1 by scalar loads, 0 by gathers; AVX-512: 1 by the
+                                * arithmetic of code_lut.h, 0 by gathers (measured:
+                                * mf_optim_search_form) */
 } quant_ctx;
 
 /* Per-thread scratch, `chunk` floats each (ring: 4 quantization blocks), and the
@@ -217,10 +222,22 @@ fused_kernel mf_optim_fused8_avx512_vbmi, mf_optim_fused4_avx512_vbmi;
 fused_kernel mf_optim_fused8_avx512_gather, mf_optim_fused4_avx512_gather;
 fused_kernel mf_optim_fused8_avx2, mf_optim_fused4_avx2;
 
-/* Whether the AVX2 fused kernels search the code table by scalar loads (1) or gathers
- * (0) on this CPU: MEMFIT_OPTIM_KERNEL=avx2-scalar|avx2-gather, else measured once per
- * process on `lut` (a few hundred microseconds; optim_avx2.c). */
+/* Which of two forms of the 8-bit code search is faster on this CPU, 1 or 0, once per
+ * process (*cache: -1 before): MEMFIT_OPTIM_KERNEL=force1 or force0 says, else the
+ * faster of 9 alternating timings of run(lut, form, ...) over the same 2048 synthetic
+ * states (a few hundred microseconds; optim.c). Racing first calls may both measure;
+ * either answer is right, as both forms give the same bytes. */
+typedef void search_run(const mf_code_lut *lut, int form, const float *x, int64_t n, uint8_t *q);
+int mf_optim_search_form(_Atomic int *cache, const char *force1, const char *force0,
+                         const mf_code_lut *lut, search_run *run);
+
+/* The AVX2 fused kernels search the code table by scalar loads (1) or gathers (0)
+ * (MEMFIT_OPTIM_KERNEL=avx2-scalar|avx2-gather; optim_avx2.c); the AVX-512 ones by the
+ * arithmetic of code_lut.h (1: a 16-lane gather takes ~20 cycles on AMD Zen 5) or
+ * gathers (0: faster on Intel by llvm-mca's model) (MEMFIT_OPTIM_KERNEL=avx512-arith|
+ * avx512-table; optim_avx512.c; 0 for a code without the arithmetic search). */
 int mf_optim_avx2_scalar_search(const mf_code_lut *lut);
+int mf_optim_avx512_arith_search(const mf_code_lut *lut);
 #endif
 
 #endif /* MEMFIT_OPTIM_CPU_H */

@@ -75,9 +75,10 @@ def cpu_kernels() -> str:
 def optim_kernel() -> str:
     """The CPU kernel memfit's 8-bit/4-bit optimizer steps run on this machine:
     ``"avx512-vbmi"``, ``"avx512-gather"``, ``"avx2-gather"``, ``"avx2-scalar"`` or
-    ``"generic"``. Where CPUID cannot tell which AVX2 code search is faster, the first call
-    times both (a few ms, once per process); ``MEMFIT_OPTIM_KERNEL=avx2-gather|avx2-scalar``
-    forces one."""
+    ``"generic"``. Where CPUID cannot tell which 8-bit code search is faster (AVX2: gathers
+    or scalar loads; AVX-512: gathers or arithmetic), the first step times both (well under
+    a millisecond, once per process); ``MEMFIT_OPTIM_KERNEL=avx2-gather|avx2-scalar|
+    avx512-table|avx512-arith`` forces one. Every form gives the same bytes."""
     return _C.optim_kernel()
 
 
