@@ -240,13 +240,21 @@ static int measure_faster_form(const mf_code_lut *lut, search_run *run) {
   return best[1] < best[0];
 }
 
+/* Whether the comma-separated list names `name`. */
+static int names(const char *list, const char *name) {
+  const size_t n = strlen(name);
+  for (const char *p = list; p && *p; p = strchr(p, ',') ? strchr(p, ',') + 1 : NULL)
+    if (!strncmp(p, name, n) && (p[n] == ',' || p[n] == '\0')) return 1;
+  return 0;
+}
+
 int mf_optim_search_form(_Atomic int *cache, const char *force1, const char *force0,
                          const mf_code_lut *lut, search_run *run) {
   int v = atomic_load_explicit(cache, memory_order_relaxed);
   if (v < 0) {
     const char *force = getenv("MEMFIT_OPTIM_KERNEL");
-    if (force && !strcmp(force, force1)) v = 1;
-    else if (force && !strcmp(force, force0)) v = 0;
+    if (names(force, force1)) v = 1;
+    else if (names(force, force0)) v = 0;
     else v = measure_faster_form(lut, run);
     atomic_store_explicit(cache, v, memory_order_relaxed);
   }
@@ -264,7 +272,7 @@ const char *mf_optim_cpu_kernel(void) {
     const mf_code_lut *lut = mf_dynamic_map(code, MF_CODE_SIZE, 1, 8, 7) == MF_OK
                                  ? mf_code_lut_get(code, MF_CODE_SIZE, 0) : NULL;
     if (!lut) return "avx2";
-    return mf_optim_avx2_scalar_search(lut) ? "avx2-scalar" : "avx2-gather";
+    return mf_optim_avx2_search(lut, 8) & SEARCH_FAST ? "avx2-scalar" : "avx2-gather";
   }
 #endif
   return "generic";
@@ -312,10 +320,11 @@ mf_status mf_optim_step_cpu(const mf_optim_hparams *h, mf_state_format fmt, int6
   const block_fn block_step = pick_block_fn();
 #ifdef MF_X86_SIMD
   const fused_fn fused = pick_fused(h, fmt, ns, bs, &qc);
+  const int bits = fmt == MF_STATE_8BIT ? 8 : 4;
   if (fused == mf_optim_fused8_avx2 || fused == mf_optim_fused4_avx2)
-    qc.search = mf_optim_avx2_scalar_search(qc.lut[0]);
-  else if (fused && fmt == MF_STATE_8BIT)
-    qc.search = mf_optim_avx512_arith_search(qc.lut[0]);
+    qc.search = mf_optim_avx2_search(qc.lut[0], bits);
+  else if (fused)
+    qc.search = mf_optim_avx512_search(qc.lut[0], bits);
 #else
   const void *fused = NULL;
 #endif

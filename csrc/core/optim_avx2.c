@@ -68,13 +68,15 @@ MF_TARGET_AVX2 static inline void dequant64_4(const float *code, const uint8_t *
 }
 
 /* 32 floats s * inv -> 32 code indices: bytes (bits 8), or nibbles, element 2i in the
- * low nibble of byte i (bits 4). The table lookups by gather or by scalar loads, as
- * mf_optim_avx2_scalar_search chose for this CPU (the same bytes either way). */
-MF_TARGET_AVX2 static inline void quantize32(const mf_code_lut *lut, int scalar, const float *s,
+ * low nibble of byte i (bits 4). By the threshold tree (4-bit) or the table, its
+ * lookups by gather or by scalar loads, as `search` says (quant_ctx.search, measured
+ * for this CPU: the same bytes every way). */
+MF_TARGET_AVX2 static inline void quantize32(const mf_code_lut *lut, int search, const float *s,
                                              float inv, int bits, uint8_t *out) {
   const __m256 vinv = _mm256_set1_ps(inv);
   __m256i sum[4]; /* byte 2 of each lane: the code index (code_lut.h) */
-  if (bits == 4) { /* the threshold tree: no table */
+  const int scalar = search & SEARCH_FAST;
+  if (bits == 4 && (search & SEARCH_TREE4)) { /* the threshold tree: no table */
     for (int v = 0; v < 4; v++)
       sum[v] = _mm256_slli_epi32(mf_code_lut_tree4_8(lut, _mm256_mul_ps(_mm256_loadu_ps(s + 8 * v), vinv)), 16);
     _mm_storeu_si128((__m128i *)out, mf_code_lut_nibbles32(sum[0], sum[1], sum[2], sum[3]));
@@ -100,15 +102,25 @@ MF_TARGET_AVX2 static inline void quantize32(const mf_code_lut *lut, int scalar,
  * the first AVX2 step of a process times both forms (mf_optim_search_form) and keeps
  * the faster. */
 
-MF_TARGET_AVX2 static void search_run_avx2(const mf_code_lut *lut, int form, const float *x,
-                                           int64_t n, uint8_t *q) {
-  for (int64_t i = 0; i + 32 <= n; i += 32) quantize32(lut, form, x + i, 1.0f, 8, q + i);
+MF_TARGET_AVX2 static void search_run8(const mf_code_lut *lut, int form, const float *x,
+                                       int64_t n, uint8_t *q) {
+  for (int64_t i = 0; i + 32 <= n; i += 32) quantize32(lut, form ? SEARCH_FAST : 0, x + i, 1.0f, 8, q + i);
 }
 
-static _Atomic int scalar_cached = -1;
+MF_TARGET_AVX2 static void search_run4(const mf_code_lut *lut, int form, const float *x,
+                                       int64_t n, uint8_t *q) {
+  const int table = mf_optim_avx2_search(lut, 8); /* the table's own best form */
+  for (int64_t i = 0; i + 32 <= n; i += 32)
+    quantize32(lut, form ? SEARCH_TREE4 : table, x + i, 1.0f, 4, q + i / 2);
+}
 
-int mf_optim_avx2_scalar_search(const mf_code_lut *lut) {
-  return mf_optim_search_form(&scalar_cached, "avx2-scalar", "avx2-gather", lut, search_run_avx2);
+static _Atomic int scalar_cached = -1, tree4_cached = -1;
+
+int mf_optim_avx2_search(const mf_code_lut *lut, int bits) {
+  const int fast = mf_optim_search_form(&scalar_cached, "avx2-scalar", "avx2-gather", lut, search_run8);
+  if (bits == 8) return fast ? SEARCH_FAST : 0;
+  return (fast ? SEARCH_FAST : 0) |
+         (mf_optim_search_form(&tree4_cached, "avx2-tree4", "avx2-table4", lut, search_run4) ? SEARCH_TREE4 : 0);
 }
 
 #endif /* MF_X86_SIMD */

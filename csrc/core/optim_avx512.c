@@ -120,14 +120,15 @@ MF_TARGET_AVX512 static inline void dequant64_4(const float *code, const uint8_t
   for (int i = 0; i < 64; i += 16) dequant4_16_avx512(q + i / 2, table, a, out + i);
 }
 
-/* 16 floats s * inv -> their code indices as dwords. 4-bit: the threshold tree
- * (code_lut.h). 8-bit: with `arith` (quant_ctx.search) the arithmetic search (code_lut.h;
- * no memory access), and the table where a lane is ambiguous (about one call in 100);
- * else the table. The same indices every way. */
-MF_TARGET_AVX512 static inline __m512i quantize16(const mf_code_lut *lut, const int arith,
+/* 16 floats s * inv -> their code indices as dwords, in the form `search` says
+ * (quant_ctx.search): 4-bit by the threshold tree (code_lut.h), 8-bit by the arithmetic
+ * search (code_lut.h; no memory access) with the table where a lane is ambiguous (about
+ * one call in 100), or by the table. The same indices every way. */
+MF_TARGET_AVX512 static inline __m512i quantize16(const mf_code_lut *lut, const int search,
                                                   const int bits, const float *s, __m512 inv) {
-  if (bits == 4) return mf_code_lut_tree4_16(lut, _mm512_mul_ps(_mm512_loadu_ps(s), inv));
-  if (arith && lut->arith) {
+  if (bits == 4 && (search & SEARCH_TREE4))
+    return mf_code_lut_tree4_16(lut, _mm512_mul_ps(_mm512_loadu_ps(s), inv));
+  if (bits == 8 && (search & SEARCH_FAST) && lut->arith) {
     __mmask16 amb;
     const __m512i q = mf_code_lut_arith16(lut, _mm512_mul_ps(_mm512_loadu_ps(s), inv), &amb);
     if (__builtin_expect(amb == 0, 1)) return q;
@@ -176,22 +177,28 @@ MF_TARGET_AVX512 static inline void quantize32(const mf_code_lut *lut, int searc
 #include "optim_fused.h"
 
 #ifndef MF_FUSED_GATHER
-/* ---- arithmetic or table search: measured (once, in the build without VBMI's needs) --
- * llvm-mca puts the arithmetic search at 14-16 cycles per 16 elements on every AVX-512
- * core and a 16-lane gather at 4-10; on AMD Zen 5 the gather measures ~20 (Zen 4 is
- * said to be alike). So the first AVX-512 8-bit step of a process times both. */
+/* ---- arithmetic (tree) or table search: measured (defined once, in this build) -----
+ * llvm-mca puts the arithmetic search at 14-16 cycles per 16 elements and the 4-bit
+ * tree at 11-12 on every AVX-512 core, a 16-lane gather at 4-10; on AMD Zen 5 the gather
+ * measures ~20. So the first AVX-512 step of a process times both forms for its code
+ * width. */
 MF_TARGET_AVX512 static void search_run_avx512(const mf_code_lut *lut, int form, const float *x,
                                                int64_t n, uint8_t *q) {
   const __m512 one = _mm512_set1_ps(1.0f);
+  const int bits = lut->size == 16 ? 4 : 8;
+  const int search = form ? (bits == 4 ? SEARCH_TREE4 : SEARCH_FAST) : 0;
   for (int64_t i = 0; i + 16 <= n; i += 16)
-    _mm_storeu_si128((__m128i *)(q + i), _mm512_cvtepi32_epi8(quantize16(lut, form, 8, x + i, one)));
+    _mm_storeu_si128((__m128i *)(q + i), _mm512_cvtepi32_epi8(quantize16(lut, search, bits, x + i, one)));
 }
 
-static _Atomic int arith_cached = -1;
+static _Atomic int arith_cached = -1, tree4_cached = -1;
 
-int mf_optim_avx512_arith_search(const mf_code_lut *lut) {
-  if (!lut || !lut->arith) return 0;
-  return mf_optim_search_form(&arith_cached, "avx512-arith", "avx512-table", lut, search_run_avx512);
+int mf_optim_avx512_search(const mf_code_lut *lut, int bits) {
+  if (!lut) return 0;
+  if (bits == 4)
+    return mf_optim_search_form(&tree4_cached, "avx512-tree4", "avx512-table4", lut, search_run_avx512) ? SEARCH_TREE4 : 0;
+  if (!lut->arith) return 0;
+  return mf_optim_search_form(&arith_cached, "avx512-arith", "avx512-table", lut, search_run_avx512) ? SEARCH_FAST : 0;
 }
 #endif
 
