@@ -22,7 +22,9 @@ the optimizer's in the same repetition, with its quartiles, which the machine's 
 move less than a ratio of medians. Beside the AdamW steps: memfit's Lion8bit, SGD8bit
 (momentum 0.9) and RMSprop8bit, bitsandbytes' AdamW8bit (its CPU path) and torchao's
 AdamW8bit/AdamW4bit (pure PyTorch: eager), each where installed; the slow ones get fewer
-repetitions. `--threads N` sets memfit's and torch's thread counts.
+repetitions, after the others (they slow down the steps that follow them), each paired
+with a torch fused step just before it. `--threads N` sets memfit's and torch's thread
+counts.
 
 GPU (when torch.cuda is available and memfit has CUDA): AdamW8bit over ~1B parameters as
 one tensor and as a model of many small plus a few large tensors, timed with CUDA
@@ -165,24 +167,38 @@ def cpu_bench(sizes, reps, regimes, with_bnb, torch_only_fused=False):
     for regime in regimes:
         wall = {k: [] for k in names}
         cpu = {k: [] for k in names}
-        # the slow bitsandbytes CPU path gets fewer repetitions
+        ref_wall = {k: [] for k in names}  # torch fused's time in each of k's repetitions
+
+        def timed(k, r):
+            if regime == "cold":
+                flush.fill_(float(r))
+            t0, c0 = time.perf_counter(), time.process_time()
+            opts[k].step()
+            return time.perf_counter() - t0, time.process_time() - c0
+
+        fast = [k for k in names if k not in SLOW]
         for r in range(reps):
-            order = names[r % len(names):] + names[:r % len(names)]
+            order = fast[r % len(fast):] + fast[:r % len(fast)]
             for k in order:
-                if k in SLOW and r >= max(3, reps // 5):
-                    continue
-                if regime == "cold":
-                    flush.fill_(float(r))
-                t0, c0 = time.perf_counter(), time.process_time()
-                opts[k].step()
-                wall[k].append(time.perf_counter() - t0)
-                cpu[k].append(time.process_time() - c0)
+                w, c = timed(k, r)
+                wall[k].append(w)
+                cpu[k].append(c)
+        for k in fast:
+            ref_wall[k] = wall["torch AdamW fused"]
+        # the slow peers after the others (they slow down the steps that follow them), fewer
+        # repetitions, each paired with a torch fused step just before it
+        for k in [k for k in names if k in SLOW]:
+            for r in range(max(3, reps // 5)):
+                ref_wall[k].append(timed("torch AdamW fused", r)[0])
+                w, c = timed(k, r)
+                wall[k].append(w)
+                cpu[k].append(c)
         ref = statistics.median(wall["torch AdamW fused"])
         ref_cpu = statistics.median(cpu["torch AdamW fused"])
         for k in names:
             w, c = statistics.median(wall[k]), statistics.median(cpu[k])
             # torch fused over this optimizer, repetition by repetition
-            paired = [a / b for a, b in zip(wall["torch AdamW fused"], wall[k])]
+            paired = [a / b for a, b in zip(ref_wall[k], wall[k])]
             q1, q2, q3 = statistics.quantiles(paired, n=4) if len(paired) > 1 else paired * 3
             results[(regime, k)] = {
                 "regime": regime, "optimizer": k, "numel": numel, "tensors": len(sizes),
