@@ -5,8 +5,8 @@
 #include "mca_mark.h"
 
 #include <stdatomic.h>
-#include <stdlib.h>
 #include <math.h>
+#include <stdlib.h>
 #include <string.h>
 
 #define CACHE_SLOTS 16
@@ -105,11 +105,6 @@ static int check_range(const arith_check *c, uint32_t a, uint32_t b) {
   return check_range(c, a, mid) && check_range(c, mid + 1, b);
 }
 
-/* Fits the lines of segment s: the chords of the staircase's points (T_k, k) in the
- * segment and one either side (or, where there is none, a point half a step into the
- * flat part at the segment's end), consecutive chords of nearly one slope merged into
- * the line through the group's ends. Returns 0 when it needs more than
- * MF_CODE_LUT_LINES lines. */
 /* Segment s's floats x > 0 (bits): [2^(s-31), 2^(s-30)), all below for s = 0, all
  * above for s = 31. */
 static uint32_t segment_lo(int s) { return s == 0 ? 1u : (uint32_t)(MF_CODE_LUT_EXP0 + s) << 23; }
@@ -124,6 +119,11 @@ static int q_below_top(const float *code, int size, int keep_positive, const mf_
   return q < t->top_q ? q : t->top_q - 1;
 }
 
+/* Fits the lines of segment s: the chords of the staircase's points (T_k, k) in the
+ * segment and one either side (or, where there is none, a point half a step into the
+ * flat part at the segment's end), consecutive chords of nearly one slope merged into
+ * the line through the group's ends. Returns 0 when it needs more than
+ * MF_CODE_LUT_LINES lines that pass the check (c) on the segment. */
 static int fit_segment(const float *code, int size, int keep_positive, int s, mf_code_lut *t,
                        const arith_check *c) {
   const uint32_t lo = segment_lo(s), hi = segment_hi(s);

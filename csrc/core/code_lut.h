@@ -42,23 +42,23 @@
 #define MF_CODE_LUT_BUCKETS 65536
 #define MF_CODE_LUT_SLOW 0x80000000u  /* set in entry + key: this bucket needs the search */
 
-/* The search without a table lookup (the vector kernels' first choice: a gather or a
- * load per element costs more than the arithmetic on AMD Zen 4/5, where a 16-lane gather
- * takes ~20 cycles). q(x) is a staircase whose steps, the thresholds T_k (the smallest
- * float with q >= k), follow the code's structure: for the dynamic map, evenly spaced
- * within a decade, so the piecewise-linear curve through the points (T_k, k) is concave
- * for x > 0. Cut |x| into 32 segments by its binary exponent (segment 0: |x| < 2^-30;
- * segment 31: |x| >= 1); in each, that curve is the minimum of at most
+/* The search without a table lookup (a gather or a load per element costs more than this
+ * arithmetic on AMD Zen 5, where a 16-lane gather takes ~20 cycles; the kernels time both
+ * and keep the faster: mf_optim_search_form). q(x) is a staircase whose steps, the
+ * thresholds T_k (the smallest float with q >= k), follow the code's structure: for the
+ * dynamic map, evenly spaced within a decade, so the piecewise-linear curve through the
+ * points (T_k, k) is concave for x > 0. Cut |x| into 32 segments by its binary exponent
+ * (segment 0: |x| < 2^-30; segment 31: |x| >= 1); in each, that curve is the minimum of
  * MF_CODE_LUT_LINES lines a x + c, and for x >= 0
  *     t = min_l fmaf(|x|, a[l][s], c[l][s]),   g = floor(t),
  * is q(x) wherever t is not within MF_CODE_LUT_EPS of an integer; for x < 0, q(x) =
- * max(mirror - g, 0), q(+-0) = at_zero, and q(x) = top_q from x = top on. An element whose t is that close to an
- * integer is "ambiguous": kernels take the table for it (a vector with any such lane,
- * about 1 in 100 of 16 elements: under 2^-11 of each element's range). The build
- * checks the whole claim, every float x, exactly (mf_code_lut_arith_check in
- * code_lut.c); a code it does not hold for gets arith = 0 and the table alone. The
- * model's operations are IEEE ones (fmaf, compares, floor), so the scalar form below
- * and the vector forms compute the same t. */
+ * max(mirror - g, 0), q(+-0) = at_zero, and q(x) = top_q from x = top on. An element
+ * whose t is that close to an integer is "ambiguous": kernels take the table for it
+ * (about 3 elements in 10000 of Adam-like states, so one 16-lane vector in 200). The
+ * build (build_arith in code_lut.c) fits the lines to the code and checks the claim for
+ * every float x, exactly; a code it does not hold for gets arith = 0 and the table
+ * alone. The operations are IEEE ones (fmaf, compares, floor: correctly rounded on
+ * every CPU), so the scalar form below and the vector forms compute the same t. */
 #define MF_CODE_LUT_LINES 3 /* the kernels' lines per segment */
 #define MF_CODE_LUT_FIT 4   /* the fit's, one of which must then go */
 #define MF_CODE_LUT_SEGMENTS 32
