@@ -56,13 +56,14 @@ import memfit  # noqa: E402
 import memfit.optim as mo  # noqa: E402
 
 
-def _bnb():
-    try:
-        import bitsandbytes as bnb  # noqa: F401
+def _optional(module: str):
+    """An optional peer's module (bitsandbytes, torchao.optim), or None with the reason."""
+    import importlib
 
-        return bnb
+    try:
+        return importlib.import_module(module)
     except Exception as e:  # pragma: no cover - depends on the environment
-        print(f"bitsandbytes not usable: {e!r}", file=sys.stderr)
+        print(f"{module} not usable: {e!r}", file=sys.stderr)
         return None
 
 
@@ -76,16 +77,6 @@ BYTES = {"torch AdamW fused": 28, "torch AdamW foreach": 28, "memfit AdamW": 28,
 # steps far slower than torch fused (pure PyTorch, or bitsandbytes' CPU path): they get
 # max(3, reps // 5) repetitions
 SLOW = ("bnb AdamW8bit", "torchao AdamW8bit (eager)", "torchao AdamW4bit (eager)")
-
-
-def _torchao():
-    try:
-        import torchao.optim as tao
-
-        return tao
-    except Exception as e:  # pragma: no cover - depends on the environment
-        print(f"torchao not usable: {e!r}", file=sys.stderr)
-        return None
 
 
 # The CPU "model" layout: 50 blocks of Linear(256, 256) + LayerNorm(256), that is 50
@@ -135,7 +126,7 @@ def cpu_bench(sizes, reps, regimes, with_bnb, torch_only_fused=False):
         opts["memfit Lion8bit"] = mo.Lion8bit(param(), lr=1e-4)
         opts["memfit SGD8bit"] = mo.SGD8bit(param(), lr=1e-3, momentum=0.9)
         opts["memfit RMSprop8bit"] = mo.RMSprop8bit(param(), lr=1e-3)
-    tao = _torchao() if with_bnb else None
+    tao = _optional("torchao.optim") if with_bnb else None
     if tao is not None:
         for name, cls in (("torchao AdamW8bit (eager)", tao.AdamW8bit),
                           ("torchao AdamW4bit (eager)", tao.AdamW4bit)):
@@ -145,7 +136,7 @@ def cpu_bench(sizes, reps, regimes, with_bnb, torch_only_fused=False):
                 opts[name] = o
             except Exception as e:  # pragma: no cover
                 print(f"{name} does not run on CPU here: {e!r}", file=sys.stderr)
-    bnb = _bnb() if with_bnb else None
+    bnb = _optional("bitsandbytes") if with_bnb else None
     if bnb is not None:
         try:
             o = bnb.optim.AdamW8bit(param(), lr=1e-3)
@@ -235,7 +226,7 @@ def gpu_bench(reps):  # pragma: no cover - needs a GPU
         # many small (biases, norms) and a few large (embeddings, projections)
         "model: 2000 small + 8 large": [4096] * 2000 + [(total - 4096 * 2000) // 8] * 8,
     }
-    bnb = _bnb()
+    bnb = _optional("bitsandbytes")
     for lname, sizes in layouts.items():
         for dtype in (torch.float32, torch.bfloat16):
             # the small tensors stay 1-D, as biases and norms are (float32 states)
