@@ -14,7 +14,17 @@ cache regimes:
   warm: steps back to back (on a machine whose L3 holds the working set, this measures
         the arithmetic rather than the memory system).
 Bytes per parameter moved (fp32 params and grads): torch AdamW 28 (p, g, m, v read;
-p, m, v written), memfit AdamW8bit 16 + absmax, AdamW4bit 14 + absmax; we report GB/s.
+p, m, v written), memfit AdamW8bit 16 + absmax, AdamW4bit 14 + absmax; we report GB/s,
+and the byte floor: the time those bytes take at the copy bandwidth measured in the same
+process (read + write), and so the best ratio to torch fused a step of that many bytes
+could reach. The ratio columns: the median over repetitions of torch fused's time over
+the optimizer's in the same repetition, with its quartiles, which the machine's swings
+move less than a ratio of medians. Beside the AdamW steps: memfit's Lion8bit, SGD8bit
+(momentum 0.9) and RMSprop8bit, bitsandbytes' AdamW8bit (its CPU path) and torchao's
+AdamW8bit/AdamW4bit (pure PyTorch: eager), each where installed; the slow ones get fewer
+repetitions, after the others (they slow down the steps that follow them), each paired
+with a torch fused step just before it. `--threads N` sets memfit's and torch's thread
+counts.
 
 GPU (when torch.cuda is available and memfit has CUDA): AdamW8bit over ~1B parameters as
 one tensor and as a model of many small plus a few large tensors, timed with CUDA
@@ -46,19 +56,27 @@ import memfit  # noqa: E402
 import memfit.optim as mo  # noqa: E402
 
 
-def _bnb():
-    try:
-        import bitsandbytes as bnb  # noqa: F401
+def _optional(module: str):
+    """An optional peer's module (bitsandbytes, torchao.optim), or None with the reason."""
+    import importlib
 
-        return bnb
+    try:
+        return importlib.import_module(module)
     except Exception as e:  # pragma: no cover - depends on the environment
-        print(f"bitsandbytes not usable: {e!r}", file=sys.stderr)
+        print(f"{module} not usable: {e!r}", file=sys.stderr)
         return None
 
 
 BYTES = {"torch AdamW fused": 28, "torch AdamW foreach": 28, "memfit AdamW": 28,
          "memfit AdamW8bit": 16 + 8 / 256, "memfit AdamW4bit": 14 + 8 / 128,
-         "bnb AdamW8bit": 16 + 8 / 256}
+         "memfit Lion8bit": 14 + 4 / 256, "memfit SGD8bit": 14 + 4 / 256,
+         "memfit RMSprop8bit": 14 + 4 / 256,
+         "bnb AdamW8bit": 16 + 8 / 256, "torchao AdamW8bit (eager)": 16 + 8 / 256,
+         "torchao AdamW4bit (eager)": 14 + 8 / 128}
+
+# steps far slower than torch fused (pure PyTorch, or bitsandbytes' CPU path): they get
+# max(3, reps // 5) repetitions
+SLOW = ("bnb AdamW8bit", "torchao AdamW8bit (eager)", "torchao AdamW4bit (eager)")
 
 
 # The CPU "model" layout: 50 blocks of Linear(256, 256) + LayerNorm(256), that is 50
@@ -105,7 +123,20 @@ def cpu_bench(sizes, reps, regimes, with_bnb, torch_only_fused=False):
     }
     if not torch_only_fused:
         opts["torch AdamW foreach"] = torch.optim.AdamW(param(), lr=1e-3, foreach=True)
-    bnb = _bnb() if with_bnb else None
+        opts["memfit Lion8bit"] = mo.Lion8bit(param(), lr=1e-4)
+        opts["memfit SGD8bit"] = mo.SGD8bit(param(), lr=1e-3, momentum=0.9)
+        opts["memfit RMSprop8bit"] = mo.RMSprop8bit(param(), lr=1e-3)
+    tao = _optional("torchao.optim") if with_bnb else None
+    if tao is not None:
+        for name, cls in (("torchao AdamW8bit (eager)", tao.AdamW8bit),
+                          ("torchao AdamW4bit (eager)", tao.AdamW4bit)):
+            try:
+                o = cls(param(), lr=1e-3)
+                o.step()
+                opts[name] = o
+            except Exception as e:  # pragma: no cover
+                print(f"{name} does not run on CPU here: {e!r}", file=sys.stderr)
+    bnb = _optional("bitsandbytes") if with_bnb else None
     if bnb is not None:
         try:
             o = bnb.optim.AdamW8bit(param(), lr=1e-3)
@@ -116,7 +147,7 @@ def cpu_bench(sizes, reps, regimes, with_bnb, torch_only_fused=False):
     for o in opts.values():  # warm-up: states allocated, tables built
         o.step()
         o.step()
-    for k in ("memfit AdamW8bit", "memfit AdamW4bit"):  # quantized states, not a float32 fallback
+    for k in [k for k in opts if k.startswith("memfit") and "bit" in k]:  # quantized states, not float32
         if any(st["state1"].dtype != torch.uint8 for p, st in opts[k].state.items()
                if p.numel() >= opts[k].param_groups[0]["min_8bit_size"]):
             raise RuntimeError(f"{k}: a tensor of this run got float32 states; the numbers would "
@@ -127,28 +158,47 @@ def cpu_bench(sizes, reps, regimes, with_bnb, torch_only_fused=False):
     for regime in regimes:
         wall = {k: [] for k in names}
         cpu = {k: [] for k in names}
-        # the slow bitsandbytes CPU path gets fewer repetitions
+        ref_wall = {k: [] for k in names}  # torch fused's time in each of k's repetitions
+
+        def timed(k, r):
+            if regime == "cold":
+                flush.fill_(float(r))
+            t0, c0 = time.perf_counter(), time.process_time()
+            opts[k].step()
+            return time.perf_counter() - t0, time.process_time() - c0
+
+        fast = [k for k in names if k not in SLOW]
         for r in range(reps):
-            order = names[r % len(names):] + names[:r % len(names)]
+            order = fast[r % len(fast):] + fast[:r % len(fast)]
             for k in order:
-                if k == "bnb AdamW8bit" and r >= max(3, reps // 5):
-                    continue
-                if regime == "cold":
-                    flush.fill_(float(r))
-                t0, c0 = time.perf_counter(), time.process_time()
-                opts[k].step()
-                wall[k].append(time.perf_counter() - t0)
-                cpu[k].append(time.process_time() - c0)
+                w, c = timed(k, r)
+                wall[k].append(w)
+                cpu[k].append(c)
+        for k in fast:
+            ref_wall[k] = wall["torch AdamW fused"]
+        # the slow peers after the others (they slow down the steps that follow them), fewer
+        # repetitions, each paired with a torch fused step just before it
+        for k in [k for k in names if k in SLOW]:
+            for r in range(max(3, reps // 5)):
+                ref_wall[k].append(timed("torch AdamW fused", r)[0])
+                w, c = timed(k, r)
+                wall[k].append(w)
+                cpu[k].append(c)
         ref = statistics.median(wall["torch AdamW fused"])
         ref_cpu = statistics.median(cpu["torch AdamW fused"])
         for k in names:
             w, c = statistics.median(wall[k]), statistics.median(cpu[k])
+            # torch fused over this optimizer, repetition by repetition
+            paired = [a / b for a, b in zip(ref_wall[k], wall[k])]
+            q1, q2, q3 = statistics.quantiles(paired, n=4) if len(paired) > 1 else paired * 3
             results[(regime, k)] = {
                 "regime": regime, "optimizer": k, "numel": numel, "tensors": len(sizes),
                 "reps": len(wall[k]),
                 "wall_ms": w * 1e3, "cpu_ms": c * 1e3,
                 "wall_ms_min": min(wall[k]) * 1e3, "wall_ms_max": max(wall[k]) * 1e3,
                 "speedup_vs_torch_fused": ref / w, "cpu_speedup_vs_torch_fused": ref_cpu / c,
+                "paired_speedup_median": statistics.median(paired), "paired_speedup_q1": q1,
+                "paired_speedup_q3": q3,
                 "best_speedup_vs_torch_fused": min(wall["torch AdamW fused"]) / min(wall[k]),
                 "bytes_per_param": BYTES.get(k), "GB_per_s": BYTES.get(k, 0) * numel / w / 1e9,
             }
@@ -176,7 +226,7 @@ def gpu_bench(reps):  # pragma: no cover - needs a GPU
         # many small (biases, norms) and a few large (embeddings, projections)
         "model: 2000 small + 8 large": [4096] * 2000 + [(total - 4096 * 2000) // 8] * 8,
     }
-    bnb = _bnb()
+    bnb = _optional("bitsandbytes")
     for lname, sizes in layouts.items():
         for dtype in (torch.float32, torch.bfloat16):
             # the small tensors stay 1-D, as biases and norms are (float32 states)
@@ -245,7 +295,7 @@ def core_speeds(numel=262144, steps=20):
     return out
 
 
-def cpu_isa_bench(caps, numel, reps, regimes):
+def cpu_isa_bench(caps, numel, reps, regimes, threads=0):
     """The CPU part under each MEMFIT_CPU_ISA cap, each in a fresh process."""
     import json
     import subprocess
@@ -256,17 +306,18 @@ def cpu_isa_bench(caps, numel, reps, regimes):
         env = dict(os.environ, MEMFIT_CPU_ISA=cap)
         out = subprocess.run([sys.executable, os.path.abspath(__file__), "--numel", str(numel),
                               "--reps", str(reps), "--regimes", ",".join(regimes), "--no-bnb",
-                              "--no-gpu", "--emit-rows"], env=env, capture_output=True, text=True,
-                             check=True).stdout
+                              "--no-gpu", "--emit-rows", "--threads", str(threads)], env=env,
+                             capture_output=True, text=True, check=True).stdout
         sub = json.loads(out.strip().splitlines()[-1])
         by = {(r["regime"], r["optimizer"]): r for r in sub["rows"]}
         for regime in regimes:
             ref = by[(regime, "torch AdamW fused")]
             row = {"cap": cap, "cpu_kernels": sub["cpu_kernels"], "regime": regime,
                    "torch_fused_ms": ref["wall_ms"]}
-            for k in ("memfit AdamW8bit", "memfit AdamW4bit"):
-                row[k] = {"wall_ms": by[(regime, k)]["wall_ms"],
-                          "speedup_vs_torch_fused": by[(regime, k)]["speedup_vs_torch_fused"]}
+            for k in ("memfit AdamW8bit", "memfit AdamW4bit", "memfit AdamW"):
+                row[k] = {key: by[(regime, k)][key] for key in
+                          ("wall_ms", "speedup_vs_torch_fused", "paired_speedup_median",
+                           "paired_speedup_q1", "paired_speedup_q3")}
             rows.append(row)
     return rows
 
@@ -279,7 +330,9 @@ def main(argv=None):
     ap.add_argument("--row-len", type=int, default=4096,
                     help="elements per row of the CPU tensor (must divide --numel), e.g. 4100 "
                          "with --numel 16793600 for rows that end in a partial block")
-    ap.add_argument("--no-bnb", action="store_true")
+    ap.add_argument("--threads", type=int, default=0,
+                    help="memfit and torch threads (0: as they are, OMP_NUM_THREADS or all cores)")
+    ap.add_argument("--no-bnb", action="store_true", help="without bitsandbytes and torchao")
     ap.add_argument("--no-gpu", action="store_true")
     ap.add_argument("--cpu-isa", default=None,
                     help="comma-separated MEMFIT_CPU_ISA caps to compare, e.g. avx512vbmi,avx512,avx2")
@@ -290,6 +343,9 @@ def main(argv=None):
         ap.error(f"--row-len {args.row_len} must divide --numel {args.numel}")
     ROW_LEN = args.row_len
     regimes = args.regimes.split(",")
+    if args.threads:
+        memfit.set_num_threads(args.threads)
+        torch.set_num_threads(args.threads)
 
     if args.emit_rows:
         import json
@@ -300,20 +356,24 @@ def main(argv=None):
     if args.cpu_isa:
         caps = [c for c in args.cpu_isa.split(",") if c]
         meta = {"cpu": dict(metadata("cpu"), numel=args.numel, reps=args.reps)}
-        rows = cpu_isa_bench(caps, args.numel, args.reps, regimes)
+        rows = cpu_isa_bench(caps, args.numel, args.reps, regimes, args.threads)
         m = meta["cpu"]
         print(f"cpu: {m['cpu_model']} ({m['cpu']}), {m['cores']} cores, memfit {m['memfit_threads']} threads, "
               f"torch {m.get('torch')}, commit {m['commit']}, {m['date']}")
         print(f"AdamW step over {args.numel} fp32 parameters; each cap in its own process, "
               f"median of {args.reps} steps interleaved with torch fused AdamW\n")
+        def x(r, k):
+            v = r[k]
+            return (f"{v['wall_ms']:.2f}", f"{v['paired_speedup_median']:.2f} "
+                    f"({v['paired_speedup_q1']:.2f}-{v['paired_speedup_q3']:.2f})")
+
         print(markdown_table(
             ["MEMFIT_CPU_ISA", "CPU kernels", "regime", "torch fused ms", "AdamW8bit ms",
-             "x torch", "AdamW4bit ms", "x torch"],
+             "x torch [quartiles]", "AdamW4bit ms", "x torch [quartiles]", "AdamW (fp32) ms",
+             "x torch [quartiles]"],
             [[r["cap"], r["cpu_kernels"], r["regime"], f"{r['torch_fused_ms']:.2f}",
-              f"{r['memfit AdamW8bit']['wall_ms']:.2f}",
-              f"{r['memfit AdamW8bit']['speedup_vs_torch_fused']:.2f}",
-              f"{r['memfit AdamW4bit']['wall_ms']:.2f}",
-              f"{r['memfit AdamW4bit']['speedup_vs_torch_fused']:.2f}"] for r in rows]))
+              *x(r, "memfit AdamW8bit"), *x(r, "memfit AdamW4bit"), *x(r, "memfit AdamW")]
+             for r in rows]))
         path = write_json("bench_optim_cpu_isa", {"meta": meta, "rows": rows})
         print(f"\nwrote {path}")
         return
@@ -335,19 +395,27 @@ def main(argv=None):
     print(f"AdamW step over {args.numel} fp32 parameters (one tensor of {args.numel // ROW_LEN} x "
           f"{ROW_LEN}, grads randn*0.01); median of "
           f"{args.reps} interleaved steps (bitsandbytes: fewer); cold = 1 GiB written before each step\n")
+    copy_bw = m["copy_bandwidth_gbps"] * 1e9
+    for r in rows:  # the byte floor: this step's bytes at the measured copy bandwidth
+        r["floor_ms"] = r["bytes_per_param"] * r["numel"] / copy_bw * 1e3
+    torch_ms = {r["regime"]: r["wall_ms"] for r in rows if r["optimizer"] == "torch AdamW fused"}
     print(markdown_table(
-        ["regime", "optimizer", "wall ms", "x torch fused (wall)", "x torch fused (best of each)",
-         "x torch fused (CPU time)", "B/param", "GB/s"],
-        [[r["regime"], r["optimizer"], f"{r['wall_ms']:.2f}", f"{r['speedup_vs_torch_fused']:.2f}",
+        ["regime", "optimizer", "wall ms", "x torch fused (paired median, quartiles)",
+         "x torch fused (best of each)", "x torch fused (CPU time)", "B/param", "GB/s",
+         "byte floor ms", "x torch at the floor"],
+        [[r["regime"], r["optimizer"], f"{r['wall_ms']:.2f}",
+          f"{r['paired_speedup_median']:.2f} ({r['paired_speedup_q1']:.2f}-{r['paired_speedup_q3']:.2f})",
           f"{r['best_speedup_vs_torch_fused']:.2f}", f"{r['cpu_speedup_vs_torch_fused']:.2f}",
-          f"{r['bytes_per_param']:.1f}", f"{r['GB_per_s']:.1f}"]
+          f"{r['bytes_per_param']:.1f}", f"{r['GB_per_s']:.1f}", f"{r['floor_ms']:.2f}",
+          f"{torch_ms[r['regime']] / r['floor_ms']:.2f}"]
          for r in rows]))
     print(f"\nThe same over {len(MODEL_SIZES)} tensors ({sum(MODEL_SIZES)} parameters: 50 of "
           "256 x 256 with quantized states, 150 of 256 below min_8bit_size), warm\n")
     print(markdown_table(
-        ["optimizer", "wall ms", "x torch fused (wall)", "x torch fused (best of each)",
-         "x torch fused (CPU time)"],
-        [[r["optimizer"], f"{r['wall_ms']:.2f}", f"{r['speedup_vs_torch_fused']:.2f}",
+        ["optimizer", "wall ms", "x torch fused (paired median, quartiles)",
+         "x torch fused (best of each)", "x torch fused (CPU time)"],
+        [[r["optimizer"], f"{r['wall_ms']:.2f}",
+          f"{r['paired_speedup_median']:.2f} ({r['paired_speedup_q1']:.2f}-{r['paired_speedup_q3']:.2f})",
           f"{r['best_speedup_vs_torch_fused']:.2f}", f"{r['cpu_speedup_vs_torch_fused']:.2f}"]
          for r in model_rows]))
     rows += model_rows

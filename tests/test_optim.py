@@ -696,9 +696,14 @@ def test_fused_kernels_match_block_kernel_bitwise():
     import sys
 
     digests = {}
-    # the AVX2 kernels' code search by gathers or by scalar loads (MEMFIT_OPTIM_KERNEL)
-    for isa, kernel in (("generic", None), ("avx2", "avx2-gather"), ("avx2", "avx2-scalar"),
-                        ("avx512", None), ("avx512vbmi", None)):
+    # the code search in each form (MEMFIT_OPTIM_KERNEL): 8-bit AVX2 by gathers or by
+    # scalar loads, AVX-512 by gathers or by the arithmetic of code_lut.h; 4-bit by the
+    # table or the threshold tree
+    for isa, kernel in (("generic", None), ("avx2", "avx2-gather,avx2-table4"),
+                        ("avx2", "avx2-scalar,avx2-tree4"), ("avx2", "avx2-gather,avx2-tree4"),
+                        ("avx512", "avx512-table,avx512-table4"), ("avx512", "avx512-arith,avx512-tree4"),
+                        ("avx512vbmi", "avx512-table,avx512-tree4"),
+                        ("avx512vbmi", "avx512-arith,avx512-table4")):
         env = {**os.environ, "MEMFIT_CPU_ISA": isa}
         if kernel:
             env["MEMFIT_OPTIM_KERNEL"] = kernel

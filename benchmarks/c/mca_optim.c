@@ -90,3 +90,23 @@ MCA_LOOP(mca_search4_gather_avx2, MF_TARGET_AVX2, "search4_gather_avx2 elems=32 
          _mm_storeu_si128((__m128i *)(out + v / 2),
                           mf_code_lut_nibbles32(SUM8(in + v), SUM8(in + v + 8), SUM8(in + v + 16),
                                                 SUM8(in + v + 24))))
+
+/* The searches without a table (code_lut.h): the arithmetic one (8-bit codes; signed
+ * code lines, the ambiguity mask folded into the output so the loop keeps it) and the
+ * 4-bit threshold tree, 16 (AVX-512) or 8 (AVX2) lanes. */
+MCA_LOOP(mca_search_arith_avx512, MF_TARGET_AVX512, "search_arith_avx512 elems=16 isa=avx512", 16,
+         float, uint8_t, {
+           __mmask16 amb;
+           const __m512i q = mf_code_lut_arith16(lut, _mm512_mul_ps(_mm512_loadu_ps(in + v), _mm512_set1_ps(k)), &amb);
+           _mm_storeu_si128((__m128i *)(out + v), _mm512_cvtepi32_epi8(_mm512_mask_mov_epi32(q, amb, q)));
+         })
+MCA_LOOP(mca_search_tree4_avx512, MF_TARGET_AVX512, "search_tree4_avx512 elems=16 isa=avx512", 16,
+         float, uint8_t,
+         _mm_storeu_si128((__m128i *)(out + v),
+                          _mm512_cvtepi32_epi8(mf_code_lut_tree4_16(lut, _mm512_mul_ps(_mm512_loadu_ps(in + v),
+                                                                                      _mm512_set1_ps(k))))))
+MCA_LOOP(mca_search_tree4_avx2, MF_TARGET_AVX2, "search_tree4_avx2 elems=8 isa=avx2", 8, float,
+         uint8_t,
+         _mm_storel_epi64((__m128i *)(out + v),
+                          mf_code_lut_bytes8(_mm256_slli_epi32(
+                              mf_code_lut_tree4_8(lut, _mm256_mul_ps(_mm256_loadu_ps(in + v), _mm256_set1_ps(k))), 16))))

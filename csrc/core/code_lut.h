@@ -33,6 +33,7 @@
 #ifndef MEMFIT_CODE_LUT_H
 #define MEMFIT_CODE_LUT_H
 
+#include <math.h>
 #include <stdint.h>
 
 #include "memfit/numeric.h"
@@ -41,13 +42,91 @@
 #define MF_CODE_LUT_BUCKETS 65536
 #define MF_CODE_LUT_SLOW 0x80000000u  /* set in entry + key: this bucket needs the search */
 
+/* The search without a table lookup (a gather or a load per element costs more than this
+ * arithmetic on AMD Zen 5, where a 16-lane gather takes ~20 cycles; the kernels time both
+ * and keep the faster: mf_optim_search_form). q(x) is a staircase whose steps, the
+ * thresholds T_k (the smallest float with q >= k), follow the code's structure: for the
+ * dynamic map, evenly spaced within a decade, so the piecewise-linear curve through the
+ * points (T_k, k) is concave for x > 0. Cut |x| into 32 segments by its binary exponent
+ * (segment 0: |x| < 2^-30; segment 31: |x| >= 1); in each, that curve is the minimum of
+ * MF_CODE_LUT_LINES lines a x + c, and for x >= 0
+ *     t = min_l fmaf(|x|, a[l][s], c[l][s]),   g = floor(t),
+ * is q(x) wherever t is not within MF_CODE_LUT_EPS of an integer; for x < 0, q(x) =
+ * max(mirror - g, 0), q(+-0) = at_zero, and q(x) = top_q from x = top on. An element
+ * whose t is that close to an integer is "ambiguous": kernels take the table for it
+ * (about 3 elements in 10000 of Adam-like states, so one 16-lane vector in 200). The
+ * build (build_arith in code_lut.c) fits the lines to the code and checks the claim for
+ * every float x, exactly; a code it does not hold for gets arith = 0 and the table
+ * alone. The operations are IEEE ones (fmaf, compares, floor: correctly rounded on
+ * every CPU), so the scalar form below and the vector forms compute the same t. */
+#define MF_CODE_LUT_LINES 3 /* the kernels' lines per segment */
+#define MF_CODE_LUT_FIT 4   /* the fit's, one of which must then go */
+#define MF_CODE_LUT_SEGMENTS 32
+#define MF_CODE_LUT_EPS (1.0f / 4096.0f)
+#define MF_CODE_LUT_EXP0 96 /* biased exponent of segment 0's top binade, 2^-31 */
+
 typedef struct {
   const uint32_t *entry;   /* MF_CODE_LUT_BUCKETS entries, as above */
   const float *code;       /* the code (a private copy, sorted ascending in [-1, 1]) */
   int size;                /* 16 or 256 entries */
   int keep_positive;       /* the search it reproduces (mf_optim_quantize) */
   int has_slow;            /* some bucket is slow */
+  int arith;               /* the arithmetic search below holds for this code */
+  int32_t mirror, at_zero; /* q(x < 0) = max(mirror - g(|x|), 0); q(+-0) = at_zero */
+  int32_t top_q;           /* q(x) = top_q for x >= top: the last step, left out of */
+  float top;               /* the lines (1.0 is closer to the code below it than the
+                            * dynamic map's spacing, a convex corner) */
+  /* 16-entry codes: the thresholds T_1 .. T_15 (the smallest float with q >= k) as a
+   * search tree, node n (1 .. 15) at tree4[n]: the root T_8, then n's children 2n and
+   * 2n + 1; q(x) is the leaf 16 + q reached from the root by going to 2n + (x >= T)
+   * four times. Exact for every x but NaN (the compares are IEEE ones; +-0 compare
+   * equal, as q treats them). */
+  _Alignas(64) float tree4[16];
+  _Alignas(64) float a[MF_CODE_LUT_LINES][MF_CODE_LUT_SEGMENTS];
+  _Alignas(64) float c[MF_CODE_LUT_LINES][MF_CODE_LUT_SEGMENTS];
 } mf_code_lut;
+
+/* The segment of a float with bits u (sign ignored): its biased exponent clamped to
+ * [EXP0, EXP0 + 31], less EXP0. */
+static inline int mf_code_lut_segment(uint32_t u) {
+  int e = (int)((u & 0x7fffffffu) >> 23);
+  e = e < MF_CODE_LUT_EXP0 ? MF_CODE_LUT_EXP0 : e;
+  e = e > MF_CODE_LUT_EXP0 + 31 ? MF_CODE_LUT_EXP0 + 31 : e;
+  return e - MF_CODE_LUT_EXP0;
+}
+
+/* t of the arithmetic search for |x| (the bits of a non-negative float). */
+static inline float mf_code_lut_arith_t(const mf_code_lut *t, float ax) {
+  const int s = mf_code_lut_segment(mf_f32_bits(ax));
+  float m = fmaf(ax, t->a[0][s], t->c[0][s]);
+  for (int l = 1; l < MF_CODE_LUT_LINES; l++) {
+    const float v = fmaf(ax, t->a[l][s], t->c[l][s]);
+    m = v < m ? v : m;
+  }
+  return m;
+}
+
+/* The arithmetic search's index for x (finite), and whether x is ambiguous (*amb = 1:
+ * the index is not to be used). */
+static inline int mf_code_lut_arith_index(const mf_code_lut *t, float x, int *amb) {
+  const uint32_t u = mf_f32_bits(x);
+  const float ax = mf_f32_from_bits(u & 0x7fffffffu);
+  const float tt = mf_code_lut_arith_t(t, ax);
+  const float r = tt - rintf(tt);
+  *amb = fabsf(r) < MF_CODE_LUT_EPS && ax != 0.0f;
+  int q = (int)floorf(tt);
+  if (u >> 31) q = t->mirror - q;
+  q = q < 0 ? 0 : q;
+  q = x >= t->top ? t->top_q : q;
+  return ax == 0.0f ? t->at_zero : q;
+}
+
+/* q(x) of a 16-entry code by its threshold tree (t->tree4), for x not NaN. */
+static inline int mf_code_lut_tree4_index(const mf_code_lut *t, float x) {
+  int n = 1;
+  for (int d = 0; d < 4; d++) n = 2 * n + (x >= t->tree4[n]);
+  return n - 16;
+}
 
 /* The table for this code (size 16 or 256, validated by the caller) and search
  * (keep_positive: see mf_optim_quantize), or NULL when out of memory or when the cache

@@ -41,6 +41,20 @@ MF_TARGET_AVX2 static inline __m256i mf_code_lut_sum8_loads(const mf_code_lut *t
   return _mm256_add_epi32(_mm256_set_m128i(hi, lo), key);
 }
 
+/* The AVX2 form of mf_code_lut_tree4_16 (code_lut_avx512.h): 8 floats x (already times
+ * inv) -> their code indices (16-entry code) as dwords. Nodes 1-7 of the tree fill one
+ * register and nodes 8-15 the other, so each level is one permute. */
+MF_TARGET_AVX2 static inline __m256i mf_code_lut_tree4_8(const mf_code_lut *t, __m256 x) {
+  const __m256 top = _mm256_load_ps(t->tree4), leaves = _mm256_load_ps(t->tree4 + 8);
+  __m256i n = _mm256_set1_epi32(1);
+  for (int d = 0; d < 4; d++) {
+    const __m256 thr = _mm256_permutevar8x32_ps(d < 3 ? top : leaves, n);
+    /* n = 2n + (x >= thr): the compare's all-ones lanes are -1 */
+    n = _mm256_sub_epi32(_mm256_add_epi32(n, n), _mm256_castps_si256(_mm256_cmp_ps(x, thr, _CMP_GE_OQ)));
+  }
+  return _mm256_sub_epi32(n, _mm256_set1_epi32(16));
+}
+
 /* The code indices of 8 sums (byte 2 of each) in the low 8 bytes: to bytes 0-3 of each
  * 128-bit lane, then the two lanes together. */
 MF_TARGET_AVX2 static inline __m128i mf_code_lut_bytes8(__m256i sum) {

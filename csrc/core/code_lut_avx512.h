@@ -21,6 +21,51 @@ MF_TARGET_AVX512 static inline __m512i mf_code_lut_sum16(const mf_code_lut *t, _
   return _mm512_add_epi32(e, key);
 }
 
+/* The arithmetic search of code_lut.h (t->arith) on 16 floats x (already times inv):
+ * the code indices as dwords, exactly mf_code_lut_arith_index's, and in *amb the lanes
+ * where that is not to be used. No memory but the 32-entry line tables (permutes). */
+MF_TARGET_AVX512 static inline __m512i mf_code_lut_arith16(const mf_code_lut *t, __m512 x,
+                                                           __mmask16 *amb) {
+  const __m512i u = _mm512_castps_si512(x);
+  const __m512i au = _mm512_and_si512(u, _mm512_set1_epi32(0x7fffffff));
+  const __m512 ax = _mm512_castsi512_ps(au);
+  /* the segment: exponent clamped to [EXP0, EXP0 + 31]; the permutes use its low 5 bits */
+  const __m512i seg = _mm512_min_epi32(_mm512_max_epi32(_mm512_srli_epi32(au, 23),
+                                                        _mm512_set1_epi32(MF_CODE_LUT_EXP0)),
+                                       _mm512_set1_epi32(MF_CODE_LUT_EXP0 + 31));
+  __m512 m = _mm512_setzero_ps();
+  for (int l = 0; l < MF_CODE_LUT_LINES; l++) {
+    const __m512 a = _mm512_permutex2var_ps(_mm512_load_ps(t->a[l]), seg, _mm512_load_ps(t->a[l] + 16));
+    const __m512 c = _mm512_permutex2var_ps(_mm512_load_ps(t->c[l]), seg, _mm512_load_ps(t->c[l] + 16));
+    const __m512 v = _mm512_fmadd_ps(ax, a, c);
+    m = l == 0 ? v : _mm512_min_ps(v, m); /* (v < m ? v : m, as the scalar form) */
+  }
+  const __mmask16 zero = _mm512_cmpeq_epi32_mask(au, _mm512_setzero_si512());
+  *amb = _mm512_mask_cmp_ps_mask((__mmask16)~zero,
+                                 _mm512_abs_ps(_mm512_reduce_ps(m, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)),
+                                 _mm512_set1_ps(MF_CODE_LUT_EPS), _CMP_LT_OQ);
+  __m512i q = _mm512_cvt_roundps_epi32(m, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+  q = _mm512_mask_sub_epi32(q, _mm512_movepi32_mask(u), _mm512_set1_epi32(t->mirror), q);
+  q = _mm512_max_epi32(q, _mm512_setzero_si512());
+  q = _mm512_mask_mov_epi32(q, _mm512_cmp_ps_mask(x, _mm512_set1_ps(t->top), _CMP_GE_OQ),
+                            _mm512_set1_epi32(t->top_q));
+  return _mm512_mask_mov_epi32(q, zero, _mm512_set1_epi32(t->at_zero));
+}
+
+/* The 16-entry code search by its threshold tree (mf_code_lut.tree4): 16 floats x
+ * (already times inv) -> their code indices as dwords, exact, four compares each. */
+MF_TARGET_AVX512 static inline __m512i mf_code_lut_tree4_16(const mf_code_lut *t, __m512 x) {
+  const __m512 tree = _mm512_load_ps(t->tree4);
+  const __m512i one = _mm512_set1_epi32(1);
+  __m512i n = one;
+  for (int d = 0; d < 4; d++) {
+    const __mmask16 up = _mm512_cmp_ps_mask(x, _mm512_permutexvar_ps(n, tree), _CMP_GE_OQ);
+    n = _mm512_add_epi32(n, n);
+    n = _mm512_mask_add_epi32(n, up, n, one);
+  }
+  return _mm512_sub_epi32(n, _mm512_set1_epi32(16));
+}
+
 /* 16 floats x * inv -> 16 code indices as bytes; the vector form of
  * mf_code_lut_quantize. *slow collects the sums (bit 31: a bucket that needs the
  * binary search). NaN maps to 0, as in the binary search (only the public search sees

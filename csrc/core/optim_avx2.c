@@ -8,11 +8,7 @@
 #include "optim_cpu.h"
 
 #ifdef MF_X86_SIMD
-#include <math.h>
-#include <stdatomic.h>
-#include <stdlib.h>
 #include <string.h>
-#include <time.h>
 
 #define FUSED_TARGET MF_TARGET_AVX2
 #define FUSED8_ENTRY mf_optim_fused8_avx2
@@ -72,12 +68,20 @@ MF_TARGET_AVX2 static inline void dequant64_4(const float *code, const uint8_t *
 }
 
 /* 32 floats s * inv -> 32 code indices: bytes (bits 8), or nibbles, element 2i in the
- * low nibble of byte i (bits 4). The table lookups by gather or by scalar loads, as
- * mf_optim_avx2_scalar_search chose for this CPU (the same bytes either way). */
-MF_TARGET_AVX2 static inline void quantize32(const mf_code_lut *lut, int scalar, const float *s,
+ * low nibble of byte i (bits 4). By the threshold tree (4-bit) or the table, its
+ * lookups by gather or by scalar loads, as `search` says (quant_ctx.search, measured
+ * for this CPU: the same bytes every way). */
+MF_TARGET_AVX2 static inline void quantize32(const mf_code_lut *lut, int search, const float *s,
                                              float inv, int bits, uint8_t *out) {
   const __m256 vinv = _mm256_set1_ps(inv);
   __m256i sum[4]; /* byte 2 of each lane: the code index (code_lut.h) */
+  const int scalar = search & SEARCH_FAST;
+  if (bits == 4 && (search & SEARCH_TREE4)) { /* the threshold tree: no table */
+    for (int v = 0; v < 4; v++)
+      sum[v] = _mm256_slli_epi32(mf_code_lut_tree4_8(lut, _mm256_mul_ps(_mm256_loadu_ps(s + 8 * v), vinv)), 16);
+    _mm_storeu_si128((__m128i *)out, mf_code_lut_nibbles32(sum[0], sum[1], sum[2], sum[3]));
+    return;
+  }
   for (int v = 0; v < 4; v++) {
     const __m256 x = _mm256_loadu_ps(s + 8 * v);
     sum[v] = scalar ? mf_code_lut_sum8_loads(lut, mf_code_lut_key8(x, vinv)) : mf_code_lut_sum8(lut, x, vinv);
@@ -95,47 +99,28 @@ MF_TARGET_AVX2 static inline void quantize32(const mf_code_lut *lut, int scalar,
  * CPUID does not say how fast a gather is: an 8-lane vpgatherdd is microcoded on AMD Zen
  * 1/2, where eight scalar loads beat it, and fast on Zen 3/4 and on Intel, where the
  * gather wins (measured and llvm-mca numbers: benchmarks/RESULTS.md, "AMD EPYC"). So
- * the first AVX2 step of a process times both forms on the same synthetic block (well
- * under a millisecond) and keeps the faster. */
+ * the first AVX2 step of a process times both forms (mf_optim_search_form) and keeps
+ * the faster. */
 
-static double now_s(void) {
-  struct timespec t;
-  clock_gettime(CLOCK_MONOTONIC, &t);
-  return (double)t.tv_sec + (double)t.tv_nsec * 1e-9;
+MF_TARGET_AVX2 static void search_run8(const mf_code_lut *lut, int form, const float *x,
+                                       int64_t n, uint8_t *q) {
+  for (int64_t i = 0; i + 32 <= n; i += 32) quantize32(lut, form ? SEARCH_FAST : 0, x + i, 1.0f, 8, q + i);
 }
 
-/* Whether the fastest of 9 alternating runs over CALIB synthetic states (normalised by
- * their absmax: spread over [-1, 1], denser near 0) was the scalar one. */
-#define CALIB 2048
-static int measure_scalar_faster(const mf_code_lut *lut) {
-  float x[CALIB];
-  uint8_t q[CALIB];
-  uint32_t r = 12345u;
-  for (int i = 0; i < CALIB; i++, r = r * 1664525u + 1013904223u)
-    x[i] = powf((float)(r >> 8) / 8388608.0f - 1.0f, 3.0f);
-  double best[2] = {1e30, 1e30};
-  for (int rep = 0; rep < 18; rep++) {
-    const double t0 = now_s();
-    for (int i = 0; i < CALIB; i += 32) quantize32(lut, rep & 1, x + i, 1.0f, 8, q + i);
-    const double dt = now_s() - t0;
-    best[rep & 1] = dt < best[rep & 1] ? dt : best[rep & 1];
-  }
-  return best[1] < best[0];
+MF_TARGET_AVX2 static void search_run4(const mf_code_lut *lut, int form, const float *x,
+                                       int64_t n, uint8_t *q) {
+  const int table = mf_optim_avx2_search(lut, 8); /* the table's own best form */
+  for (int64_t i = 0; i + 32 <= n; i += 32)
+    quantize32(lut, form ? SEARCH_TREE4 : table, x + i, 1.0f, 4, q + i / 2);
 }
 
-/* -1: not yet known. Racing first calls may both measure; either answer is right. */
-static _Atomic int scalar_cached = -1;
+static _Atomic int scalar_cached = -1, tree4_cached = -1;
 
-int mf_optim_avx2_scalar_search(const mf_code_lut *lut) {
-  int v = atomic_load_explicit(&scalar_cached, memory_order_relaxed);
-  if (v < 0) {
-    const char *force = getenv("MEMFIT_OPTIM_KERNEL");
-    if (force && !strcmp(force, "avx2-scalar")) v = 1;
-    else if (force && !strcmp(force, "avx2-gather")) v = 0;
-    else v = measure_scalar_faster(lut);
-    atomic_store_explicit(&scalar_cached, v, memory_order_relaxed);
-  }
-  return v;
+int mf_optim_avx2_search(const mf_code_lut *lut, int bits) {
+  const int fast = mf_optim_search_form(&scalar_cached, "avx2-scalar", "avx2-gather", lut, search_run8);
+  if (bits == 8) return fast ? SEARCH_FAST : 0;
+  return (fast ? SEARCH_FAST : 0) |
+         (mf_optim_search_form(&tree4_cached, "avx2-tree4", "avx2-table4", lut, search_run4) ? SEARCH_TREE4 : 0);
 }
 
 #endif /* MF_X86_SIMD */

@@ -120,22 +120,36 @@ MF_TARGET_AVX512 static inline void dequant64_4(const float *code, const uint8_t
   for (int i = 0; i < 64; i += 16) dequant4_16_avx512(q + i / 2, table, a, out + i);
 }
 
+/* 16 floats s * inv -> their code indices as dwords, in the form `search` says
+ * (quant_ctx.search): 4-bit by the threshold tree (code_lut.h), 8-bit by the arithmetic
+ * search (code_lut.h; no memory access) with the table where a lane is ambiguous (about
+ * one call in 100), or by the table. The same indices every way. */
+MF_TARGET_AVX512 static inline __m512i quantize16(const mf_code_lut *lut, const int search,
+                                                  const int bits, const float *s, __m512 inv) {
+  if (bits == 4 && (search & SEARCH_TREE4))
+    return mf_code_lut_tree4_16(lut, _mm512_mul_ps(_mm512_loadu_ps(s), inv));
+  if (bits == 8 && (search & SEARCH_FAST) && lut->arith) {
+    __mmask16 amb;
+    const __m512i q = mf_code_lut_arith16(lut, _mm512_mul_ps(_mm512_loadu_ps(s), inv), &amb);
+    if (__builtin_expect(amb == 0, 1)) return q;
+  }
+  return _mm512_srli_epi32(mf_code_lut_sum16(lut, _mm512_loadu_ps(s), inv), 16);
+}
+
 /* 32 floats s * inv -> 32 code indices: bytes (bits 8), or nibbles, element 2i in the
  * low nibble of byte i (bits 4). */
 #ifndef MF_FUSED_GATHER
-/* With VBMI one byte permute takes the indices (byte 2 of each sum, code_lut.h) out of
- * 32 sums at once: no shifts, and no vpmovdb (two uops each). */
-MF_TARGET_VBMI static inline void quantize32(const mf_code_lut *lut, int scalar, const float *s,
+/* With VBMI one byte permute takes the indices (byte 0 of each dword) out of 32 dwords
+ * at once: no vpmovdb (two uops each). */
+MF_TARGET_VBMI static inline void quantize32(const mf_code_lut *lut, int search, const float *s,
                                              float inv, int bits, uint8_t *out) {
-  (void)scalar; /* AVX-512 CPUs gather fast */
   const __m512 vinv = _mm512_set1_ps(inv);
-  /* byte i <- byte 2 of dword i of the 32 dwords of (lo, hi); bytes 32-63 unused */
-  const __m512i pick = _mm512_set_epi32(0x7e7a7672, 0x6e6a6662, 0x5e5a5652, 0x4e4a4642,
-                                        0x3e3a3632, 0x2e2a2622, 0x1e1a1612, 0x0e0a0602,
-                                        0x7e7a7672, 0x6e6a6662, 0x5e5a5652, 0x4e4a4642,
-                                        0x3e3a3632, 0x2e2a2622, 0x1e1a1612, 0x0e0a0602);
-  const __m512i lo = mf_code_lut_sum16(lut, _mm512_loadu_ps(s), vinv);
-  const __m512i hi = mf_code_lut_sum16(lut, _mm512_loadu_ps(s + 16), vinv);
+  /* byte i <- byte 0 of dword i of the 32 dwords of (lo, hi); bytes 32-63 unused */
+  const __m512i pick = _mm512_set_epi32(0x7c787470, 0x6c686460, 0x5c585450, 0x4c484440,
+                                        0x3c383430, 0x2c282420, 0x1c181410, 0x0c080400,
+                                        0x7c787470, 0x6c686460, 0x5c585450, 0x4c484440,
+                                        0x3c383430, 0x2c282420, 0x1c181410, 0x0c080400);
+  const __m512i lo = quantize16(lut, search, bits, s, vinv), hi = quantize16(lut, search, bits, s + 16, vinv);
   const __m256i q = _mm512_castsi512_si256(_mm512_permutex2var_epi8(lo, pick, hi));
   if (bits == 8) {
     _mm256_storeu_si256((__m256i *)out, q);
@@ -145,13 +159,11 @@ MF_TARGET_VBMI static inline void quantize32(const mf_code_lut *lut, int scalar,
   }
 }
 #else
-MF_TARGET_AVX512 static inline void quantize32(const mf_code_lut *lut, int scalar, const float *s,
+MF_TARGET_AVX512 static inline void quantize32(const mf_code_lut *lut, int search, const float *s,
                                                float inv, int bits, uint8_t *out) {
-  (void)scalar;
   const __m512 vinv = _mm512_set1_ps(inv);
   for (int v = 0; v < 32; v += 16) {
-    const __m512i sum = mf_code_lut_sum16(lut, _mm512_loadu_ps(s + v), vinv);
-    const __m128i q = _mm512_cvtepi32_epi8(_mm512_srli_epi32(sum, 16));
+    const __m128i q = _mm512_cvtepi32_epi8(quantize16(lut, search, bits, s + v, vinv));
     if (bits == 8) {
       _mm_storeu_si128((__m128i *)(out + v), q);
     } else {
@@ -163,5 +175,31 @@ MF_TARGET_AVX512 static inline void quantize32(const mf_code_lut *lut, int scala
 #endif
 
 #include "optim_fused.h"
+
+#ifndef MF_FUSED_GATHER
+/* ---- arithmetic (tree) or table search: measured (defined once, in this build) -----
+ * llvm-mca puts the arithmetic search at 14-16 cycles per 16 elements and the 4-bit
+ * tree at 11-12 on every AVX-512 core, a 16-lane gather at 4-10; on AMD Zen 5 the gather
+ * measures ~20. So the first AVX-512 step of a process times both forms for its code
+ * width. */
+MF_TARGET_AVX512 static void search_run_avx512(const mf_code_lut *lut, int form, const float *x,
+                                               int64_t n, uint8_t *q) {
+  const __m512 one = _mm512_set1_ps(1.0f);
+  const int bits = lut->size == 16 ? 4 : 8;
+  const int search = form ? (bits == 4 ? SEARCH_TREE4 : SEARCH_FAST) : 0;
+  for (int64_t i = 0; i + 16 <= n; i += 16)
+    _mm_storeu_si128((__m128i *)(q + i), _mm512_cvtepi32_epi8(quantize16(lut, search, bits, x + i, one)));
+}
+
+static _Atomic int arith_cached = -1, tree4_cached = -1;
+
+int mf_optim_avx512_search(const mf_code_lut *lut, int bits) {
+  if (!lut) return 0;
+  if (bits == 4)
+    return mf_optim_search_form(&tree4_cached, "avx512-tree4", "avx512-table4", lut, search_run_avx512) ? SEARCH_TREE4 : 0;
+  if (!lut->arith) return 0;
+  return mf_optim_search_form(&arith_cached, "avx512-arith", "avx512-table", lut, search_run_avx512) ? SEARCH_FAST : 0;
+}
+#endif
 
 #endif /* MF_X86_SIMD */

@@ -10,6 +10,8 @@
 #include "cpu_isa.h" /* kernel variants per ISA, picked at run time */
 #include "memfit/optim.h"
 
+#include <stdatomic.h>
+
 #if defined(__GNUC__)
 #define MF_INLINE static inline __attribute__((always_inline))
 #else
@@ -27,8 +29,15 @@ typedef struct {
   const mf_code_lut *lut[2];   /* their search tables (NULL: binary search) */
   int keep_positive[2];        /* the state is non-negative (mf_optim_quantize) */
   int code_size;               /* 256 or 16 */
-  int scalar_search;           /* AVX2 fused kernels: search by scalar loads, not gathers */
+  int search;                  /* the fused kernels' code search on this CPU: flags below */
 } quant_ctx;
+
+/* quant_ctx.search, as measured on this CPU (mf_optim_search_form); every form gives the
+ * same bytes. SEARCH_FAST: 8-bit codes by scalar loads (AVX2) or by the arithmetic of
+ * code_lut.h (AVX-512), not by gathers. SEARCH_TREE4: 4-bit codes by the threshold
+ * tree of code_lut.h, not by the table. */
+#define SEARCH_FAST 1
+#define SEARCH_TREE4 2
 
 /* Per-thread scratch, `chunk` floats each (ring: 4 quantization blocks), and the
  * fused kernel's byte-plane code tables (built on its first item of a step call;
@@ -217,10 +226,23 @@ fused_kernel mf_optim_fused8_avx512_vbmi, mf_optim_fused4_avx512_vbmi;
 fused_kernel mf_optim_fused8_avx512_gather, mf_optim_fused4_avx512_gather;
 fused_kernel mf_optim_fused8_avx2, mf_optim_fused4_avx2;
 
-/* Whether the AVX2 fused kernels search the code table by scalar loads (1) or gathers
- * (0) on this CPU: MEMFIT_OPTIM_KERNEL=avx2-scalar|avx2-gather, else measured once per
- * process on `lut` (a few hundred microseconds; optim_avx2.c). */
-int mf_optim_avx2_scalar_search(const mf_code_lut *lut);
+/* Which of two forms of a code search is faster on this CPU, 1 or 0, once per process
+ * (*cache: -1 before): MEMFIT_OPTIM_KERNEL (a comma-separated list) naming force1 or
+ * force0 says, else the
+ * faster of 9 alternating timings of run(lut, form, ...) over the same 2048 synthetic
+ * states (a few hundred microseconds; optim.c). Racing first calls may both measure;
+ * either answer is right, as both forms give the same bytes. */
+typedef void search_run(const mf_code_lut *lut, int form, const float *x, int64_t n, uint8_t *q);
+int mf_optim_search_form(_Atomic int *cache, const char *force1, const char *force0,
+                         const mf_code_lut *lut, search_run *run);
+
+/* quant_ctx.search of the AVX2 (optim_avx2.c) and AVX-512 (optim_avx512.c) fused
+ * kernels for codes like `lut`'s, 8-bit or 4-bit (bits). The forms (MEMFIT_OPTIM_KERNEL
+ * names): 8-bit AVX2 avx2-scalar|avx2-gather, AVX-512 avx512-arith|avx512-table (a
+ * 16-lane gather takes ~20 cycles on AMD Zen 5; llvm-mca puts it at 4-10 on Intel, below
+ * the arithmetic's 14-16); 4-bit avx2-tree4|avx2-table4, avx512-tree4|avx512-table4. */
+int mf_optim_avx2_search(const mf_code_lut *lut, int bits);
+int mf_optim_avx512_search(const mf_code_lut *lut, int bits);
 #endif
 
 #endif /* MEMFIT_OPTIM_CPU_H */

@@ -40,8 +40,8 @@
  *                                     faster form with the same bits
  *   tables_init(b, qc, ns)            per-thread lookup tables, once per step call
  *   dequant64_8(b, k, code, q, absmax, out), dequant64_4(code, q, absmax, out)
- *   quantize32(lut, scalar, s, inv, bits, out)   32 codes (bytes, or nibbles for 4-bit),
- *                                     by scalar table loads when `scalar` (AVX2)
+ *   quantize32(lut, search, s, inv, bits, out)   32 codes (bytes, or nibbles for 4-bit),
+ *                                     in the search form `search` (quant_ctx.search)
  */
 #ifndef MEMFIT_OPTIM_FUSED_H
 #define MEMFIT_OPTIM_FUSED_H
@@ -139,7 +139,7 @@ MF_INLINE FUSED_TARGET void fused_round(const mf_optim_kind kind, const int ns, 
                     ns > 1 ? cur[1] + o + x : b->zero);
       if (quant)
         for (int k = 0; k < ns; k++)
-          quantize32(qc->lut[k], qc->scalar_search, prev[k] + o + x, s->inv_prev[k], bits,
+          quantize32(qc->lut[k], qc->search, prev[k] + o + x, s->inv_prev[k], bits,
                      s->codes[k] + (bits == 8 ? at_prev + x : (at_prev + x) / 2));
     }
     if (update) {

@@ -75,9 +75,12 @@ def cpu_kernels() -> str:
 def optim_kernel() -> str:
     """The CPU kernel memfit's 8-bit/4-bit optimizer steps run on this machine:
     ``"avx512-vbmi"``, ``"avx512-gather"``, ``"avx2-gather"``, ``"avx2-scalar"`` or
-    ``"generic"``. Where CPUID cannot tell which AVX2 code search is faster, the first call
-    times both (a few ms, once per process); ``MEMFIT_OPTIM_KERNEL=avx2-gather|avx2-scalar``
-    forces one."""
+    ``"generic"``. Where CPUID cannot tell which code search is faster (8-bit: gathers or
+    scalar loads on AVX2, gathers or arithmetic on AVX-512; 4-bit: the table or a threshold
+    tree), the first step times both (well under a millisecond, once per process);
+    ``MEMFIT_OPTIM_KERNEL``, a comma-separated list of ``avx2-gather|avx2-scalar``,
+    ``avx2-table4|avx2-tree4``, ``avx512-table|avx512-arith``, ``avx512-table4|avx512-tree4``,
+    forces them. Every form gives the same bytes."""
     return _C.optim_kernel()
 
 

@@ -112,6 +112,88 @@ static void test_lut_is_exact(int is_signed) {
           "lut differs at special %g", (double)specials[k]);
 }
 
+/* The arithmetic search (code_lut.h) of every code the optimizers ship, 8- and 4-bit,
+ * signed and unsigned (nearest, and nearest keeping positive values off the zero code,
+ * as the optimizers store them): the build finds it exact, and it is: around every
+ * threshold (where it must flag or be right), at random over [-1, 1] and over all
+ * floats, and at the special values. Ambiguous elements are few (the kernels take the
+ * table for them). */
+static void test_arith_search_is_exact(int bits, int is_signed) {
+  float code[256];
+  const int size = 1 << bits;
+  mf_dynamic_map(code, size, is_signed, bits, bits == 8 ? 7 : 3);
+  const mf_code_lut *lut = mf_code_lut_get(code, size, !is_signed);
+  CHECK(lut != NULL && lut->arith, "%d-bit %s code: the arithmetic search holds", bits,
+        is_signed ? "signed" : "unsigned");
+  if (!lut || !lut->arith) return;
+#define ARITH_AGREES(x)                                                                    \
+  do {                                                                                     \
+    int amb_;                                                                              \
+    const int q_ = mf_code_lut_arith_index(lut, (x), &amb_);                               \
+    const int want_ = mf_optim_quantize(code, size, (x), !is_signed);                      \
+    CHECK(amb_ || q_ == want_, "%d-bit: arithmetic %d, search %d at %.9g", bits, q_, want_, \
+          (double)(x));                                                                    \
+    ambiguous += amb_, total++;                                                            \
+  } while (0)
+  long ambiguous = 0, total = 0;
+  for (int k = 0; k + 1 < size; k++) {
+    const uint32_t u = mf_f32_bits(0.5f * (code[k] + code[k + 1]));
+    for (int d = -200; d <= 200; d++) {
+      ARITH_AGREES(mf_f32_from_bits(u + (uint32_t)d));
+      ARITH_AGREES(-mf_f32_from_bits(u + (uint32_t)d));
+    }
+  }
+  ambiguous = total = 0;
+  for (int k = 0; k < 200000; k++) {
+    float x = (float)(2.0 * uniform01() - 1.0);
+    if (k % 3 == 0) x *= (float)pow(10.0, -7.0 * uniform01());
+    ARITH_AGREES(x);
+    const uint32_t u = (uint32_t)(uniform01() * 4294967296.0);
+    if ((u & 0x7f800000u) != 0x7f800000u) ARITH_AGREES(mf_f32_from_bits(u));
+  }
+  CHECK(ambiguous < total / 500, "%ld of %ld ambiguous", ambiguous, total);
+  if (size == 16) { /* and the threshold tree, around every step and at random */
+    for (int k = 0; k + 1 < size; k++)
+      for (int d = -300; d <= 300; d++) {
+        const float x = mf_f32_from_bits(mf_f32_bits(0.5f * (code[k] + code[k + 1])) + (uint32_t)d);
+        CHECK(mf_code_lut_tree4_index(lut, x) == mf_optim_quantize(code, size, x, !is_signed) &&
+                  mf_code_lut_tree4_index(lut, -x) == mf_optim_quantize(code, size, -x, !is_signed),
+              "4-bit tree at +-%.9g", (double)x);
+      }
+    for (int k = 0; k < 200000; k++) {
+      const uint32_t u = (uint32_t)(uniform01() * 4294967296.0);
+      const float x = (u & 0x7f800000u) == 0x7f800000u ? 0.0f : mf_f32_from_bits(u);
+      CHECK(mf_code_lut_tree4_index(lut, x) == mf_optim_quantize(code, size, x, !is_signed),
+            "4-bit tree at %.9g", (double)x);
+    }
+  }
+  const float specials[] = {0.0f, -0.0f, 1.0f, -1.0f, 1.0000001f, -1.0000001f, 2.0f, 1e-40f,
+                            -1e-40f, 1.4e-45f, -1.4e-45f, 2.3283064e-10f, 3.4e38f, -3.4e38f};
+  for (size_t k = 0; k < sizeof specials / sizeof specials[0]; k++) ARITH_AGREES(specials[k]);
+#undef ARITH_AGREES
+}
+
+/* A code with no such structure (uneven random values) either gets no arithmetic
+ * search or an exact one. */
+static void test_arith_search_other_codes(void) {
+  float code[256];
+  for (int i = 0; i < 256; i++) code[i] = (float)(2.0 * uniform01() - 1.0);
+  for (int i = 1; i < 256; i++) /* insertion sort */
+    for (int j = i; j > 0 && code[j - 1] > code[j]; j--) {
+      const float t = code[j];
+      code[j] = code[j - 1], code[j - 1] = t;
+    }
+  const mf_code_lut *lut = mf_code_lut_get(code, 256, 0);
+  CHECK(lut != NULL, "lookup table");
+  if (!lut || !lut->arith) return;
+  for (int k = 0; k < 200000; k++) {
+    const float x = (float)(2.0 * uniform01() - 1.0);
+    int amb;
+    const int q = mf_code_lut_arith_index(lut, x, &amb);
+    CHECK(amb || q == mf_optim_quantize(code, 256, x, 0), "random code at %.9g", (double)x);
+  }
+}
+
 static void test_round_trip(mf_dtype dt, int64_t bs, int64_t numel) {
   float code[256];
   mf_dynamic_map(code, 256, 1, 8, 7);
@@ -228,6 +310,11 @@ int main(void) {
   test_search_matches_exhaustive();
   test_lut_is_exact(1);
   test_lut_is_exact(0);
+  for (int bits = 4; bits <= 8; bits += 4) {
+    test_arith_search_is_exact(bits, 1);
+    test_arith_search_is_exact(bits, 0);
+  }
+  test_arith_search_other_codes();
   mf_dtype dts[] = {MF_FLOAT32, MF_FLOAT16, MF_BFLOAT16};
   for (int d = 0; d < 3; d++)
     for (int64_t bs = 64; bs <= 4096; bs *= 2) test_round_trip(dts[d], bs, 3 * bs + 17);
