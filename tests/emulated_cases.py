@@ -18,6 +18,7 @@ import sys
 import ml_dtypes
 import numpy as np
 
+from dlpack_ctypes import DLDataType, DLDevice, DLManagedTensor
 from memfit import _C
 from memfit.optim import _core, functional
 
@@ -27,25 +28,6 @@ BLOCK_SIZES = tuple(_C.quant_block_sizes())
 
 
 # ---- NumPy host memory presented as a CUDA array (DLPack) ---------------------------------
-class _DLDevice(ctypes.Structure):
-    _fields_ = [("device_type", ctypes.c_int32), ("device_id", ctypes.c_int32)]
-
-
-class _DLDataType(ctypes.Structure):
-    _fields_ = [("code", ctypes.c_uint8), ("bits", ctypes.c_uint8), ("lanes", ctypes.c_uint16)]
-
-
-class _DLTensor(ctypes.Structure):
-    _fields_ = [("data", ctypes.c_void_p), ("device", _DLDevice), ("ndim", ctypes.c_int32),
-                ("dtype", _DLDataType), ("shape", ctypes.POINTER(ctypes.c_int64)),
-                ("strides", ctypes.POINTER(ctypes.c_int64)), ("byte_offset", ctypes.c_uint64)]
-
-
-class _DLManagedTensor(ctypes.Structure):
-    _fields_ = [("dl_tensor", _DLTensor), ("manager_ctx", ctypes.c_void_p),
-                ("deleter", ctypes.c_void_p)]
-
-
 _DL_CODES = {np.dtype(np.float32): (2, 32), np.dtype(np.float16): (2, 16), BF16: (4, 16),
              np.dtype(np.uint8): (1, 8)}
 _DL_CUDA = 2
@@ -71,11 +53,11 @@ class Dev:
     def __dlpack__(self, stream=None, max_version=None, **_):
         code, bits = _DL_CODES[self.a.dtype]
         shape = (ctypes.c_int64 * max(self.a.ndim, 1))(*self.a.shape)
-        m = _DLManagedTensor()
+        m = DLManagedTensor()
         m.dl_tensor.data = self.a.ctypes.data
-        m.dl_tensor.device = _DLDevice(_DL_CUDA, 0)
+        m.dl_tensor.device = DLDevice(_DL_CUDA, 0)
         m.dl_tensor.ndim = self.a.ndim
-        m.dl_tensor.dtype = _DLDataType(code, bits, 1)
+        m.dl_tensor.dtype = DLDataType(code, bits, 1)
         m.dl_tensor.shape = ctypes.cast(shape, ctypes.POINTER(ctypes.c_int64))
         m.dl_tensor.strides = None
         self._keep.append((m, shape))  # the capsule has no deleter: the wrapper owns both

@@ -14,6 +14,7 @@ import memfit
 import memfit.amp as amp
 import memfit.nn as mnn
 import memfit.quant as q
+from dlpack_ctypes import DLDataType, DLDevice, DLManagedTensor
 from memfit import _arrays
 
 
@@ -49,35 +50,16 @@ def test_array_interface_negative_size_is_refused():
         memfit._C.cast(_ArrayInterface(buf.ctypes.data, (-4,)), out, False, 0, 0)
 
 
-class _DLDevice(ctypes.Structure):
-    _fields_ = [("device_type", ctypes.c_int32), ("device_id", ctypes.c_int32)]
-
-
-class _DLDataType(ctypes.Structure):
-    _fields_ = [("code", ctypes.c_uint8), ("bits", ctypes.c_uint8), ("lanes", ctypes.c_uint16)]
-
-
-class _DLTensor(ctypes.Structure):
-    _fields_ = [("data", ctypes.c_void_p), ("device", _DLDevice), ("ndim", ctypes.c_int32),
-                ("dtype", _DLDataType), ("shape", ctypes.POINTER(ctypes.c_int64)),
-                ("strides", ctypes.POINTER(ctypes.c_int64)), ("byte_offset", ctypes.c_uint64)]
-
-
-class _DLManaged(ctypes.Structure):
-    _fields_ = [("dl_tensor", _DLTensor), ("manager_ctx", ctypes.c_void_p),
-                ("deleter", ctypes.c_void_p)]
-
-
 class _NullDLPack:
     """A legacy DLPack producer of a float32 CPU tensor whose data pointer is NULL."""
 
     def __init__(self, n):
         self.shape = (n,)
         self._shape = (ctypes.c_int64 * 1)(n)
-        self._m = _DLManaged()
+        self._m = DLManagedTensor()
         t = self._m.dl_tensor
-        t.data, t.device, t.ndim = None, _DLDevice(1, 0), 1
-        t.dtype, t.shape, t.strides, t.byte_offset = _DLDataType(2, 32, 1), self._shape, None, 0
+        t.data, t.device, t.ndim = None, DLDevice(1, 0), 1
+        t.dtype, t.shape, t.strides, t.byte_offset = DLDataType(2, 32, 1), self._shape, None, 0
 
     def __dlpack_device__(self):
         return (1, 0)
