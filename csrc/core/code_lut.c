@@ -71,34 +71,46 @@ typedef struct {
   const float *code;
   int size, keep_positive;
   const mf_code_lut *t;
+  int piece;    /* the piece whose line is checked, or -1: the piece the lookup picks */
+  uint32_t tie; /* with piece >= 0: its last float (split), or ~0u for the last piece */
 } arith_check;
 
-/* The arithmetic index of x (non-negative bits u) and of -x, or -1 where ambiguous. */
-static void arith_both(const arith_check *c, uint32_t u, int *pos, int *neg) {
-  int amb;
-  *pos = mf_code_lut_arith_index(c->t, mf_f32_from_bits(u), &amb);
-  *neg = mf_code_lut_arith_index(c->t, mf_f32_from_bits(u | 0x80000000u), &amb);
-  if (amb && u != 0) *pos = *neg = -1;
+static float check_t(const arith_check *c, uint32_t u, int *at_split) {
+  const float ax = mf_f32_from_bits(u);
+  if (c->piece < 0) return mf_code_lut_arith_t(c->t, mf_code_lut_piece(c->t, ax, at_split), ax);
+  *at_split = u == c->tie;
+  return mf_code_lut_arith_t(c->t, c->piece, ax);
+}
+
+/* The arithmetic index of x (non-negative bits u) and of -x, or -1 where ambiguous;
+ * *tt: t at x. */
+static void arith_both(const arith_check *c, uint32_t u, int *pos, int *neg, float *tt) {
+  int amb, at_split;
+  *tt = check_t(c, u, &at_split);
+  *pos = mf_code_lut_arith_from_t(c->t, u, *tt, &amb);
+  *neg = mf_code_lut_arith_from_t(c->t, u | 0x80000000u, *tt, &amb);
+  if (amb || at_split) *pos = *neg = -1;
 }
 
 /* Whether the arithmetic search gives q(x) and q(-x) for every non-ambiguous x with bits
- * in [a, b] (one segment: t is non-decreasing there). An interval whose ends lie between
- * the same two integers of t, away from both, has one model index throughout; q and
- * q(-x) are monotone, so equal values at the ends hold between them. Others are halved. */
+ * in [a, b] (t non-decreasing there: one piece). An interval whose ends lie between the
+ * same two steps of t, away from both, has one model index throughout; q and q(-x) are
+ * monotone, so equal values at the ends hold between them. Others are halved. */
 static int check_range(const arith_check *c, uint32_t a, uint32_t b) {
-  const float xa = mf_f32_from_bits(a), xb = mf_f32_from_bits(b);
-  const float ta = mf_code_lut_arith_t(c->t, xa), tb = mf_code_lut_arith_t(c->t, xb);
-  if (!(ta >= -1.0f && tb <= (float)c->size + 1.0f)) return 0;
+  const float xa = mf_f32_from_bits(a), xb = mf_f32_from_bits(b), f = (float)MF_CODE_LUT_FRAC;
   int pa, na, pb, nb;
-  arith_both(c, a, &pa, &na);
-  arith_both(c, b, &pb, &nb);
-  if (pa >= 0 && floorf(ta) == floorf(tb) && pb >= 0) {
+  float ta, tb;
+  arith_both(c, a, &pa, &na, &ta);
+  arith_both(c, b, &pb, &nb, &tb);
+  if (!(ta >= -f && tb <= (float)(c->size + 1) * f)) return 0;
+  if (pa >= 0 && pb >= 0 && floorf(ta / f) == floorf(tb / f)) {
     return pa == mf_optim_quantize(c->code, c->size, xa, c->keep_positive) &&
            pb == mf_optim_quantize(c->code, c->size, xb, c->keep_positive) &&
            na == mf_optim_quantize(c->code, c->size, -xa, c->keep_positive) &&
            nb == mf_optim_quantize(c->code, c->size, -xb, c->keep_positive);
   }
-  if (pa < 0 && pb < 0 && rintf(ta) == rintf(tb)) return 1; /* t within EPS of one integer throughout */
+  if (pa < 0 && pb < 0 && a != c->tie && b != c->tie && rintf(ta / f) == rintf(tb / f))
+    return 1; /* within a unit of one step throughout */
   if (a == b) return 1; /* one ambiguous float */
   if (b - a == 1) return check_range(c, a, a) && check_range(c, b, b);
   const uint32_t mid = a + (b - a) / 2;
@@ -107,84 +119,112 @@ static int check_range(const arith_check *c, uint32_t a, uint32_t b) {
 
 /* Segment s's floats x > 0 (bits): [2^(s-31), 2^(s-30)), all below for s = 0, all
  * above for s = 31. */
-static uint32_t segment_lo(int s) { return s == 0 ? 1u : (uint32_t)(MF_CODE_LUT_EXP0 + s) << 23; }
+static uint32_t segment_lo(int s) { return s == 0 ? 0u : (uint32_t)(MF_CODE_LUT_EXP0 + s) << 23; }
 static uint32_t segment_hi(int s) {
   return s == 31 ? 0x7f7fffffu : ((uint32_t)(MF_CODE_LUT_EXP0 + s + 1) << 23) - 1;
 }
 
-/* q below the last step (mf_code_lut.top) */
-static int q_below_top(const float *code, int size, int keep_positive, const mf_code_lut *t,
-                       float x) {
-  const int q = mf_optim_quantize(code, size, x, keep_positive);
-  return q < t->top_q ? q : t->top_q - 1;
+#define MAX_FLOAT_BITS 0x7f7fffffu
+
+/* Piece p of the arithmetic search: from the float with bits `start` (where q = k0) on,
+ * with the n thresholds thr[k0 + 1 .. k0 + n] inside it: the line through the first and
+ * the last of them (n >= 2), through the piece's start half a step up and the one
+ * threshold (n = 1), or level half a step up (n = 0); capped half a step above step
+ * k0 + n. In fixed point (MF_CODE_LUT_FRAC per step). */
+static void set_piece(mf_code_lut *t, int p, uint32_t start, int k0, int n, const uint32_t *thr) {
+  const double f = MF_CODE_LUT_FRAC;
+  double x0 = mf_f32_from_bits(start), y0 = k0 + 0.5, x1 = x0, y1 = y0;
+  if (n >= 2) {
+    x0 = mf_f32_from_bits(thr[k0 + 1]), y0 = k0 + 1;
+    x1 = mf_f32_from_bits(thr[k0 + n]), y1 = k0 + n;
+  } else if (n == 1) {
+    x1 = mf_f32_from_bits(thr[k0 + 1]), y1 = k0 + 1;
+  }
+  const float a = x1 > x0 ? (float)(f * (y1 - y0) / (x1 - x0)) : 0.0f;
+  t->pa[p] = a;
+  t->pc[p] = (float)(f * y0 - (double)a * x0);
+  t->phi[p] = (float)(f * (k0 + n + 0.5));
 }
 
-/* Fits the lines of segment s: the chords of the staircase's points (T_k, k) in the
- * segment and one either side (or, where there is none, a point half a step into the
- * flat part at the segment's end), consecutive chords of nearly one slope merged into
- * the line through the group's ends. Returns 0 when it needs more than
- * MF_CODE_LUT_LINES lines that pass the check (c) on the segment. */
-static int fit_segment(const float *code, int size, int keep_positive, int s, mf_code_lut *t,
-                       const arith_check *c) {
-  const uint32_t lo = segment_lo(s), hi = segment_hi(s);
-  const uint32_t top = 0x7f7fffffu;
-  const float xlo = mf_f32_from_bits(lo), xhi = mf_f32_from_bits(hi);
-  const int qlo = q_below_top(code, size, keep_positive, t, xlo);
-  const int qhi = q_below_top(code, size, keep_positive, t, xhi);
-  const int qtop = t->top_q - 1;
-  double px[260], py[260];
-  int np = 0;
-  /* the step before the segment (a threshold above 0), else half a step into it */
-  if (qlo > q_below_top(code, size, keep_positive, t, mf_f32_from_bits(1u))) {
-    const uint32_t b = first_at_least(code, size, keep_positive, qlo, 1u, lo);
-    px[np] = mf_f32_from_bits(b), py[np++] = qlo;
-  } else {
-    px[np] = xlo, py[np++] = qlo + 0.5;
-  }
-  for (int k = qlo + 1; k <= qhi; k++) {
-    const uint32_t b = first_at_least(code, size, keep_positive, k, lo, hi);
-    px[np] = mf_f32_from_bits(b), py[np++] = k;
-  }
-  if (qhi < qtop) {
-    const uint32_t b = first_at_least(code, size, keep_positive, qhi + 1, hi, top);
-    px[np] = mf_f32_from_bits(b), py[np++] = qhi + 1;
-  } else {
-    px[np] = xhi, py[np++] = qhi + 0.5;
-  }
-  int nl = 0;
-  double la[MF_CODE_LUT_FIT], lc[MF_CODE_LUT_FIT];
-  if (qlo == qhi && qhi == qtop) { /* flat to the end: one level */
-    la[0] = 0.0, lc[0] = qlo + 0.5, nl = 1;
-  } else {
-    int g0 = 0; /* first point of the current group */
-    for (int i = 1; i < np; i++) {
-      const double slope0 = (py[g0 + 1] - py[g0]) / (px[g0 + 1] - px[g0]);
-      const int last = i + 1 == np;
-      const double next = last ? 0.0 : (py[i + 1] - py[i]) / (px[i + 1] - px[i]);
-      if (last || fabs(next - slope0) > 1e-3 * fabs(slope0)) {
-        if (nl == MF_CODE_LUT_FIT) return 0;
-        const double a = (py[i] - py[g0]) / (px[i] - px[g0]);
-        la[nl] = a, lc[nl] = py[g0] - (double)(float)a * px[g0], nl++;
-        g0 = i;
+/* Whether piece c->piece, from the float `from` (q = k0) with n thresholds inside,
+ * checks (set_piece, then check_range over its floats). x = 0 must not be ambiguous:
+ * all-zero states are common. */
+static int piece_checks(arith_check *c, const uint32_t *thr, int qmax, uint32_t from, int k0, int n) {
+  mf_code_lut *t = (mf_code_lut *)c->t;
+  const uint32_t to = k0 + n == qmax ? MAX_FLOAT_BITS : thr[k0 + n + 1] - 1;
+  if (k0 + n < qmax && thr[k0 + n + 1] <= from) return 0; /* two steps at one float */
+  c->tie = k0 + n == qmax || to == 0 ? 0xffffffffu : to;
+  set_piece(t, c->piece, from, k0, n, thr);
+  int amb0 = 0;
+  if (from == 0) mf_code_lut_arith_from_t(t, 0u, mf_code_lut_arith_t(t, c->piece, 0.0f), &amb0);
+  return !amb0 && check_range(c, from, to);
+}
+
+/* Builds and checks the arithmetic search; t->arith = 1 when it holds for every x.
+ * Pieces are taken greedily from x = 0 up, each as long as its check passes (so the
+ * check sees every float of every piece), then the segments are mapped to them and the
+ * whole search checked once more as the kernels run it. */
+static void build_arith(const float *code, int size, int keep_positive, mf_code_lut *t) {
+  t->arith = 0;
+  const int q0 = mf_optim_quantize(code, size, 0.0f, keep_positive);
+  const int qmax = mf_optim_quantize(code, size, mf_f32_from_bits(MAX_FLOAT_BITS), keep_positive);
+  if (mf_optim_quantize(code, size, -0.0f, keep_positive) != q0) return;
+  /* x < 0: q(-x) + q(x) is constant where q(-x) > 0 (a code symmetric about its zero);
+   * 0 where every x < 0 has q = 0 (the unsigned codes) */
+  t->mirror = 0;
+  if (mf_optim_quantize(code, size, -mf_f32_from_bits(1u), keep_positive) != 0)
+    t->mirror = mf_optim_quantize(code, size, -1e-3f, keep_positive) +
+                mf_optim_quantize(code, size, 1e-3f, keep_positive);
+  uint32_t thr[MF_CODE_SIZE + 1]; /* thr[k]: the smallest float x >= 0 with q >= k */
+  for (int k = q0 + 1; k <= qmax; k++) thr[k] = first_at_least(code, size, keep_positive, k, 0u, MAX_FLOAT_BITS);
+  uint32_t start[MF_CODE_LUT_PIECES + 1];
+  int pieces = 0;
+  arith_check c = {code, size, keep_positive, t, 0, 0xffffffffu};
+  for (int k0 = q0; k0 <= qmax;) {
+    if (pieces == MF_CODE_LUT_PIECES) return;
+    const uint32_t from = k0 == q0 ? 0u : thr[k0];
+    c.piece = pieces;
+    /* the longest piece from k0 that checks: n = 0, 1, 2 each (a short piece's line is
+     * a different shape), then doubling and halving (a run that checks for n
+     * thresholds checks for fewer) */
+    int best = -1;
+    for (int n = 0; n <= 2 && k0 + n <= qmax; n++)
+      if (piece_checks(&c, thr, qmax, from, k0, n)) best = n;
+    if (best == 2) {
+      int bad = qmax - k0 + 1; /* the smallest n known not to check */
+      while (bad - best > 1) {
+        const int n = 2 * best < bad ? 2 * best : best + (bad - best) / 2;
+        if (piece_checks(&c, thr, qmax, from, k0, n)) best = n;
+        else bad = n;
       }
     }
+    if (best < 0) return;
+    set_piece(t, pieces, from, k0, best, thr);
+    start[pieces++] = from;
+    k0 += best + 1;
   }
-  /* More lines than the kernels take: leave one out where the check still passes (the
-   * dynamic map's decade corners have four chords, of which the corner chord itself is
-   * not needed: the floor of the other three's minimum is the same step). */
-  if (nl <= MF_CODE_LUT_LINES) {
-    for (int l = 0; l < MF_CODE_LUT_LINES; l++) {
-      const int i = l < nl ? l : nl - 1; /* (unused lines repeat the last) */
-      t->a[l][s] = (float)la[i], t->c[l][s] = (float)lc[i];
+  for (int p = 0; p < MF_CODE_LUT_PIECES; p++) {
+    const int last = p >= pieces - 1;
+    t->split[p] = last ? INFINITY : start[p + 1] == 1u ? -0.0f : mf_f32_from_bits(start[p + 1] - 1);
+    if (p >= pieces) t->pa[p] = t->pa[pieces - 1], t->pc[p] = t->pc[pieces - 1], t->phi[p] = t->phi[pieces - 1];
+  }
+  start[pieces] = 0xffffffffu;
+  for (int s = 0, p = 0; s < MF_CODE_LUT_SEGMENTS; s++) {
+    while (start[p + 1] <= segment_lo(s)) p++;
+    if (start[p + 2 <= pieces ? p + 2 : pieces] <= segment_hi(s)) return; /* two boundaries */
+    t->piece_lo[s] = p;
+  }
+  c.piece = -1;
+  for (int s = 0; s < MF_CODE_LUT_SEGMENTS; s++) {
+    const uint32_t lo = segment_lo(s), hi = segment_hi(s);
+    const uint32_t cut = start[t->piece_lo[s] + 1]; /* the next piece, inside or past hi */
+    if (cut > hi) {
+      if (!check_range(&c, lo, hi)) return;
+    } else if (!check_range(&c, lo, cut - 1) || !check_range(&c, cut, hi)) {
+      return;
     }
-    return 1;
   }
-  for (int drop = 1; drop + 1 < nl; drop++) { /* nl == MF_CODE_LUT_FIT */
-    for (int i = 0, l = 0; i < nl; i++)
-      if (i != drop) t->a[l][s] = (float)la[i], t->c[l][s] = (float)lc[i], l++;
-    if (check_range(c, segment_lo(s), segment_hi(s))) return 1;
-  }
-  return 0;
+  t->arith = 1;
 }
 
 /* The tree of thresholds of a 16-entry code (mf_code_lut.tree4): the smallest finite
@@ -212,27 +252,6 @@ static void build_tree4(const float *code, int keep_positive, mf_code_lut *t) {
   t->tree4[0] = 0.0f;
   for (int d = 0; d < 4; d++)
     for (int j = 0; j < (1 << d); j++) t->tree4[(1 << d) + j] = thr[(2 * j + 1) << (3 - d)];
-}
-
-/* Builds and checks the arithmetic search; t->arith = 1 when it holds for every x. */
-static void build_arith(const float *code, int size, int keep_positive, mf_code_lut *t) {
-  t->arith = 0;
-  t->top_q = mf_optim_quantize(code, size, mf_f32_from_bits(0x7f7fffffu), keep_positive);
-  t->top = mf_f32_from_bits(first_at_least(code, size, keep_positive, t->top_q, 1u, 0x7f7fffffu));
-  t->at_zero = mf_optim_quantize(code, size, 0.0f, keep_positive);
-  if (mf_optim_quantize(code, size, -0.0f, keep_positive) != t->at_zero) return;
-  /* x < 0: q(-x) + q(x) is constant where q(-x) > 0 (a code symmetric about its zero);
-   * 0 where every x < 0 has q = 0 (the unsigned codes) */
-  t->mirror = 0;
-  if (mf_optim_quantize(code, size, -mf_f32_from_bits(1u), keep_positive) != 0)
-    t->mirror = mf_optim_quantize(code, size, -1e-3f, keep_positive) +
-                mf_optim_quantize(code, size, 1e-3f, keep_positive);
-  const arith_check c = {code, size, keep_positive, t};
-  for (int s = 0; s < MF_CODE_LUT_SEGMENTS; s++)
-    if (!fit_segment(code, size, keep_positive, s, t, &c)) return;
-  for (int s = 0; s < MF_CODE_LUT_SEGMENTS; s++)
-    if (!check_range(&c, segment_lo(s), segment_hi(s))) return;
-  t->arith = 1;
 }
 
 static int build(const float *code, int size, int keep_positive, mf_code_lut *t) {

@@ -46,24 +46,34 @@
  * arithmetic on AMD Zen 5, where a 16-lane gather takes ~20 cycles; the kernels time both
  * and keep the faster: mf_optim_search_form). q(x) is a staircase whose steps, the
  * thresholds T_k (the smallest float with q >= k), follow the code's structure: for the
- * dynamic map, evenly spaced within a decade, so the piecewise-linear curve through the
- * points (T_k, k) is concave for x > 0. Cut |x| into 32 segments by its binary exponent
- * (segment 0: |x| < 2^-30; segment 31: |x| >= 1); in each, that curve is the minimum of
- * MF_CODE_LUT_LINES lines a x + c, and for x >= 0
- *     t = min_l fmaf(|x|, a[l][s], c[l][s]),   g = floor(t),
- * is q(x) wherever t is not within MF_CODE_LUT_EPS of an integer; for x < 0, q(x) =
- * max(mirror - g, 0), q(+-0) = at_zero, and q(x) = top_q from x = top on. An element
- * whose t is that close to an integer is "ambiguous": kernels take the table for it
- * (about 3 elements in 10000 of Adam-like states, so one 16-lane vector in 200). The
- * build (build_arith in code_lut.c) fits the lines to the code and checks the claim for
- * every float x, exactly; a code it does not hold for gets arith = 0 and the table
- * alone. The operations are IEEE ones (fmaf, compares, floor: correctly rounded on
- * every CPU), so the scalar form below and the vector forms compute the same t. */
-#define MF_CODE_LUT_LINES 3 /* the kernels' lines per segment */
-#define MF_CODE_LUT_FIT 4   /* the fit's, one of which must then go */
+ * dynamic map, evenly spaced within a decade. So for x >= 0 the axis is cut into at most
+ * MF_CODE_LUT_PIECES "pieces", each one run of evenly spaced thresholds (a decade), and
+ * in piece p
+ *     t = min(fmaf(|x|, pa[p], pc[p]), phi[p]),   g = floor(t / MF_CODE_LUT_FRAC),
+ * is q(x): t is the line through the piece's thresholds, in fixed point (the step index
+ * times MF_CODE_LUT_FRAC), capped at the piece's last step (the decade's last code holds
+ * on past the decade's edge, up to the next decade's first threshold). The piece of |x|
+ * comes without a search: |x|'s binary exponent picks a segment (32 of them: segment 0
+ * |x| < 2^-30, segment 31 |x| >= 1), no segment holds more than one piece boundary, so
+ *     p = piece_lo[segment] + (|x| > split[piece_lo[segment]]),
+ * split[p] being the last float of piece p.
+ * For x < 0, q(x) = max(mirror - g, 0). Where t is within one unit (1/MF_CODE_LUT_FRAC of
+ * a step) of a multiple of MF_CODE_LUT_FRAC, x is "ambiguous": the line need not put
+ * the step exactly where the code does, and kernels take the table for such x (about 3
+ * elements in 10000 of Adam-like states, so one 16-lane vector in 200). So is a piece's
+ * last float: the step there is one the line does not pass through, and a tie between
+ * two codes (x exactly halfway) is not mirrored for -x (nearest rounds ties to the
+ * smaller index on both sides of 0). The build
+ * (build_arith in code_lut.c) fits the pieces to the code and checks the claim for every
+ * float x, exactly; a code it does not hold for gets arith = 0 and the table alone. The
+ * operations are IEEE ones (fmaf, compares, min, floor: correctly rounded on every CPU),
+ * so the scalar form below and the vector forms compute the same t. Per 16 elements the
+ * vector form is 22 operations, 5 of them single-register permutes. */
+#define MF_CODE_LUT_PIECES 16 /* one AVX-512 register of each piece table */
 #define MF_CODE_LUT_SEGMENTS 32
-#define MF_CODE_LUT_EPS (1.0f / 4096.0f)
-#define MF_CODE_LUT_EXP0 96 /* biased exponent of segment 0's top binade, 2^-31 */
+#define MF_CODE_LUT_FRAC_BITS 12 /* t in fixed point */
+#define MF_CODE_LUT_FRAC (1 << MF_CODE_LUT_FRAC_BITS)
+#define MF_CODE_LUT_EXP0 96   /* biased exponent of segment 0's top binade, 2^-31 */
 
 typedef struct {
   const uint32_t *entry;   /* MF_CODE_LUT_BUCKETS entries, as above */
@@ -72,18 +82,22 @@ typedef struct {
   int keep_positive;       /* the search it reproduces (mf_optim_quantize) */
   int has_slow;            /* some bucket is slow */
   int arith;               /* the arithmetic search below holds for this code */
-  int32_t mirror, at_zero; /* q(x < 0) = max(mirror - g(|x|), 0); q(+-0) = at_zero */
-  int32_t top_q;           /* q(x) = top_q for x >= top: the last step, left out of */
-  float top;               /* the lines (1.0 is closer to the code below it than the
-                            * dynamic map's spacing, a convex corner) */
+  int32_t mirror;          /* q(x < 0) = max(mirror - g(|x|), 0) */
   /* 16-entry codes: the thresholds T_1 .. T_15 (the smallest float with q >= k) as a
    * search tree, node n (1 .. 15) at tree4[n]: the root T_8, then n's children 2n and
    * 2n + 1; q(x) is the leaf 16 + q reached from the root by going to 2n + (x >= T)
    * four times. Exact for every x but NaN (the compares are IEEE ones; +-0 compare
    * equal, as q treats them). */
   _Alignas(64) float tree4[16];
-  _Alignas(64) float a[MF_CODE_LUT_LINES][MF_CODE_LUT_SEGMENTS];
-  _Alignas(64) float c[MF_CODE_LUT_LINES][MF_CODE_LUT_SEGMENTS];
+  /* the arithmetic search: the piece of each segment's smallest floats; per piece its
+   * last float (+Inf for the last piece; -0 for a piece of +0 alone, whose end is no
+   * tie: +-0 have one code, and -0 equals no |x| bit for bit) and the line and cap
+   * above (pieces past the last repeat it) */
+  _Alignas(64) int32_t piece_lo[MF_CODE_LUT_SEGMENTS];
+  _Alignas(64) float split[MF_CODE_LUT_PIECES];
+  _Alignas(64) float pa[MF_CODE_LUT_PIECES];
+  _Alignas(64) float pc[MF_CODE_LUT_PIECES];
+  _Alignas(64) float phi[MF_CODE_LUT_PIECES];
 } mf_code_lut;
 
 /* The segment of a float with bits u (sign ignored): its biased exponent clamped to
@@ -95,30 +109,41 @@ static inline int mf_code_lut_segment(uint32_t u) {
   return e - MF_CODE_LUT_EXP0;
 }
 
-/* t of the arithmetic search for |x| (the bits of a non-negative float). */
-static inline float mf_code_lut_arith_t(const mf_code_lut *t, float ax) {
-  const int s = mf_code_lut_segment(mf_f32_bits(ax));
-  float m = fmaf(ax, t->a[0][s], t->c[0][s]);
-  for (int l = 1; l < MF_CODE_LUT_LINES; l++) {
-    const float v = fmaf(ax, t->a[l][s], t->c[l][s]);
-    m = v < m ? v : m;
-  }
-  return m;
+/* The piece of |x| (ax: a non-negative float), and whether ax is the last float before
+ * a piece boundary (*at_split = 1: ambiguous, as below). */
+static inline int mf_code_lut_piece(const mf_code_lut *t, float ax, int *at_split) {
+  const int p = t->piece_lo[mf_code_lut_segment(mf_f32_bits(ax))];
+  *at_split = mf_f32_bits(ax) == mf_f32_bits(t->split[p]); /* (bits: see split) */
+  return p + (ax > t->split[p]);
 }
 
-/* The arithmetic search's index for x (finite), and whether x is ambiguous (*amb = 1:
- * the index is not to be used). */
+/* t of the arithmetic search for ax >= 0 in piece p. */
+static inline float mf_code_lut_arith_t(const mf_code_lut *t, int p, float ax) {
+  const float v = fmaf(ax, t->pa[p], t->pc[p]);
+  return v < t->phi[p] ? v : t->phi[p];
+}
+
+/* The index for x (bits u) from its t, and whether x is ambiguous (*amb = 1: the index
+ * is not to be used). floor(t) >> FRAC_BITS is floor(t / MF_CODE_LUT_FRAC) (an
+ * arithmetic shift, as the vector forms do); t stays within [-2^20, 2^20], so the conversion is
+ * exact. */
+static inline int mf_code_lut_arith_from_t(const mf_code_lut *t, uint32_t u, float tt, int *amb) {
+  const int32_t ti = (int32_t)floorf(tt);
+  *amb = ((uint32_t)(ti + 1) & (MF_CODE_LUT_FRAC - 2)) == 0; /* ti mod FRAC in {FRAC - 1, 0} */
+  int q = ti >> MF_CODE_LUT_FRAC_BITS;
+  if (u >> 31) q = t->mirror - q;
+  return q < 0 ? 0 : q;
+}
+
+/* The arithmetic search's index for x (finite), and whether x is ambiguous. */
 static inline int mf_code_lut_arith_index(const mf_code_lut *t, float x, int *amb) {
   const uint32_t u = mf_f32_bits(x);
   const float ax = mf_f32_from_bits(u & 0x7fffffffu);
-  const float tt = mf_code_lut_arith_t(t, ax);
-  const float r = tt - rintf(tt);
-  *amb = fabsf(r) < MF_CODE_LUT_EPS && ax != 0.0f;
-  int q = (int)floorf(tt);
-  if (u >> 31) q = t->mirror - q;
-  q = q < 0 ? 0 : q;
-  q = x >= t->top ? t->top_q : q;
-  return ax == 0.0f ? t->at_zero : q;
+  int at_split;
+  const int p = mf_code_lut_piece(t, ax, &at_split);
+  const int q = mf_code_lut_arith_from_t(t, u, mf_code_lut_arith_t(t, p, ax), amb);
+  *amb |= at_split;
+  return q;
 }
 
 /* q(x) of a 16-entry code by its threshold tree (t->tree4), for x not NaN. */

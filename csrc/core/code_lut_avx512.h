@@ -23,33 +23,32 @@ MF_TARGET_AVX512 static inline __m512i mf_code_lut_sum16(const mf_code_lut *t, _
 
 /* The arithmetic search of code_lut.h (t->arith) on 16 floats x (already times inv):
  * the code indices as dwords, exactly mf_code_lut_arith_index's, and in *amb the lanes
- * where that is not to be used. No memory but the 32-entry line tables (permutes). */
+ * where that is not to be used. No memory but the piece tables (permutes). */
 MF_TARGET_AVX512 static inline __m512i mf_code_lut_arith16(const mf_code_lut *t, __m512 x,
                                                            __mmask16 *amb) {
   const __m512i u = _mm512_castps_si512(x);
   const __m512i au = _mm512_and_si512(u, _mm512_set1_epi32(0x7fffffff));
   const __m512 ax = _mm512_castsi512_ps(au);
-  /* the segment: exponent clamped to [EXP0, EXP0 + 31]; the permutes use its low 5 bits */
+  /* the segment: exponent clamped to [EXP0, EXP0 + 31]; the permute uses its low 5 bits */
   const __m512i seg = _mm512_min_epi32(_mm512_max_epi32(_mm512_srli_epi32(au, 23),
                                                         _mm512_set1_epi32(MF_CODE_LUT_EXP0)),
                                        _mm512_set1_epi32(MF_CODE_LUT_EXP0 + 31));
-  __m512 m = _mm512_setzero_ps();
-  for (int l = 0; l < MF_CODE_LUT_LINES; l++) {
-    const __m512 a = _mm512_permutex2var_ps(_mm512_load_ps(t->a[l]), seg, _mm512_load_ps(t->a[l] + 16));
-    const __m512 c = _mm512_permutex2var_ps(_mm512_load_ps(t->c[l]), seg, _mm512_load_ps(t->c[l] + 16));
-    const __m512 v = _mm512_fmadd_ps(ax, a, c);
-    m = l == 0 ? v : _mm512_min_ps(v, m); /* (v < m ? v : m, as the scalar form) */
-  }
-  const __mmask16 zero = _mm512_cmpeq_epi32_mask(au, _mm512_setzero_si512());
-  *amb = _mm512_mask_cmp_ps_mask((__mmask16)~zero,
-                                 _mm512_abs_ps(_mm512_reduce_ps(m, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)),
-                                 _mm512_set1_ps(MF_CODE_LUT_EPS), _CMP_LT_OQ);
-  __m512i q = _mm512_cvt_roundps_epi32(m, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+  __m512i p = _mm512_permutex2var_epi32(_mm512_load_si512(t->piece_lo), seg,
+                                        _mm512_load_si512(t->piece_lo + 16));
+  const __m512 split = _mm512_permutexvar_ps(p, _mm512_load_ps(t->split));
+  const __mmask16 up = _mm512_cmp_ps_mask(ax, split, _CMP_GT_OQ);
+  const __mmask16 at_split = _mm512_cmpeq_epi32_mask(au, _mm512_castps_si512(split));
+  p = _mm512_mask_add_epi32(p, up, p, _mm512_set1_epi32(1));
+  const __m512 v = _mm512_fmadd_ps(ax, _mm512_permutexvar_ps(p, _mm512_load_ps(t->pa)),
+                                   _mm512_permutexvar_ps(p, _mm512_load_ps(t->pc)));
+  /* (v < phi ? v : phi, as the scalar form) */
+  const __m512i ti = _mm512_cvt_roundps_epi32(_mm512_min_ps(v, _mm512_permutexvar_ps(p, _mm512_load_ps(t->phi))),
+                                              _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+  *amb = _mm512_testn_epi32_mask(_mm512_add_epi32(ti, _mm512_set1_epi32(1)),
+                                 _mm512_set1_epi32(MF_CODE_LUT_FRAC - 2)) | at_split;
+  __m512i q = _mm512_srai_epi32(ti, MF_CODE_LUT_FRAC_BITS);
   q = _mm512_mask_sub_epi32(q, _mm512_movepi32_mask(u), _mm512_set1_epi32(t->mirror), q);
-  q = _mm512_max_epi32(q, _mm512_setzero_si512());
-  q = _mm512_mask_mov_epi32(q, _mm512_cmp_ps_mask(x, _mm512_set1_ps(t->top), _CMP_GE_OQ),
-                            _mm512_set1_epi32(t->top_q));
-  return _mm512_mask_mov_epi32(q, zero, _mm512_set1_epi32(t->at_zero));
+  return _mm512_max_epi32(q, _mm512_setzero_si512());
 }
 
 /* The 16-entry code search by its threshold tree (mf_code_lut.tree4): 16 floats x
