@@ -83,13 +83,13 @@ static float check_t(const arith_check *c, uint32_t u, int *at_split) {
 }
 
 /* The arithmetic index of x (non-negative bits u) and of -x, or -1 where ambiguous;
- * *tt: t at x. */
-static void arith_both(const arith_check *c, uint32_t u, int *pos, int *neg, float *tt) {
-  int amb, at_split;
+ * *tt: t at x, *t_amb: whether t itself is ambiguous (not only a piece's last float). */
+static void arith_both(const arith_check *c, uint32_t u, int *pos, int *neg, float *tt, int *t_amb) {
+  int at_split;
   *tt = check_t(c, u, &at_split);
-  *pos = mf_code_lut_arith_from_t(c->t, u, *tt, &amb);
-  *neg = mf_code_lut_arith_from_t(c->t, u | 0x80000000u, *tt, &amb);
-  if (amb || at_split) *pos = *neg = -1;
+  *pos = mf_code_lut_arith_from_t(c->t, u, *tt, t_amb);
+  *neg = mf_code_lut_arith_from_t(c->t, u | 0x80000000u, *tt, t_amb);
+  if (*t_amb || at_split) *pos = *neg = -1;
 }
 
 /* Whether the arithmetic search gives q(x) and q(-x) for every non-ambiguous x with bits
@@ -98,10 +98,10 @@ static void arith_both(const arith_check *c, uint32_t u, int *pos, int *neg, flo
  * monotone, so equal values at the ends hold between them. Others are halved. */
 static int check_range(const arith_check *c, uint32_t a, uint32_t b) {
   const float xa = mf_f32_from_bits(a), xb = mf_f32_from_bits(b), f = (float)MF_CODE_LUT_FRAC;
-  int pa, na, pb, nb;
+  int pa, na, pb, nb, amb_a, amb_b;
   float ta, tb;
-  arith_both(c, a, &pa, &na, &ta);
-  arith_both(c, b, &pb, &nb, &tb);
+  arith_both(c, a, &pa, &na, &ta, &amb_a);
+  arith_both(c, b, &pb, &nb, &tb, &amb_b);
   if (!(ta >= -f && tb <= (float)(c->size + 1) * f)) return 0;
   if (pa >= 0 && pb >= 0 && floorf(ta / f) == floorf(tb / f)) {
     return pa == mf_optim_quantize(c->code, c->size, xa, c->keep_positive) &&
@@ -109,8 +109,8 @@ static int check_range(const arith_check *c, uint32_t a, uint32_t b) {
            na == mf_optim_quantize(c->code, c->size, -xa, c->keep_positive) &&
            nb == mf_optim_quantize(c->code, c->size, -xb, c->keep_positive);
   }
-  if (pa < 0 && pb < 0 && a != c->tie && b != c->tie && rintf(ta / f) == rintf(tb / f))
-    return 1; /* within a unit of one step throughout */
+  if (amb_a && amb_b && rintf(ta / f) == rintf(tb / f))
+    return 1; /* t within a unit of one step throughout: every float between is ambiguous */
   if (a == b) return 1; /* one ambiguous float */
   if (b - a == 1) return check_range(c, a, a) && check_range(c, b, b);
   const uint32_t mid = a + (b - a) / 2;
