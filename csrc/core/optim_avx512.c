@@ -178,7 +178,7 @@ MF_TARGET_AVX512 static inline void quantize32(const mf_code_lut *lut, int searc
 
 #ifndef MF_FUSED_GATHER
 /* ---- arithmetic (tree) or table search: measured (defined once, in this build) -----
- * llvm-mca puts the arithmetic search at 14-16 cycles per 16 elements and the 4-bit
+ * llvm-mca puts the arithmetic search at 12-14 cycles per 16 elements and the 4-bit
  * tree at 11-12 on every AVX-512 core, a 16-lane gather at 4-10; on AMD Zen 5 the gather
  * measures ~20. So the first AVX-512 step of a process times both forms for its code
  * width. */

@@ -240,7 +240,7 @@ int mf_optim_search_form(_Atomic int *cache, const char *force1, const char *for
  * kernels for codes like `lut`'s, 8-bit or 4-bit (bits). The forms (MEMFIT_OPTIM_KERNEL
  * names): 8-bit AVX2 avx2-scalar|avx2-gather, AVX-512 avx512-arith|avx512-table (a
  * 16-lane gather takes ~20 cycles on AMD Zen 5; llvm-mca puts it at 4-10 on Intel, below
- * the arithmetic's 14-16); 4-bit avx2-tree4|avx2-table4, avx512-tree4|avx512-table4. */
+ * the arithmetic's 12-14); 4-bit avx2-tree4|avx2-table4, avx512-tree4|avx512-table4. */
 int mf_optim_avx2_search(const mf_code_lut *lut, int bits);
 int mf_optim_avx512_search(const mf_code_lut *lut, int bits);
 #endif
