@@ -68,7 +68,7 @@
  * float x, exactly; a code it does not hold for gets arith = 0 and the table alone. The
  * operations are IEEE ones (fmaf, compares, min, floor: correctly rounded on every CPU),
  * so the scalar form below and the vector forms compute the same t. Per 16 elements the
- * vector form is 22 operations, 5 of them single-register permutes. */
+ * vector form is 22 operations, 5 of them permutes (4 from one register). */
 #define MF_CODE_LUT_PIECES 16 /* one AVX-512 register of each piece table */
 #define MF_CODE_LUT_SEGMENTS 32
 #define MF_CODE_LUT_FRAC_BITS 12 /* t in fixed point */
