@@ -442,7 +442,7 @@ def test_scaler_setters_echo_the_given_value_and_keep_the_old_one(setter, value,
 @pytest.mark.parametrize("key,value,message", [
     ("scale", float("nan"), r"state_dict\['scale'\]: must be a finite number > 0 .*got nan"),
     ("scale", -1.0, r"state_dict\['scale'\]: .*got -1.0"),
-    ("_growth_tracker", -1, r"state_dict\['_growth_tracker'\]: must be >= 0, got -1"),
+    ("_growth_tracker", -1, r"state_dict\['_growth_tracker'\]: must be >= 0 and <= 2147483647, got -1"),
 ])
 def test_scaler_load_state_dict_refuses_bad_values_before_changing_anything(key, value, message):
     s = amp.GradScaler(device="cpu", init_scale=8.0)

@@ -633,3 +633,71 @@ def test_memfit_optimizers(ctor):
     # .grad is not compared; the parameters and the optimizer states are.
     run_scaling_case("memfit", "cpu", run, unskipped=3, skipped=1, atol=1e-4,
                      optimizer_ctor=ctor, optimizer_kwargs={"lr": 1e-3}, compare_grads=False)
+
+
+NAN, INF = float("nan"), float("inf")
+
+
+@pytest.mark.parametrize("lazy_init", [False, True])
+@pytest.mark.parametrize("change,error,message", [
+    # a bad value in any field, beside good new values in the others (which must not load)
+    ({"growth_interval": 0}, ValueError, r"state_dict\['growth_interval'\]: must be >= 1, got 0$"),
+    ({"growth_interval": -5}, ValueError, r"state_dict\['growth_interval'\]: .*got -5$"),
+    ({"growth_interval": 2.5}, TypeError, r"state_dict\['growth_interval'\]: expected an int, got float"),
+    ({"growth_interval": NAN}, TypeError, r"state_dict\['growth_interval'\]: expected an int"),
+    ({"growth_interval": "10"}, TypeError, r"state_dict\['growth_interval'\]: expected an int, got str"),
+    ({"growth_interval": True}, TypeError, r"state_dict\['growth_interval'\]: expected an int, got bool"),
+    ({"backoff_factor": 1.5}, ValueError, r"state_dict\['backoff_factor'\]: .*must be < 1.0 .*got 1.5$"),
+    ({"backoff_factor": NAN}, ValueError, r"state_dict\['backoff_factor'\]: .*got nan$"),
+    ({"backoff_factor": 0.0}, ValueError, r"state_dict\['backoff_factor'\]: .*got 0.0$"),
+    ({"backoff_factor": "abc"}, TypeError, r"state_dict\['backoff_factor'\]: expected a number, got str"),
+    ({"backoff_factor": None}, TypeError, r"state_dict\['backoff_factor'\]: expected a number"),
+    ({"growth_factor": 1.0}, ValueError, r"state_dict\['growth_factor'\]: .*must be > 1.0, got 1.0$"),
+    ({"growth_factor": INF}, ValueError, r"state_dict\['growth_factor'\]: .*got inf$"),
+    ({"growth_factor": 1e40}, ValueError, r"state_dict\['growth_factor'\]: .*got 1e\+40 \(inf in float32"),
+    ({"growth_factor": [2.0]}, TypeError, r"state_dict\['growth_factor'\]: expected a number, got list"),
+    ({"scale": INF}, ValueError, r"state_dict\['scale'\]: must be a finite number > 0"),
+    ({"scale": "1"}, TypeError, r"state_dict\['scale'\]: expected a number, got str"),
+    ({"_growth_tracker": 2**31}, ValueError, r"state_dict\['_growth_tracker'\]: .*<= 2147483647, got 2147483648$"),
+    ({"_growth_tracker": 1.0}, TypeError, r"state_dict\['_growth_tracker'\]: expected an int, got float"),
+    # a missing key: KeyError, as torch raises (which changes some fields first)
+    ({"growth_interval": None, "_drop": "growth_interval"}, KeyError, r"missing 'growth_interval'"),
+    ({"_drop": "_growth_tracker"}, KeyError, r"missing '_growth_tracker'"),
+])
+def test_load_state_dict_refuses_any_bad_field_before_changing_anything(lazy_init, change, error, message):
+    s = amp.GradScaler(device="cpu", init_scale=8.0, growth_factor=3.0, backoff_factor=0.25,
+                       growth_interval=5)
+    if lazy_init:  # the state block exists: its bytes must not change either
+        s.scale(torch.ones(1))
+        s._state.view(torch.int32)[1] = 2
+    before, words = s.state_dict(), None if s._state is None else s._state.clone()
+    sd = {"scale": 16.0, "growth_factor": 4.0, "backoff_factor": 0.125, "growth_interval": 7,
+          "_growth_tracker": 1}
+    change = dict(change)
+    drop = change.pop("_drop", None)
+    sd.update(change)
+    sd.pop(drop, None)
+    with pytest.raises(error, match=message):
+        s.load_state_dict(sd)
+    assert s.state_dict() == before
+    if words is not None:
+        assert torch.equal(s._state, words)
+    s.load_state_dict(dict(sd, **{k: v for k, v in before.items() if k in change or k == drop}))
+    assert s.state_dict() != before  # the same dict with the bad field repaired loads
+
+
+def test_load_state_dict_takes_what_torch_takes():
+    """numpy numbers (a dict read back through numpy), a 1-element scale tensor, and
+    unknown keys (ignored, as torch ignores them) load as torch's scaler loads them."""
+    import numpy as np
+    sd = {"scale": torch.tensor([32.0]), "growth_factor": np.float64(3.0),
+          "backoff_factor": np.float32(0.25), "growth_interval": np.int64(9),
+          "_growth_tracker": np.int32(4), "unknown": "ignored"}
+    m, t = amp.GradScaler("cpu"), torch.amp.GradScaler("cpu")
+    m.load_state_dict(sd)
+    t.load_state_dict(sd)
+    assert m.state_dict() == {"scale": 32.0, "growth_factor": 3.0, "backoff_factor": 0.25,
+                              "growth_interval": 9, "_growth_tracker": 4}
+    assert m.get_scale() == t.get_scale() and m._get_growth_tracker() == t._get_growth_tracker()
+    with pytest.raises(TypeError, match=r"state_dict: expected a dict .*got list"):
+        m.load_state_dict([("scale", 1.0)])

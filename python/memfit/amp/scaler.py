@@ -26,6 +26,8 @@ from memfit.amp._grads import (_BF16, _F16, _F32, _FUSED_DTYPES, _Replicator, _a
 
 _LAYOUT = _C.scaler_layout()
 _WORDS = _LAYOUT["words"]
+_STATE_KEYS = ("scale", "growth_factor", "backoff_factor", "growth_interval", "_growth_tracker")
+_INT32_MAX = 2**31 - 1
 
 
 class ScalerConfigError(MemfitValueError, AssertionError):
@@ -167,23 +169,35 @@ class GradScaler(ScalerReport):
 
     # ---- configuration -------------------------------------------------------------
 
-    def _config(self) -> tuple:
-        return (self._growth_factor, self._backoff_factor, self._growth_interval,
-                self._hysteresis, self._min_scale or 0.0, self._max_scale or 0.0,
-                self._nonfinite_loss == "skip")
+    def _settings(self) -> dict:
+        """The update rule's settings, by the names the constructor takes."""
+        return {"growth_factor": self._growth_factor, "backoff_factor": self._backoff_factor,
+                "growth_interval": self._growth_interval, "hysteresis": self._hysteresis,
+                "min_scale": self._min_scale, "max_scale": self._max_scale}
 
-    def _check_config(self) -> None:
-        given = {"growth_factor": self._growth_factor, "backoff_factor": self._backoff_factor,
-                 "growth_interval": self._growth_interval, "hysteresis": self._hysteresis,
-                 "min_scale": self._min_scale, "max_scale": self._max_scale}
+    def _config(self, settings: dict | None = None) -> tuple:
+        """The settings (the scaler's own, or these) as the core's config tuple."""
+        c = self._settings() if settings is None else settings
+        return (c["growth_factor"], c["backoff_factor"], c["growth_interval"], c["hysteresis"],
+                c["min_scale"] or 0.0, c["max_scale"] or 0.0, self._nonfinite_loss == "skip")
+
+    def _check_config(self, settings: dict | None = None, label: str = "{}") -> None:
+        """Checks the settings (the scaler's own, or candidate ones) as the core will hold
+        them; changes nothing, so callers check first and assign after. ``label`` names a
+        setting in the message (``"state_dict['{}']"`` for a loaded dict)."""
+        given = self._settings() if settings is None else settings
         for name in ("min_scale", "max_scale"):
             v = given[name]  # a negative value too small for float32 would pass as -0.0
             if v is not None and not (math.isfinite(v) and v >= 0):
-                raise ScalerConfigError(f"{name}: must be a finite number >= 0, got {v!r}")
+                raise ScalerConfigError(f"{label.format(name)}: must be a finite number >= 0, got {v!r}")
         try:
-            _C.scaler_config_check(self._config())
+            _C.scaler_config_check(self._config(given))
         except MemfitValueError as e:
-            raise ScalerConfigError(_echo_given(str(e), given)) from None
+            message = _echo_given(str(e), given)
+            name, sep, rest = message.partition(":")
+            if sep and name in given:
+                message = label.format(name) + sep + rest
+            raise ScalerConfigError(message) from None
 
     def get_growth_factor(self) -> float:
         """The scale growth factor."""
@@ -191,8 +205,7 @@ class GradScaler(ScalerReport):
 
     def set_growth_factor(self, new_factor: float) -> None:
         """Sets the growth factor (> 1; checked now, not at the next update)."""
-        old, self._growth_factor = getattr(self, "_growth_factor", None), _as_float(new_factor, "new_factor")
-        self._revert_on_error("_growth_factor", old)
+        self._set("growth_factor", _as_float(new_factor, "new_factor"))
 
     def get_backoff_factor(self) -> float:
         """The scale backoff factor."""
@@ -200,8 +213,7 @@ class GradScaler(ScalerReport):
 
     def set_backoff_factor(self, new_factor: float) -> None:
         """Sets the backoff factor (in (0, 1))."""
-        old, self._backoff_factor = getattr(self, "_backoff_factor", None), _as_float(new_factor, "new_factor")
-        self._revert_on_error("_backoff_factor", old)
+        self._set("backoff_factor", _as_float(new_factor, "new_factor"))
 
     def get_growth_interval(self) -> int:
         """Finite steps in a row before the scale grows."""
@@ -209,17 +221,12 @@ class GradScaler(ScalerReport):
 
     def set_growth_interval(self, new_interval: int) -> None:
         """Sets the growth interval (>= 1)."""
-        old, self._growth_interval = getattr(self, "_growth_interval", None), _as_int(new_interval, "new_interval")
-        self._revert_on_error("_growth_interval", old)
+        self._set("growth_interval", _as_int(new_interval, "new_interval"))
 
-    def _revert_on_error(self, attr: str, old) -> None:
-        if not self._enabled:  # torch's disabled scaler takes any value
-            return
-        try:
-            self._check_config()
-        except ScalerConfigError:
-            setattr(self, attr, old)
-            raise
+    def _set(self, name: str, value) -> None:
+        if self._enabled:  # torch's disabled scaler takes any value
+            self._check_config(dict(self._settings(), **{name: value}))
+        setattr(self, "_" + name, value)
 
     def is_enabled(self) -> bool:
         """Whether this scaler scales (False: every method passes through)."""
@@ -623,31 +630,46 @@ class GradScaler(ScalerReport):
         ``torch.amp.GradScaler`` and back."""
         if not self._enabled:
             return {}
-        return {"scale": self.get_scale(), "growth_factor": self._growth_factor,
-                "backoff_factor": self._backoff_factor, "growth_interval": self._growth_interval,
-                "_growth_tracker": self._get_growth_tracker()}
+        values = (self.get_scale(), self._growth_factor, self._backoff_factor,
+                  self._growth_interval, self._get_growth_tracker())
+        return dict(zip(_STATE_KEYS, values))
 
     def load_state_dict(self, state_dict: dict) -> None:
-        """Loads what :meth:`state_dict` (memfit's or torch's) returned. Raises
-        RuntimeError for an empty dict (saved from a disabled scaler), as torch does."""
+        """Loads what :meth:`state_dict` (memfit's or torch's) returned. The whole dict is
+        checked before anything changes: a refused dict leaves the scaler as it was.
+        Raises RuntimeError for an empty dict (saved from a disabled scaler) and KeyError
+        for a missing key, as torch does; a value of the wrong type raises
+        MemfitTypeError, one out of range (NaN included) ScalerConfigError, each naming
+        ``state_dict['key']``. Other keys are ignored, as torch ignores them."""
         if not self._enabled:
             return
+        if not isinstance(state_dict, abc.Mapping):
+            raise MemfitTypeError(f"state_dict: expected a dict (from GradScaler.state_dict()), "
+                                  f"got {type(state_dict).__name__}")
         if len(state_dict) == 0:
             raise RuntimeError("The source state dict is empty, possibly because it was saved "
                                "from a disabled instance of GradScaler.")
+        missing = [k for k in _STATE_KEYS if k not in state_dict]
+        if missing:
+            raise KeyError(f"state_dict: missing {', '.join(map(repr, missing))}; a GradScaler "
+                           f"state dict has {', '.join(map(repr, _STATE_KEYS))}")
         scale = _check_scale(state_dict["scale"], "state_dict['scale']")
         tracker = _as_int(state_dict["_growth_tracker"], "state_dict['_growth_tracker']")
-        if tracker < 0:
-            raise ScalerConfigError(f"state_dict['_growth_tracker']: must be >= 0, got {tracker}")
-        old = (self._growth_factor, self._backoff_factor, self._growth_interval)
-        self._growth_factor = float(state_dict["growth_factor"])
-        self._backoff_factor = float(state_dict["backoff_factor"])
-        self._growth_interval = int(state_dict["growth_interval"])
-        try:
-            self._check_config()
-        except ScalerConfigError:
-            self._growth_factor, self._backoff_factor, self._growth_interval = old
-            raise
+        if not 0 <= tracker <= _INT32_MAX:  # the state block holds it as an int32
+            raise ScalerConfigError(f"state_dict['_growth_tracker']: must be >= 0 and <= "
+                                    f"{_INT32_MAX}, got {tracker}")
+        settings = dict(self._settings(),
+                        growth_factor=_as_float(state_dict["growth_factor"],
+                                                "state_dict['growth_factor']"),
+                        backoff_factor=_as_float(state_dict["backoff_factor"],
+                                                 "state_dict['backoff_factor']"),
+                        growth_interval=_as_int(state_dict["growth_interval"],
+                                                "state_dict['growth_interval']"))
+        self._check_config(settings, "state_dict['{}']")
+        # checked: from here on nothing raises
+        self._growth_factor = settings["growth_factor"]
+        self._backoff_factor = settings["backoff_factor"]
+        self._growth_interval = settings["growth_interval"]
         self._init_scale = scale
         self._init_growth_tracker = tracker
         if self._state is not None:
