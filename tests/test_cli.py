@@ -144,7 +144,7 @@ def cli_error(capsys, *args):
      "module: cannot import 'nonexistent_memfit_module' (No module named 'nonexistent_memfit_module')"),
     (("profile", "--module", "json:no_such_function"), "module: 'json' has no function 'no_such_function'"),
     (("demo", "--steps", "0"), "argument --steps: need at least 5, got 0"),
-    (("demo", "--seed", str(2**64)), "argument --seed: must be < 2**64"),
+    (("demo", "--seed", str(2**64)), "argument --seed: must be at most 18446744073709551615, got 18446744073709551616"),
 ])
 def test_bad_numbers_and_names_are_one_line_errors(args, msg, capsys, tmp_path):
     assert msg in cli_error(capsys, *args, *(("--out", str(tmp_path)) if args[0] != "estimate" else ()))
@@ -172,10 +172,10 @@ def test_unwritable_out_is_a_one_line_error_before_any_training(command, capsys,
 
 
 @pytest.mark.parametrize("config,msg", [
-    ({"num_attention_heads": 0}, "config: num_attention_heads/n_head must be an integer >= 1, got 0"),
-    ({"hidden_size": -768}, "config: hidden_size/n_embd must be an integer >= 1, got -768"),
-    ({"vocab_size": "many"}, "config: vocab_size must be an integer >= 1, got 'many'"),
-    ({"num_key_value_heads": 5}, "config: num_key_value_heads must be an integer that divides"),
+    ({"num_attention_heads": 0}, "config: num_attention_heads: need at least 1, got 0"),
+    ({"hidden_size": -768}, "config: hidden_size: need at least 1, got -768"),
+    ({"vocab_size": "many"}, "config: vocab_size: expected an integer, got 'many'"),
+    ({"num_key_value_heads": 5}, "config: num_key_value_heads: must divide"),
     ([1, 2], "config: expected a JSON object of model settings, got list"),
 ])
 def test_estimate_bad_config_is_a_one_line_error(config, msg, capsys, tmp_path):
@@ -196,3 +196,141 @@ def test_demo_api_refuses_zero_steps():
 
     with pytest.raises(ValueError, match="steps: need at least 5"):
         demo.main(steps=0, device="cpu")
+
+
+# ---- hostile values (issue 31 §6): one line, naming the option or the field, exit 2 ----------
+
+HUGE = "9" * 400  # converts to no float; 5000 digits is past what int() converts
+
+
+@pytest.mark.parametrize("args,msg", [
+    (("estimate", "gpt2", "--batch", HUGE), "argument --batch: must be at most 281474976710656, got a number with 400 digits"),
+    (("estimate", "gpt2", "--seq", HUGE), "argument --seq: must be at most 281474976710656, got a number with 400 digits"),
+    (("estimate", "gpt2", "--seq", "-" + HUGE), "argument --seq: need at least 1, got a negative number with 400 digits"),
+    (("estimate", "gpt2", "--seq", "9" * 5000), "argument --seq: must be at most 281474976710656, got a number with 5000 digits"),
+    (("estimate", "gpt2", "--micro-batch", HUGE), "argument --micro-batch: must be at most"),
+    (("estimate", "gpt2", "--gpu", ""), "gpu: expected one of t4,"),
+    (("estimate", "gpt2", "--gpu", "1e-12GB"), "gpu: the memory size must be a finite number of GB > 0"),
+    (("estimate", "x" * 5000), "model: expected a preset"),
+    (("profile", "--d-model", HUGE), "argument --d-model: must be at most"),
+    (("profile", "--layers", HUGE), "argument --layers: must be at most"),
+    (("profile", "--steps", HUGE), "argument --steps: must be at most"),
+    (("demo", "--steps", HUGE), "argument --steps: must be at most"),
+    (("demo", "--seed", HUGE), "argument --seed: must be at most 18446744073709551615"),
+    (("profile", "--d-model", "1000000000", "--device", "cpu"),
+     "configs: baseline would need about"),
+])
+def test_hostile_numbers_are_one_line_errors(args, msg, capsys, tmp_path):
+    last = cli_error(capsys, *args, *(("--out", str(tmp_path)) if args[0] != "estimate" else ()))
+    assert msg in last
+    assert len(last) < 300  # a 400-digit number is not echoed
+
+
+def test_estimate_gpu_size_boundary(capsys):
+    """The smallest and largest sizes are taken: the limit is not off by one."""
+    from memfit import cli
+
+    assert cli.main(["estimate", "gpt2", "--batch", "1", "--seq", "1", "--json"]) == 0
+    assert cli.main(["estimate", "gpt2", "--batch", str(2**48), "--micro-batch", "1", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out.split("\n}\n")[1] + "\n}")
+    assert data["rows"][0]["setup"]["batch"] == 2**48 and data["rows"][0]["total"] > 0
+    assert "at most 281474976710656, got 281474976710657" in cli_error(
+        capsys, "estimate", "gpt2", "--batch", str(2**48 + 1))
+
+
+DEEP = "[" * 100_000 + "]" * 100_000
+
+
+@pytest.mark.parametrize("config,msg", [
+    ({"intermediate_size": [1]}, "config: intermediate_size: expected an integer, got [1]"),
+    ({"intermediate_size": "3072"}, "config: intermediate_size: expected an integer, got '3072'"),
+    ({"intermediate_size": 1.5}, "config: intermediate_size: expected an integer, got 1.5"),
+    ({"intermediate_size": -5}, "config: intermediate_size: need at least 0, got -5"),
+    ({"vocab_size": 10**400}, "config: vocab_size: must be at most 281474976710656, got a number with 401 digits"),
+    ({"vocab_size": 1e300}, "config: vocab_size: must be at most 281474976710656, got 1e+300"),
+    ({"vocab_size": True}, "config: vocab_size: expected an integer, got True"),
+    ({"n_layer": -2, "num_hidden_layers": None}, "config: n_layer: need at least 1, got -2"),
+    ({"max_position_embeddings": -100}, "config: max_position_embeddings: need at least 0, got -100"),
+    ({"max_position_embeddings": False}, "config: max_position_embeddings: expected an integer, got False"),
+    ({"num_key_value_heads": -4}, "config: num_key_value_heads: need at least 0, got -4"),
+    ({"model_type": "bert", "type_vocab_size": "x"}, "config: type_vocab_size: expected an integer, got 'x'"),
+    ({"attention_dropout": "x"}, "config: attention_dropout: must be a probability from 0 to 1, got 'x'"),
+    ({"attn_pdrop": 2.0}, "config: attn_pdrop: must be a probability from 0 to 1, got 2.0"),
+    ({"hidden_act": [1]}, "config: hidden_act: must be a string, got [1]"),
+    ({"model_type": 5}, "config: model_type: must be a string, got 5"),
+    ({"tie_word_embeddings": "false"}, "config: tie_word_embeddings: must be true or false, got 'false'"),
+    ({"bias": 1}, "config: bias: must be true or false, got 1"),
+])
+def test_estimate_hostile_config_fields(config, msg, capsys, tmp_path):
+    base = {"num_hidden_layers": 2, "hidden_size": 768, "num_attention_heads": 12, "vocab_size": 1000}
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({**base, **config}))
+    assert msg in cli_error(capsys, "estimate", str(path))
+
+
+@pytest.mark.parametrize("text,msg", [
+    (DEEP, "is nested too deeply to be a config.json"),  # RecursionError in json
+    ('{"vocab_size": 1e400, "num_hidden_layers": 2, "hidden_size": 8, "num_attention_heads": 2}',
+     "config: vocab_size: expected an integer, got inf"),
+    (b"\xff\xfe\x00", "is not valid JSON"),
+])
+def test_estimate_hostile_config_files(text, msg, capsys, tmp_path):
+    path = tmp_path / "config.json"
+    path.write_bytes(text if isinstance(text, bytes) else text.encode())
+    assert msg in cli_error(capsys, "estimate", str(path))
+
+
+def test_negative_sizes_are_refused_by_the_api_too():
+    """Not negative parameter counts: memory.Setup and from_hf_config refuse them."""
+    from memfit import memory as M
+
+    with pytest.raises(ValueError, match="batch: need at least 1, got -8"):
+        M.estimate(M.PRESETS["gpt2"], M.Setup(batch=-8))
+    with pytest.raises(ValueError, match="micro_batch: need at least 1, got -1"):
+        M.estimate(M.PRESETS["gpt2"], M.Setup(micro_batch=-1))
+    with pytest.raises(ValueError, match="config: n_inner: need at least 0, got -3072"):
+        M.from_hf_config({"n_layer": 2, "n_embd": 768, "n_head": 12, "vocab_size": 10, "n_inner": -3072})
+
+
+FACTORIES = '''
+import torch
+
+def good():
+    model = torch.nn.Linear(4, 4)
+    return model, lambda: (torch.randn(2, 4), torch.randn(2, 4)), lambda m, x, y: ((m(x) - y) ** 2).mean()
+
+def ints():
+    return (1, 2, 3)
+
+def pair():
+    return (torch.nn.Linear(2, 2), None)
+
+def needs(x):
+    return x
+
+def no_params():
+    return torch.nn.ReLU(), lambda: (torch.ones(1), torch.ones(1)), lambda m, x, y: x.sum()
+
+def not_callable():
+    return torch.nn.Linear(2, 2), [torch.ones(2)], lambda m, x, y: x.sum()
+'''
+
+
+@pytest.mark.parametrize("fn,msg", [
+    ("ints", "module: hostile_factories:ints must return (model, batches, loss_fn): a torch.nn.Module "
+             "with parameters and two callables; its model is an int"),
+    ("pair", "must return (model, batches, loss_fn): a torch.nn.Module with parameters and two "
+             "callables, got a tuple of 2"),
+    ("needs", "module: hostile_factories:needs must take no arguments (memfit profile calls it with "
+              "none): missing a required argument: 'x'"),
+    ("no_params", "its model is a ReLU without parameters"),
+    ("not_callable", "its batches is a list"),
+])
+def test_profile_module_factory_is_checked(fn, msg, capsys, tmp_path, monkeypatch):
+    (tmp_path / "hostile_factories.py").write_text(FACTORIES)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert msg in cli_error(capsys, "profile", "--module", f"hostile_factories:{fn}", "--device", "cpu",
+                            "--out", str(tmp_path / "o"))
+    from memfit import profile
+
+    assert len(profile.load_factory("hostile_factories:good")) == 3  # the control is taken

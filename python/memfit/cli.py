@@ -6,27 +6,32 @@ import argparse
 import sys
 
 
-def _int_at_least(minimum: int, why: str = ""):
-    """An argparse type: an int >= minimum (argparse then says which option is wrong)."""
+def _int_at_least(minimum: int, why: str = "", maximum: int | None = None):
+    """An argparse type: an int from minimum to maximum (default memory.MAX_SIZE);
+    argparse then says which option is wrong. The range check is memory.size_problem,
+    the one check of every size the estimator and profile take."""
+    from memfit.memory import MAX_SIZE, shown, size_problem
+
     def parse(text: str) -> int:
+        digits = text.strip().lstrip("+-")
         try:
             v = int(text)
         except ValueError:
-            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-        if v < minimum:
-            raise argparse.ArgumentTypeError(f"need at least {minimum}{why}, got {v}")
+            if digits.isdigit():  # longer than Python converts (4300 digits): too large anyway
+                v = 10 ** (len(digits) - 1) * (-1 if text.strip().startswith("-") else 1)
+            else:
+                raise argparse.ArgumentTypeError(f"expected an integer, got {shown(text)}") from None
+        problem = size_problem(v, minimum, MAX_SIZE if maximum is None else maximum)
+        if problem:
+            raise argparse.ArgumentTypeError(problem + (why if v < minimum else ""))
         return v
 
     parse.__name__ = "int"
     return parse
 
 
-def _seed(text: str) -> int:
-    v = _int_at_least(0)(text)
-    if v >= 2**64:
-        raise argparse.ArgumentTypeError(f"must be < 2**64 (torch's seed range), got {v}")
-    return v
-
+# torch's seed range
+_seed = _int_at_least(0, maximum=2**64 - 1)
 
 _POSITIVE = _int_at_least(1)
 
@@ -122,7 +127,8 @@ def _estimate(args) -> int:
                        optimizer=args.optimizer, checkpoint=args.checkpoint, micro_batch=args.micro_batch,
                        attention=args.attention, gpu=not args.cpu, kahan=args.kahan)
         M.validate(base)
-        bf16 = M.parse_gpu(args.gpu)[1] if args.gpu else True
+        # "--gpu ''" is a GPU name too, and refused, not taken for "no --gpu"
+        capacity, bf16 = M.parse_gpu(args.gpu) if args.gpu is not None else (None, True)
         cpu = None
         if args.cpu:  # the precision memfit advises for this CPU (memfit.hardware)
             from memfit.hardware import cpu_precision
@@ -130,11 +136,10 @@ def _estimate(args) -> int:
             cpu = cpu_precision()
         rows = M.comparison(spec, base, bf16_native=bf16, half=cpu[0] if cpu else None)
         single = M.estimate(spec, base) if args.precision else None
-        rec = M.recommend(spec, base, args.gpu) if args.gpu else None
+        rec = M.recommend(spec, base, args.gpu) if args.gpu is not None else None
     except ValueError as err:
         print(f"memfit estimate: error: {err}", file=sys.stderr)
         return 2
-    capacity = M.parse_gpu(args.gpu)[0] if args.gpu else None
     if args.json:
         out = {"model": spec.name, "params": spec.n_params(),
                "rows": [dict(label=label, **est.as_dict()) for label, est in rows]}
@@ -142,7 +147,7 @@ def _estimate(args) -> int:
             out["setting"] = single.as_dict()
         if cpu:
             out["cpu_precision"] = {"precision": cpu[0], "reason": cpu[1]}
-        if args.gpu:
+        if args.gpu is not None:
             out["gpu"] = {"name": args.gpu, "bytes": capacity}
             out["recommendation"] = None if rec is None else {
                 "setup": M.asdict(rec[0]), "total": rec[1].total, "expected_slowdown": rec[2]}
@@ -160,7 +165,7 @@ def _estimate(args) -> int:
         fits = (" | yes" if est.total <= capacity else " | no") if capacity else ""
         print(f"{label:<44.44}| {g(est.weights):>7} | {g(est.gradients):>5} | {g(est.optimizer):>9} | "
               f"{g(est.activations):>11} | {g(est.temporary):>9} | {g(est.total):>5}{fits}")
-    if args.gpu:
+    if args.gpu is not None:
         if rec is None:
             print(f"\nNothing fits {args.gpu} ({g(capacity)} GiB) even with micro-batch 1, 4-bit states and "
                   "full checkpointing: use a larger GPU or a smaller model/sequence.")

@@ -117,6 +117,7 @@ def main(steps: int | None = None, device: str = "auto", out: str = "memfit-demo
     import torch
 
     import memfit
+    from memfit import memory
     from memfit.profile import format_rows, total_bytes
 
     if device == "auto":
@@ -125,9 +126,7 @@ def main(steps: int | None = None, device: str = "auto", out: str = "memfit-demo
     if dev.type not in SIZES:
         raise ValueError(f"device: expected cpu or cuda, got {device!r}")
     kw, batch, seq, default_steps = SIZES[dev.type]
-    steps = default_steps if steps is None else steps
-    if steps < 5:
-        raise ValueError("steps: need at least 5")
+    steps = memory.check_size(default_steps if steps is None else steps, "steps", minimum=5)
     raw = torch.frombuffer(bytearray(stdlib_corpus()), dtype=torch.uint8)
     split = int(0.95 * raw.numel())
     corpus = {"train": raw[:split], "val": raw[split:]}

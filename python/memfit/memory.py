@@ -159,60 +159,117 @@ PRESETS = {
 }
 
 
+# The largest size (batch, sequence, width, vocabulary, layer count...) any check here
+# takes: 2**48 is far beyond any real model, and keeps every product the estimator
+# forms (a few sizes multiplied, some as floats) finite, where a 400-digit number
+# would overflow float64 and end in a traceback.
+MAX_SIZE = 2**48
+
+
+def shown(v) -> str:
+    """v for an error message: its repr, but a count of digits for a huge int (whose
+    repr may even be refused past 4300 digits) and a shortened long string."""
+    if isinstance(v, int) and not isinstance(v, bool) and abs(v) > 10**30:
+        digits = int(math.log10(abs(v))) + 1
+        digits -= 10 ** (digits - 1) > abs(v)  # log10 rounds 10**400 - 1 up to 400.0
+        return f"a {'negative ' if v < 0 else ''}number with {digits} digits"
+    text = repr(v)
+    return text if len(text) <= 60 else text[:40] + f"... ({len(text)} characters)"
+
+
 def _integral(v) -> bool:
     """An int, or a float with an integral value (JSON writers differ), not a bool."""
     return not isinstance(v, bool) and (isinstance(v, int) or (isinstance(v, float) and v.is_integer()))
 
 
+def size_problem(v, minimum: int = 1, maximum: int = MAX_SIZE) -> str | None:
+    """What is wrong with v as a size (an integer in [minimum, maximum]; a float with
+    an integral value passes, a bool does not), or None. The one check behind every
+    size option and field: the CLI's options, config.json fields, Setup, profile."""
+    if not _integral(v):
+        return f"expected an integer, got {shown(v)}"
+    if v < minimum:
+        return f"need at least {minimum}, got {shown(v)}"
+    if v > maximum:
+        return f"must be at most {maximum}, got {shown(v)}"
+    return None
+
+
+def check_size(v, name: str, minimum: int = 1, maximum: int = MAX_SIZE) -> int:
+    """v as an int, or ValueError naming ``name`` (see size_problem)."""
+    problem = size_problem(v, minimum, maximum)
+    if problem:
+        raise ValueError(f"{name}: {problem}")
+    return int(v)
+
+
+def _read_json(path):
+    try:
+        cfg = json.loads(Path(path).read_text())
+    except OSError as e:
+        raise ValueError(f"config: cannot read {str(path)!r} ({e.strerror or e})") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"config: {str(path)!r} is not valid JSON ({e})") from None
+    except RecursionError:
+        raise ValueError(f"config: {str(path)!r} is nested too deeply to be a config.json") from None
+    return cfg
+
+
 def from_hf_config(path_or_dict) -> ModelSpec:
     """A ModelSpec from a Hugging Face ``config.json`` (GPT-2, BERT/RoBERTa, Llama,
-    Mistral and other models using the common key names)."""
-    if isinstance(path_or_dict, dict):
-        cfg = path_or_dict
-    else:
-        try:
-            cfg = json.loads(Path(path_or_dict).read_text())
-        except OSError as e:
-            raise ValueError(f"config: cannot read {str(path_or_dict)!r} ({e.strerror or e})") from None
-        except json.JSONDecodeError as e:
-            raise ValueError(f"config: {str(path_or_dict)!r} is not valid JSON ({e})") from None
+    Mistral and other models using the common key names). Every field read is
+    checked (sizes: integers in range; flags: true/false; names: strings; dropout: a
+    number >= 0) and a bad one raises ValueError naming it."""
+    cfg = path_or_dict if isinstance(path_or_dict, dict) else _read_json(path_or_dict)
     if not isinstance(cfg, dict):
         raise ValueError(f"config: expected a JSON object of model settings, got {type(cfg).__name__}")
-    get = lambda *keys, default=None: next((cfg[k] for k in keys if k in cfg and cfg[k] is not None), default)  # noqa: E731
-    n_layer = get("num_hidden_layers", "n_layer")
-    d = get("hidden_size", "n_embd", "d_model")
-    heads = get("num_attention_heads", "n_head")
-    vocab = get("vocab_size")
-    if None in (n_layer, d, heads, vocab):
-        raise ValueError("config: needs num_hidden_layers/n_layer, hidden_size/n_embd, "
-                         "num_attention_heads/n_head and vocab_size")
-    sizes = {"num_hidden_layers/n_layer": n_layer, "hidden_size/n_embd": d,
-             "num_attention_heads/n_head": heads, "vocab_size": vocab}
-    for key, v in sizes.items():
-        if not _integral(v) or v < 1:
-            raise ValueError(f"config: {key} must be an integer >= 1, got {v!r}")
-    kv = get("num_key_value_heads", default=0) or 0
-    if not _integral(kv) or kv < 0 or (kv and int(heads) % int(kv)):
-        raise ValueError(f"config: num_key_value_heads must be an integer that divides "
+
+    def get(*keys, default=None):
+        """(key, value) of the first of ``keys`` set (not null), else (keys[0], default)."""
+        return next(((k, cfg[k]) for k in keys if cfg.get(k) is not None), (keys[0], default))
+
+    def size(*keys, minimum=1, default=None) -> int:
+        key, v = get(*keys, default=default)
+        if v is None:
+            raise ValueError("config: needs num_hidden_layers/n_layer, hidden_size/n_embd, "
+                             "num_attention_heads/n_head and vocab_size")
+        return check_size(v, f"config: {key}", minimum)
+
+    def typed(kind, what, *keys, default):
+        key, v = get(*keys, default=default)
+        if not isinstance(v, kind) or (kind is not bool and isinstance(v, bool)):
+            raise ValueError(f"config: {key}: must be {what}, got {shown(v)}")
+        return v
+
+    n_layer = size("num_hidden_layers", "n_layer")
+    d = size("hidden_size", "n_embd", "d_model")
+    heads = size("num_attention_heads", "n_head")
+    vocab = size("vocab_size")
+    kv = size("num_key_value_heads", minimum=0, default=0)
+    if kv and heads % kv:
+        raise ValueError(f"config: num_key_value_heads: must divide "
                          f"num_attention_heads ({heads}), got {kv!r}")
-    mtype = cfg.get("model_type", "")
-    act = str(get("hidden_act", "activation_function", default="gelu"))
+    mtype = typed(str, "a string", "model_type", default="")
+    act = typed(str, "a string", "hidden_act", "activation_function", default="gelu")
     swiglu = act in ("silu", "swish") or mtype in ("llama", "mistral", "qwen2", "gemma")
     rotary = "rope_theta" in cfg or mtype in ("llama", "mistral", "qwen2", "gemma")
     extra = 0
     if mtype in ("bert", "roberta"):
-        extra = get("type_vocab_size", default=2) * d + d * d + d
+        extra = size("type_vocab_size", minimum=0, default=2) * d + d * d + d
+    key, dropout = get("attention_dropout", "attn_pdrop", "attention_probs_dropout_prob", default=0.0)
+    if isinstance(dropout, bool) or not isinstance(dropout, (int, float)) or not 0 <= dropout <= 1:
+        raise ValueError(f"config: {key}: must be a probability from 0 to 1, got {shown(dropout)}")
     return ModelSpec(
-        name=str(get("_name_or_path", "model_type", default="hf-config")),
-        n_layer=int(n_layer), d_model=int(d), n_head=int(heads), vocab=int(vocab),
-        d_ff=int(get("intermediate_size", "n_inner", default=0) or 0),
-        n_kv_head=int(get("num_key_value_heads", default=0) or 0),
-        max_pos=0 if rotary else int(get("max_position_embeddings", "n_positions", default=0)),
+        name=str(get("_name_or_path", "model_type", default="hf-config")[1]),
+        n_layer=n_layer, d_model=d, n_head=heads, vocab=vocab,
+        d_ff=size("intermediate_size", "n_inner", minimum=0, default=0),
+        n_kv_head=kv,
+        max_pos=0 if rotary else size("max_position_embeddings", "n_positions", minimum=0, default=0),
         mlp="swiglu" if swiglu else "gelu",
         norm="rmsnorm" if "rms_norm_eps" in cfg else "layernorm",
-        bias=bool(get("attention_bias", "bias", default=not swiglu)),
-        tied_embeddings=bool(get("tie_word_embeddings", default=True)),
-        dropout=float(get("attention_dropout", "attn_pdrop", "attention_probs_dropout_prob", default=0.0)) > 0,
+        bias=typed(bool, "true or false", "attention_bias", "bias", default=not swiglu),
+        tied_embeddings=typed(bool, "true or false", "tie_word_embeddings", default=True),
+        dropout=dropout > 0,
         extra_params=extra,
     )
 
@@ -277,9 +334,10 @@ def validate(setup: Setup):
     if setup.attention not in ("sdpa", "eager"):
         raise ValueError(f"attention: expected sdpa or eager, got {setup.attention!r}")
     for name in ("batch", "seq"):
-        if getattr(setup, name) < 1:
-            raise ValueError(f"{name}: must be >= 1")
-    if setup.micro < 1 or setup.micro > setup.batch:
+        check_size(getattr(setup, name), name)
+    if setup.micro_batch is not None:
+        check_size(setup.micro_batch, "micro_batch")
+    if setup.micro > setup.batch:
         raise ValueError("micro_batch: must be between 1 and batch")
 
 
@@ -375,7 +433,7 @@ def parse_gpu(gpu: str) -> tuple:
         except ValueError:
             size = None
         if size is not None:
-            if not (math.isfinite(size) and size > 0 and math.isfinite(size * GB)):
+            if not (math.isfinite(size) and size * GB >= 1 and math.isfinite(size * GB)):
                 raise ValueError(f"gpu: the memory size must be a finite number of GB > 0, got {gpu!r}")
             return int(size * GB), True
     raise ValueError(f"gpu: expected one of {', '.join(GPUS)} or a size like 24GB, got {gpu!r}")
@@ -441,11 +499,16 @@ def resolve_model(name_or_path: str) -> ModelSpec:
     if name_or_path in PRESETS:
         return PRESETS[name_or_path]
     path = Path(name_or_path)
-    if path.is_dir():
-        path = path / "config.json"
-    if path.exists():
+    try:
+        if path.is_dir():
+            path = path / "config.json"
+        found = path.exists()
+    except (OSError, ValueError):  # a name too long for a path, a NUL byte
+        found = False
+    if found:
         return from_hf_config(path)
-    raise ValueError(f"model: expected a preset ({', '.join(PRESETS)}) or a config.json path, got {name_or_path!r}")
+    raise ValueError(f"model: expected a preset ({', '.join(PRESETS)}) or a config.json path, "
+                     f"got {shown(name_or_path)}")
 
 
 def fmt_gb(n: int) -> str:

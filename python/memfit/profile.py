@@ -10,6 +10,7 @@ parameters excluded), peak CUDA memory on a GPU, and the median step time.
 from __future__ import annotations
 
 import math
+import os
 import statistics
 import sys
 import time
@@ -263,24 +264,69 @@ def chart(rows: list, path):
                         xlabel="configuration", ylabel="memory (MiB, measured)")
 
 
-def preset_model(preset: str, layers: int, d_model: int, heads: int, seq: int):
-    """A GPT-2-family preset built at small scale (fewer layers, narrower), keeping
-    its vocabulary, as a memfit.models.GPT."""
+def preset_config(preset: str, layers: int, d_model: int, heads: int, seq: int):
+    """The GPTConfig of a GPT-2-family preset built at small scale (fewer layers,
+    narrower), keeping its vocabulary; checked, nothing built."""
     from memfit import memory
-    from memfit.models import GPT, GPTConfig
+    from memfit.models import GPTConfig
 
     spec = memory.resolve_model(preset)
     if spec.mlp != "gelu" or spec.norm != "layernorm":
         raise ValueError(f"model: only GPT-2-style presets can be built at small scale, not {preset!r}")
     if d_model % heads:
         raise ValueError(f"d_model: must be divisible by the number of heads ({heads})")
-    cfg = GPTConfig(n_layer=layers, d_model=d_model, n_head=heads, vocab=spec.vocab, max_pos=seq)
+    return GPTConfig(n_layer=layers, d_model=d_model, n_head=heads, vocab=spec.vocab, max_pos=seq)
+
+
+def preset_model(preset: str, layers: int, d_model: int, heads: int, seq: int):
+    """A GPT-2-family preset built at small scale (see preset_config), as a memfit.models.GPT."""
+    from memfit.models import GPT
+
+    cfg = preset_config(preset, layers, d_model, heads, seq)
     return GPT(cfg), cfg
 
 
+def machine_bytes(device: torch.device) -> int | None:
+    """The memory a run on ``device`` can use at most: the GPU's, or the host's
+    physical memory (None where the system does not say)."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).total_memory
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (AttributeError, ValueError, OSError):  # no sysconf (Windows)
+        return None
+
+
+def check_fits(spec, configs: list, batch: int, seq: int, device: torch.device) -> None:
+    """Refuses, before anything is allocated, a configuration whose estimated training
+    memory (memfit.memory, with the least memory each could take: 16-bit autocast,
+    every layer checkpointed) exceeds everything the device has: it cannot run, and
+    torch would fail part-way with an allocator error (or overflow a size)."""
+    from memfit import memory
+
+    capacity = machine_bytes(device)
+    if capacity is None:
+        return
+    for name in configs:
+        use_amp, opt_name, budget = CONFIGS[name]
+        setup = memory.Setup(batch=batch, seq=seq, precision="bf16" if use_amp else "fp32",
+                             optimizer=opt_name, checkpoint="every" if budget else "none",
+                             gpu=device.type == "cuda")
+        need = memory.estimate(spec, setup).total
+        if need > capacity:
+            where = "GPU" if device.type == "cuda" else "machine"
+            raise ValueError(
+                f"configs: {name} would need about {memory.fmt_gb(need)} GiB (memfit estimate), "
+                f"more than this {where}'s {memory.fmt_gb(capacity)} GiB; lower --d-model, --layers, "
+                "--batch or --seq")
+
+
 def load_factory(spec: str):
-    """'package.module:function' -> the function's (model, batches, loss_fn)."""
+    """'package.module:function' -> the function's (model, batches, loss_fn), checked:
+    the function must take no arguments and return a torch module with parameters and
+    two callables."""
     import importlib
+    import inspect
 
     mod_name, _, fn_name = spec.partition(":")
     if not mod_name or not fn_name:
@@ -294,10 +340,32 @@ def load_factory(spec: str):
         raise ValueError(f"module: {mod_name!r} has no function {fn_name!r}") from None
     if not callable(fn):
         raise ValueError(f"module: {spec} is not a function")
+    try:
+        inspect.signature(fn).bind()
+    except TypeError as e:
+        raise ValueError(f"module: {spec} must take no arguments (memfit profile calls it "
+                         f"with none): {e}") from None
+    except ValueError:  # no signature (some built-ins): call it and see
+        pass
     result = fn()
-    if not (isinstance(result, tuple) and len(result) == 3):
-        raise ValueError(f"module: {spec} must return (model, batches, loss_fn)")
-    return result
+    want = "(model, batches, loss_fn): a torch.nn.Module with parameters and two callables"
+    if not (isinstance(result, (tuple, list)) and len(result) == 3):
+        raise ValueError(f"module: {spec} must return {want}, got {_kind(result)}")
+    model, batches, loss_fn = result
+    if not isinstance(model, torch.nn.Module) or next(model.parameters(), None) is None:
+        raise ValueError(f"module: {spec} must return {want}; its model is {_kind(model)}"
+                         + (" without parameters" if isinstance(model, torch.nn.Module) else ""))
+    for what, v in (("batches", batches), ("loss_fn", loss_fn)):
+        if not callable(v):
+            raise ValueError(f"module: {spec} must return {want}; its {what} is {_kind(v)}")
+    return tuple(result)
+
+
+def _kind(v) -> str:
+    """What v is, for a message: its type, and its length for a tuple or list."""
+    name = type(v).__name__
+    article = "an" if name[:1].lower() in "aeiou" else "a"
+    return f"{article} {name}" + (f" of {len(v)}" if isinstance(v, (tuple, list)) else "")
 
 
 def main(args) -> int:
@@ -319,13 +387,16 @@ def main(args) -> int:
     for c in configs:
         if c not in CONFIGS:
             raise ValueError(f"configs: unknown configuration {c!r} (choose from {', '.join(CONFIGS)})")
-    if args.steps < 2:
-        raise ValueError("steps: need at least 2 (one warm-up, one measured)")
+    memory.check_size(args.steps, "steps (one warm-up, one measured)", minimum=2)
     for name in ("layers", "d_model", "heads", "batch", "seq"):  # profile.main is public too
-        if getattr(args, name) < 1:
-            raise ValueError(f"{name}: must be >= 1, got {getattr(args, name)}")
-    rows = []
+        memory.check_size(getattr(args, name), name)
     spec = None
+    if not args.module:  # the preset's size is known before anything is built: check it fits
+        cfg = preset_config(args.model, args.layers, args.d_model, args.heads, args.seq)
+        spec = memory.ModelSpec(f"{args.model} (small)", cfg.n_layer, cfg.d_model, cfg.n_head, cfg.vocab,
+                                max_pos=cfg.max_pos, dropout=False)
+        check_fits(spec, configs, args.batch, args.seq, dev)
+    rows = []
     for i, name in enumerate(configs):
         torch.manual_seed(args.seed)
         if args.module:
@@ -343,8 +414,6 @@ def main(args) -> int:
             def loss_fn(m, x, y):
                 return m(x, y)[1]
 
-            spec = memory.ModelSpec(f"{args.model} (small)", cfg.n_layer, cfg.d_model, cfg.n_head, cfg.vocab,
-                                    max_pos=cfg.max_pos, dropout=False)
         bar = Progress(args.steps, f"[{i + 1}/{len(configs)}] {name}")
         row = run_config(name, model, batches, loss_fn, args.steps, schedule=False,
                          progress=lambda step, n, loss, bar=bar: bar.update(loss))
