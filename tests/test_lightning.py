@@ -1,7 +1,8 @@
 """PyTorch Lightning with memfit optimizers: configure_optimizers returning an
-AdamW8bit with a scheduler, precision="bf16-mixed" on the CPU with gradient_clip_val,
-"16-mixed" on a GPU (the scaler's found_inf reaches the kernels: the on-device skip),
-and a ModelCheckpoint resumed with trainer.fit(ckpt_path=...) bit-exactly.
+AdamW8bit with a scheduler, memfit's precision plugin (memfit.amp.lightning) under
+"bf16-mixed" and "16-mixed" on the CPU with gradient_clip_val (the scaler's found_inf
+reaches the kernels: the on-device skip), "16-mixed" on a GPU, and a ModelCheckpoint
+resumed with trainer.fit(ckpt_path=...) bit-exactly.
 
 Each run is compared with a hand-written loop doing what Lightning documents it does
 (autocast without the weight cache, clip_grad_norm_, step, scheduler step per batch):
@@ -15,6 +16,7 @@ torch = pytest.importorskip("torch")
 pl = pytest.importorskip("pytorch_lightning")
 
 import memfit.optim as mo  # noqa: E402
+from memfit.amp.lightning import MixedPrecision  # noqa: E402
 
 N_BATCHES, BATCH = 6, 8
 
@@ -72,22 +74,31 @@ def _fit(max_steps, **kw):
 
 
 def _manual(steps, precision=None, clip=None):
-    """The loop Lightning runs, written out. Returns (net, optimizer, losses, norms)."""
+    """The loop Lightning runs, written out (with torch's GradScaler under "16-mixed",
+    as Lightning's plugin makes it). Returns (net, optimizer, losses, norms)."""
     net = _net()
     opt, sched = _optimizer(net.parameters())
+    scaler = torch.amp.GradScaler("cpu") if precision == "16-mixed" else None
+    half = {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}.get(precision)
     losses, norms = [], []
     it = iter(_loader())
     for _ in range(steps):
         x, y = next(it)
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16-mixed",
+        with torch.autocast("cpu", dtype=half or torch.bfloat16, enabled=half is not None,
                             cache_enabled=False):
             loss = torch.nn.functional.mse_loss(net(x).float(), y)
         losses.append(loss.item())
         opt.zero_grad()
-        loss.backward()
+        (scaler.scale(loss) if scaler else loss).backward()
+        if scaler:
+            scaler.unscale_(opt)
         if clip is not None:
             norms.append(torch.nn.utils.clip_grad_norm_(net.parameters(), clip).item())
-        opt.step()
+        if scaler:
+            scaler.step(opt)
+            scaler.update()
+        else:
+            opt.step()
         sched.step()
     return net, opt, losses, norms
 
@@ -109,17 +120,110 @@ def test_configure_optimizers_with_scheduler_matches_manual_loop():
     assert lit_opt.param_groups[0]["lr"] == pytest.approx(1e-2 / (1 + N_BATCHES))
 
 
-def test_bf16_mixed_with_gradient_clipping_matches_manual_loop():
-    """Before: 'AdamW8bit does not allow for gradient clipping because it performs
-    unscaling of gradients internally' at the first step."""
+def test_the_flag_has_torchs_meaning_for_every_caller():
+    """_step_supports_amp_scaling is a plain True, whoever asks (it once answered
+    False to Lightning's modules only): Lightning's own plugin therefore refuses to
+    clip, as it does for torch's fused AdamW, and says what to use."""
+    from lightning_fabric.plugins.precision.amp import _optimizer_handles_unscaling
+
+    opt = _optimizer(_net().parameters())[0]
+    assert mo.AdamW8bit._step_supports_amp_scaling is True
+    assert _optimizer_handles_unscaling(opt) is True
+    with pytest.raises(RuntimeError, match="does not allow for gradient clipping"):
+        _fit(1, precision="bf16-mixed", gradient_clip_val=1.0)
+
+
+@pytest.mark.parametrize("precision", ["bf16-mixed", "16-mixed"])
+def test_memfit_plugin_with_gradient_clipping_matches_manual_loop(precision):
+    """memfit's plugin: Lightning's MixedPrecision that unscales (16-mixed) and clips;
+    bit for bit the loop torch documents (unscale_, clip_grad_norm_, scaler.step)."""
     clip = 0.05
-    model = _fit(N_BATCHES, precision="bf16-mixed", gradient_clip_val=clip)
-    net, _, losses, norms = _manual(N_BATCHES, precision="bf16-mixed", clip=clip)
+    model = _fit(N_BATCHES, plugins=[MixedPrecision(precision, "cpu")], gradient_clip_val=clip)
+    net, _, losses, norms = _manual(N_BATCHES, precision=precision, clip=clip)
     assert min(norms) > clip  # every step was clipped: the check below can see it
     _assert_params_equal(model.net, net)
     assert model.losses == losses and losses[-1] < losses[0]
-    unclipped, *_ = _manual(N_BATCHES, precision="bf16-mixed")
+    unclipped, *_ = _manual(N_BATCHES, precision=precision)
     assert not torch.equal(unclipped[0].weight, net[0].weight)
+    if precision == "16-mixed":  # the scaler ran: its state is in the trainer's plugin
+        assert model.trainer.precision_plugin.scaler.get_scale() > 0
+
+
+class _Poisoned(Lit):
+    """Records what the scaler hands each step (grad_scale, found_inf), gives step 2
+    an inf gradient before the unscale, and snapshots the first layer's weight and
+    step counter before steps 2 and 3."""
+
+    def __init__(self):
+        super().__init__()
+        self.seen, self.snap = [], {}
+
+    def configure_optimizers(self):
+        cfg = super().configure_optimizers()
+        opt = cfg["optimizer"]
+        step = opt.step
+
+        def spied(*a, **k):
+            self.seen.append((getattr(opt, "grad_scale", "absent"), getattr(opt, "found_inf", None)))
+            return step(*a, **k)
+
+        opt.step = spied
+        return cfg
+
+    def on_after_backward(self):
+        if self.global_step == 2:
+            self.net[0].weight.grad[0, 0] = float("inf")
+
+    def on_before_optimizer_step(self, optimizer):
+        w = self.net[0].weight
+        if self.global_step in (2, 3):
+            self.snap[self.global_step] = (w.detach().clone(), optimizer.state[w]["step"].clone())
+
+
+def _check_16_mixed_skip(accelerator, device):
+    """Under "16-mixed" the plugin unscales once (no "unscale_() has already been
+    called"), the scaler hands the kernels found_inf with grad_scale None, and the inf
+    gradient skips the step on the device: weights and step counter unchanged."""
+    model = _Poisoned()
+    pl.Trainer(accelerator=accelerator, devices=1, plugins=[MixedPrecision("16-mixed", device)],
+               gradient_clip_val=1.0, max_steps=N_BATCHES, logger=False, enable_progress_bar=False,
+               enable_checkpointing=False, enable_model_summary=False,
+               num_sanity_val_steps=0).fit(model, _loader())
+    assert len(model.seen) == N_BATCHES
+    for grad_scale, found_inf in model.seen:
+        assert grad_scale is None and torch.is_tensor(found_inf)  # the fused skip path
+    assert [bool(f) for _, f in model.seen] == [False, False, True, False, False, False]
+    (w2, step2), (w3, step3) = model.snap[2], model.snap[3]
+    assert torch.equal(w2, w3) and torch.equal(step2, step3)  # skipped on the device
+    assert model.trainer.precision_plugin.scaler.get_scale() == 2.0**16 * 0.5  # backed off once
+
+
+def test_memfit_plugin_16_mixed_keeps_the_on_device_skip():
+    _check_16_mixed_skip("cpu", "cpu")
+
+
+def test_memfit_plugin_leaves_other_optimizers_to_lightning():
+    """An optimizer without the flag (torch's SGD) is unscaled by Lightning itself,
+    once, and clipped: the plugin changes nothing for it."""
+    class SGDLit(Lit):
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=1e-2)
+
+    model = SGDLit()
+    _trainer(max_steps=3, plugins=[MixedPrecision("16-mixed", "cpu")],
+             gradient_clip_val=0.05).fit(model, _loader())
+    net = _net()
+    opt, scaler = torch.optim.SGD(net.parameters(), lr=1e-2), torch.amp.GradScaler("cpu")
+    for x, y in list(_loader())[:3]:
+        with torch.autocast("cpu", dtype=torch.float16, cache_enabled=False):
+            loss = torch.nn.functional.mse_loss(net(x).float(), y)
+        opt.zero_grad()
+        scaler.scale(loss).backward()
+        scaler.unscale_(opt)
+        torch.nn.utils.clip_grad_norm_(net.parameters(), 0.05)
+        scaler.step(opt)
+        scaler.update()
+    _assert_params_equal(model.net, net)
 
 
 def test_model_checkpoint_resume_is_bit_exact(tmp_path):
@@ -130,15 +234,16 @@ def test_model_checkpoint_resume_is_bit_exact(tmp_path):
 
     ckpt = ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=n, save_top_k=-1,
                            filename="{step}")
-    _fit(n, precision="bf16-mixed", gradient_clip_val=1.0, callbacks=[ckpt],
+    _fit(n, plugins=[MixedPrecision("bf16-mixed", "cpu")], gradient_clip_val=1.0, callbacks=[ckpt],
          enable_checkpointing=True)
     path = tmp_path / f"step={n}.ckpt"
     assert path.exists(), list(tmp_path.iterdir())
 
     resumed = Lit()
-    trainer = _trainer(max_steps=n + m, precision="bf16-mixed", gradient_clip_val=1.0)
+    trainer = _trainer(max_steps=n + m, plugins=[MixedPrecision("bf16-mixed", "cpu")],
+                       gradient_clip_val=1.0)
     trainer.fit(resumed, _loader(), ckpt_path=str(path))
-    straight = _fit(n + m, precision="bf16-mixed", gradient_clip_val=1.0)
+    straight = _fit(n + m, plugins=[MixedPrecision("bf16-mixed", "cpu")], gradient_clip_val=1.0)
     _assert_params_equal(resumed.net, straight.net)
     a, b = resumed.trainer.optimizers[0], straight.trainer.optimizers[0]
     for p, q in zip(resumed.net.parameters(), straight.net.parameters(), strict=True):
@@ -151,50 +256,4 @@ def test_model_checkpoint_resume_is_bit_exact(tmp_path):
 
 @pytest.mark.cuda
 def test_16_mixed_on_gpu_clips_and_keeps_the_on_device_skip():
-    """Lightning's scaler: unscale_ (so the clip sees true gradients), clip, then
-    scaler.step hands the kernels found_inf (grad_scale None after unscale_), and an
-    inf gradient skips the step on the device."""
-    seen = []
-
-    class Spy(Lit):
-        def configure_optimizers(self):
-            cfg = super().configure_optimizers()
-            opt = cfg["optimizer"]
-            step = opt.step
-
-            def spied(*a, **k):
-                seen.append((getattr(opt, "grad_scale", "absent"),
-                             getattr(opt, "found_inf", None)))
-                return step(*a, **k)
-
-            opt.step = spied
-            return cfg
-
-        def on_before_optimizer_step(self, optimizer):
-            if self.global_step == 2:  # poison one step's gradients
-                self.net[0].weight.grad[0, 0] = float("inf")
-
-    model = Spy()
-    before = {}
-
-    class Snap(pl.Callback):
-        def on_before_optimizer_step(self, trainer, module, optimizer):
-            if trainer.global_step == 2:
-                before["w"] = module.net[0].weight.detach().clone()
-                before["step"] = optimizer.state[module.net[0].weight]["step"].clone()
-
-        def on_train_batch_end(self, trainer, module, *args):
-            if trainer.global_step == 3 and "after" not in before:
-                before["after"] = module.net[0].weight.detach().clone()
-                before["step_after"] = module.trainer.optimizers[0].state[
-                    module.net[0].weight]["step"].clone()
-
-    pl.Trainer(accelerator="gpu", devices=1, precision="16-mixed", gradient_clip_val=1.0,
-               max_steps=N_BATCHES, logger=False, enable_progress_bar=False,
-               enable_checkpointing=False, enable_model_summary=False,
-               callbacks=[Snap()]).fit(model, _loader())
-    assert len(seen) == N_BATCHES
-    for grad_scale, found_inf in seen:
-        assert grad_scale is None and torch.is_tensor(found_inf)  # the fused skip path
-    assert torch.equal(before["w"], before["after"])  # skipped on the device
-    assert torch.equal(before["step"], before["step_after"])
+    _check_16_mixed_skip("gpu", "cuda")

@@ -32,7 +32,8 @@ The classic loop::
 One capability per file: ``scaler.py`` (GradScaler, OptState, ScalerConfigError),
 ``report.py`` (ScalerWarning, the scaler's warnings and stats()), ``clip.py``
 (clip_grad_norm_), ``mixed_precision.py`` (precision, Precision, autocast,
-AutocastContext, setup), ``accumulate.py`` (GradAccumulator).
+AutocastContext, setup), ``accumulate.py`` (GradAccumulator), ``lightning.py``
+(a Lightning precision plugin; imported only when asked for, it imports Lightning).
 ``cast`` and the matrix products (``matmul``, ``gemm_backend``, ``set_gemm_backend``)
 are re-exported here under their old names; they live in ``memfit.cast`` and
 ``memfit.nn``.

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-import sys
 from collections import defaultdict
 
 import torch
@@ -20,10 +19,6 @@ _FORMAT_VERSION = 2
 # as at the top level: torch.distributed.checkpoint's get_state_dict/set_state_dict keep
 # only "state" and "param_groups".
 _GROUP_FORMAT_KEY = "memfit_format"
-# Modules that read _step_supports_amp_scaling as "never unscale_ this optimizer, never
-# clip it" (see _MemfitOptimizer._step_supports_amp_scaling): Lightning's, under both of
-# its package names.
-_UNSCALE_FIRST_CALLERS = ("lightning_fabric.", "pytorch_lightning.", "lightning.")
 
 
 # A parameter's state tensors in the order the step passes them to the core (absent: None).
@@ -187,20 +182,13 @@ class _MemfitOptimizer(torch.optim.Optimizer):
     _kind: int = _core.ADAMW
     _bits: int = 8
 
-    @property
-    def _step_supports_amp_scaling(self) -> bool:
-        """True: torch.amp.GradScaler (and memfit's) hand the kernels grad_scale and
-        found_inf instead of unscaling and syncing on found_inf: they unscale and skip
-        on the device, and after an explicit ``unscale_`` (grad_scale None) they still
-        skip on found_inf, so ``unscale_``, clipping, ``step`` is exact.
-
-        Lightning reads this flag as "unscale_ before step would unscale twice", skips
-        its unscale_ and refuses gradient clipping (``_optimizer_handles_unscaling`` in
-        lightning_fabric/plugins/precision/amp.py, asked even under bf16-mixed, where no
-        scaler exists). That does not hold here, so Lightning alone is told False: it
-        unscales, clips, and its ``scaler.step`` still gives the kernels found_inf."""
-        caller = sys._getframe(1).f_globals.get("__name__", "")
-        return not caller.startswith(_UNSCALE_FIRST_CALLERS)
+    # torch.amp.GradScaler (and memfit's) hand the kernels grad_scale and found_inf
+    # instead of unscaling and syncing on found_inf: they unscale and skip on the
+    # device, and after an explicit unscale_ (grad_scale None) they still skip on
+    # found_inf, so unscale_, clipping, step is exact. True for every caller: Lightning
+    # reads it as "cannot clip", and memfit.amp.lightning.MixedPrecision is the
+    # plugin that unscales and clips such optimizers (docs/frameworks.md).
+    _step_supports_amp_scaling = True
 
     def __init__(self, params, hyper, *, maximize=False, block_size=None, min_8bit_size=4096,
                  bf16_stochastic_round=None, kahan=False):
