@@ -218,7 +218,8 @@ def _range_error_cases():
                 continue
             if not c.torch_keywords and "nesterov" in kw:
                 continue
-            key = ",".join(f"{k}={v.tolist() if torch.is_tensor(v) else v}" for k, v in kw.items())
+            key = ",".join(f"{k}={v}" for k, v in kw.items()).replace("tensor", "Tensor")
+            key = key.replace("Tensor([0.0010, 0.0010])", "Tensor[2]")
             out.append(pytest.param(c, kw, err, torch_msg if c.impl == "torch" else memfit_msg,
                                     id=f"{c.id}-{key}"))
     return out
@@ -403,13 +404,18 @@ def test_matches_float64_reference(case):
         moved = (r.detach() - s).norm()
         err = (p.detach().double() - r.detach()).norm() / moved
         fmt = case.bits if p.dim() == 2 else 32
-        # 8-bit codes: ~1-3% of each state; 4-bit: ~10%; both relative to the step
-        tol = {32: 1e-5, 8: 0.06, 4: 0.25}[fmt]
+        # relative to how far the parameter moved: float32 rounding for float32 states;
+        # 8-bit codes hold each state within ~1% of its block's scale (measured 0.3-0.9%
+        # here), but a Lion element whose quantized momentum changes sign moves 2 lr the
+        # other way (4%); 4-bit codes: 16%
+        tol = {32: 1e-5, 8: 0.06 if case.family == "lion" else 0.02, 4: 0.25}[fmt]
         assert err < tol, (tuple(p.shape), fmt, err.item())
     if case.memfit and case.bits != 32:
         sparams = list(_linear().parameters())
         _run(case.make([{"params": sparams, "bits": 32}], weight_decay=0.05), sparams, grads)
         _assert_bits_equal([params[1].detach()], [sparams[1].detach()], "bias")
+        if case.family == "sgd" and not case.kwargs.get("momentum"):  # no state to quantize
+            _assert_bits_equal([params[0].detach()], [sparams[0].detach()], "weight")
 
 
 class _LionReference(torch.optim.Optimizer):
