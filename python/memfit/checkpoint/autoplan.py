@@ -35,9 +35,15 @@ class _Cursor:
     """The place in the chain that ran last (-1: a pass has not started), shared by the
     wrappers of one plan whose chain uses a module at several places: a call of such a
     module is at its first place after this one (or, past its last place, at its
-    first: a new pass)."""
+    first: a new pass). Also the forward pre-hook that auto() puts on the model whose
+    chain it is, so that each call of the model starts a pass even when the one
+    before raised half-way (``handle`` removes it)."""
 
     def __init__(self):
+        self.last = -1
+        self.handle = None
+
+    def __call__(self, module, args):
         self.last = -1
 
 
@@ -69,7 +75,7 @@ class _BlockForward:
         return type(self.module).forward.__get__(self.module)
 
     def _place(self):
-        if self.cursor is None:
+        if len(self.places) == 1:
             return self.places[0]
         last = self.cursor.last
         place = next((p for p in self.places if p[0] > last), self.places[0])
@@ -79,30 +85,33 @@ class _BlockForward:
     def __call__(self, *args, **kwargs):
         torch = _torch()
         index, region = self._place()
-        orig = self._forward()
         if region is None or not torch.is_grad_enabled():
-            return self._plain(orig, args, kwargs)
+            return self._plain(args, kwargs)
         if _compiling():
             # Under torch.compile each block of the segment is its own torch
             # checkpoint (a segment spans calls the parent makes, which one traced
             # call cannot group): the compiled graph keeps every block's input of the
             # segment, not only the first one's, and recomputes the rest. int8
             # boundaries need the eager frame: this call then runs outside the graph.
+            # (The eager call looks the forward up itself: a bound method traced
+            # here would be rebuilt after the graph break as `module.forward`, which
+            # is this wrapper.)
             if region.compress is not None:
-                return _outside_graph(_EagerCall(self, index, region, orig), *args, **kwargs)
-            return _compiled_checkpoint(orig, args, kwargs,
+                return _outside_graph(_EagerCall(self, index, region), *args, **kwargs)
+            return _compiled_checkpoint(self._forward(), args, kwargs,
                                         preserve_rng_state=region.preserve_rng_state)
-        return self._eager(index, region, orig, args, kwargs)
+        return self._eager(index, region, args, kwargs)
 
-    def _plain(self, orig, args, kwargs):
+    def _plain(self, args, kwargs):
         try:
-            return orig(*args, **kwargs)
+            return self._forward()(*args, **kwargs)
         except BaseException:
             if self.cursor is not None:
                 self.cursor.last = -1  # the pass ended here: the next call starts one
             raise
 
-    def _eager(self, index, region, orig, args, kwargs):
+    def _eager(self, index, region, args, kwargs):
+        orig = self._forward()
         frame = region.frame
         if frame is None or index == region.start or region.expect != index:
             # a fresh pass (or blocks called out of order: start a new frame here)
@@ -135,12 +144,12 @@ class _EagerCall:
     """One block call run by the eager frame from inside a torch.compile trace
     (compress="int8"), with the place already chosen."""
 
-    def __init__(self, wrapper, index, region, orig):
-        self.args = (wrapper, index, region, orig)
+    def __init__(self, wrapper, index, region):
+        self.args = (wrapper, index, region)
 
     def __call__(self, *args, **kwargs):
-        wrapper, index, region, orig = self.args
-        return wrapper._eager(index, region, orig, args, kwargs)
+        wrapper, index, region = self.args
+        return wrapper._eager(index, region, args, kwargs)
 
 
 def _unwrap(module):
@@ -181,6 +190,7 @@ class AutoPlan(Plan):
         self.measurement = measurement
         self._token = object()  # marks this plan's wrappers (a later plan has its own)
         self._stages = [weakref.ref(st) for st, _ in _places(stages)]  # once each
+        self._cursor = None
         self._removed = False
 
     def _install(self, wrappers):
@@ -213,7 +223,13 @@ class AutoPlan(Plan):
         included). Does nothing once removed, or when a later plan replaced it."""
         for b in list(self._mine()):
             _unwrap(b)
+        _drop_hook(self._cursor)
         self._removed = True
+
+
+def _drop_hook(cursor):
+    if cursor is not None and cursor.handle is not None:
+        cursor.handle.remove()  # idempotent
 
 
 def auto(model_or_module_list, example_input, budget="6GB", *, blocks=None,
@@ -271,21 +287,28 @@ def auto(model_or_module_list, example_input, budget="6GB", *, blocks=None,
         base = plan(m.input_bytes, m.saved_bytes, m.forward_cost, budget,
                     max_slots=max_slots, names=m.names)
         result = AutoPlan(base, m, stages)
-        wrappers = _wrappers(stages, base, result._token, compress, preserve_rng_state)
+        cursor, wrappers = _wrappers(stages, base, result._token, compress,
+                                     preserve_rng_state)
+        parent = getattr(model_or_module_list, "_orig_mod", model_or_module_list)
+        if cursor is not None and isinstance(parent, torch.nn.Module) and \
+                not isinstance(parent, torch.nn.ModuleList):
+            cursor.handle = parent.register_forward_pre_hook(cursor)
     except BaseException:
         for st, w in previous:
             st.__dict__["forward"] = w
         raise
+    for _, w in previous:
+        _drop_hook(w.cursor)  # the replaced plan's
+    result._cursor = cursor
     result._install(wrappers)
     return result
 
 
 def _wrappers(stages, base, owner, compress, preserve_rng_state):
-    """[(block, its _BlockForward)] for a plan, built without touching the blocks.
-    A block used at several places of the chain gets one wrapper that knows all of
-    them; when such a block is checkpointed anywhere, every block of the chain gets
-    a wrapper (a stored place runs plainly) so that each call updates the cursor and
-    a pass that raised half-way does not shift the places of the next one."""
+    """(the plan's _Cursor or None, [(block, its _BlockForward)]), built without
+    touching the blocks. A block used at several places of the chain gets one
+    wrapper that knows all of them (a stored place runs plainly); their calls are
+    told apart by a cursor when such a block is checkpointed at any place."""
     role = [None] * len(stages)
     for s, e, c in base.segments:
         if c:
@@ -295,5 +318,5 @@ def _wrappers(stages, base, owner, compress, preserve_rng_state):
     places = _places(stages)
     shared = any(len(idx) > 1 and any(role[i] is not None for i in idx) for _, idx in places)
     cursor = _Cursor() if shared else None
-    return [(st, _BlockForward(st, [(i, role[i]) for i in idx], cursor, owner))
-            for st, idx in places if shared or any(role[i] is not None for i in idx)]
+    return cursor, [(st, _BlockForward(st, [(i, role[i]) for i in idx], cursor, owner))
+                    for st, idx in places if any(role[i] is not None for i in idx)]
