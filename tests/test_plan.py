@@ -279,7 +279,8 @@ def test_auto_names_a_bad_budget_before_touching_the_model(budget):
     assert all("forward" not in b.__dict__ for b in net)
 
 
-@pytest.mark.parametrize("budget", [2**63 - 1, 2**63, 2**64, 10**30, "1e30GB", 1e30, np.float64(2.0**70)])
+@pytest.mark.parametrize("budget", [2**63 - 1, 2**63, 2**64, 10**30, "1e30GB", 1e30,
+                                    np.float64(2.0**70)])
 def test_budget_beyond_int64_means_no_limit(budget):
     # issue 31 §1: no chain's memory reaches 2**63 bytes; the core gets the largest
     # budget it can take and the Plan keeps the one given

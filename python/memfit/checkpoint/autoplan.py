@@ -37,14 +37,27 @@ class _Cursor:
     module is at its first place after this one (or, past its last place, at its
     first: a new pass). Also the forward pre-hook that auto() puts on the model whose
     chain it is, so that each call of the model starts a pass even when the one
-    before raised half-way (``handle`` removes it)."""
+    before raised half-way."""
 
     def __init__(self):
         self.last = -1
-        self.handle = None
+        self.parent = None  # the module it is a pre-hook of (a copy's cursor: the copy's)
 
     def __call__(self, module, args):
         self.last = -1
+
+    def attach(self, parent):
+        parent.register_forward_pre_hook(self)
+        self.parent = parent
+
+    def detach(self):
+        """Takes the pre-hook off, found by identity (a RemovableHandle would, in a
+        deep copy of the model, still point at the original's hooks)."""
+        if self.parent is not None:
+            hooks = self.parent._forward_pre_hooks
+            for k in [k for k, v in hooks.items() if v is self]:
+                del hooks[k]
+            self.parent = None
 
 
 class _BlockForward:
@@ -166,6 +179,10 @@ def _wrapper_on(module):
     return w if isinstance(w, _BlockForward) else None
 
 
+def _no_cursor():
+    return None
+
+
 # id(block) -> (weakref to the block, token of the AutoPlan that planned it last).
 # Weak, so that a plan never keeps a model alive; by id, so that a module with its own
 # __eq__/__hash__ cannot make it fail; nothing is added to the user's modules.
@@ -190,7 +207,7 @@ class AutoPlan(Plan):
         self.measurement = measurement
         self._token = object()  # marks this plan's wrappers (a later plan has its own)
         self._stages = [weakref.ref(st) for st, _ in _places(stages)]  # once each
-        self._cursor = None
+        self._cursor = _no_cursor  # weakref to the plan's _Cursor (it refers to the model)
         self._removed = False
 
     def _install(self, wrappers):
@@ -223,13 +240,10 @@ class AutoPlan(Plan):
         included). Does nothing once removed, or when a later plan replaced it."""
         for b in list(self._mine()):
             _unwrap(b)
-        _drop_hook(self._cursor)
+        cursor = self._cursor()
+        if cursor is not None:
+            cursor.detach()
         self._removed = True
-
-
-def _drop_hook(cursor):
-    if cursor is not None and cursor.handle is not None:
-        cursor.handle.remove()  # idempotent
 
 
 def auto(model_or_module_list, example_input, budget="6GB", *, blocks=None,
@@ -257,8 +271,10 @@ def auto(model_or_module_list, example_input, budget="6GB", *, blocks=None,
     plan installed before stays installed. A new plan replaces the previous one on
     the same blocks (whose :attr:`AutoPlan.installed` then turns False). A block
     used at several places of the chain is planned per place; a block's instance
-    ``forward`` (set by hook libraries) is kept and restored by ``remove()``. ``compress="int8"`` stores the segment
-    inputs blockwise-quantized (see :func:`checkpoint`).
+    ``forward`` (set by hook libraries) is kept and restored by ``remove()``.
+
+    ``compress="int8"`` stores the segment inputs blockwise-quantized (see
+    :func:`checkpoint`).
 
     >>> import torch
     >>> net = torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear(32, 128),
@@ -292,14 +308,15 @@ def auto(model_or_module_list, example_input, budget="6GB", *, blocks=None,
         parent = getattr(model_or_module_list, "_orig_mod", model_or_module_list)
         if cursor is not None and isinstance(parent, torch.nn.Module) and \
                 not isinstance(parent, torch.nn.ModuleList):
-            cursor.handle = parent.register_forward_pre_hook(cursor)
+            cursor.attach(parent)
     except BaseException:
         for st, w in previous:
             st.__dict__["forward"] = w
         raise
     for _, w in previous:
-        _drop_hook(w.cursor)  # the replaced plan's
-    result._cursor = cursor
+        if w.cursor is not None:
+            w.cursor.detach()  # the replaced plan's
+    result._cursor = _no_cursor if cursor is None else weakref.ref(cursor)
     result._install(wrappers)
     return result
 
