@@ -803,3 +803,251 @@ def test_auto_block_input_modified_in_place_raises():
             out.sum().backward()
     finally:
         plan.remove()
+
+
+# ---- auto() under hostile use (issue 31 §1): a block used twice, hook-wrapped forwards,
+# auto() raising part-way, a refused re-plan. Rule: auto() installs a complete plan or
+# leaves the model exactly as it was.
+
+def _mlp(d=8, h=32):
+    return nn.Sequential(nn.Linear(d, h), nn.Tanh(), nn.Linear(h, d))
+
+
+def _snapshot(model):
+    """Everything auto() could touch, by identity: each module's attributes (the
+    forward included), the items of its dicts (parameters, buffers, submodules, every
+    hooks dict), and the parameter values."""
+    mods = []
+    for mod in model.modules():
+        attrs = {k: (v, list(v.items()) if isinstance(v, dict) else None)
+                 for k, v in vars(mod).items()}
+        mods.append((mod, attrs))
+    return mods, [p.detach().clone() for p in model.parameters()]
+
+
+def _assert_unchanged(model, snap):
+    mods, values = snap
+    now, now_values = _snapshot(model)
+    assert [m for m, _ in now] == [m for m, _ in mods]
+    for (mod, attrs), (_, attrs_now) in zip(mods, now):
+        assert attrs.keys() == attrs_now.keys(), (mod, attrs.keys() ^ attrs_now.keys())
+        for k, (v, items) in attrs.items():
+            v_now, items_now = attrs_now[k]
+            assert v_now is v, (type(mod).__name__, k, v, v_now)
+            if items is not None:
+                assert len(items) == len(items_now) and all(
+                    a == c and b is d for (a, b), (c, d) in zip(items, items_now)), (k, items_now)
+    assert all(torch.equal(a, b) for a, b in zip(values, now_values))
+
+
+def _assert_close(got, want):
+    assert len(got) == len(want)
+    for g, w in zip(got, want):
+        assert torch.allclose(g, w, rtol=1e-5, atol=1e-7), (g - w).abs().max()
+
+
+def _torch_checkpointed(model, x, seed):
+    """torch's own non-reentrant checkpoint around every place of the chain (its
+    checkpoint_sequential would iterate model.children(), which lists a reused block
+    once)."""
+    model.zero_grad(set_to_none=True)
+    torch.manual_seed(seed)
+    h = x
+    for blk in model:
+        h = torch.utils.checkpoint.checkpoint(blk, h, use_reentrant=False)
+    h.pow(2).mean().backward()
+    return h.detach(), [p.grad.clone() for p in model.parameters()]
+
+
+@pytest.mark.parametrize("budget", ["100%", "least"])
+def test_auto_block_used_twice_trains_like_torch_and_remove_restores(budget):
+    torch.manual_seed(0)
+    b = _mlp()
+    model = nn.Sequential(b, nn.Tanh(), b)  # weight tying by reuse
+    x = torch.randn(4, 8)
+    before = _snapshot(model)
+    ref_out, ref_grads = loss_and_grads(model, x, seed=0)
+    torch_out, torch_grads = _torch_checkpointed(model, x, seed=0)
+    _assert_close(torch_grads, ref_grads)
+    if budget == "least":
+        m = mc.measure(model, x)
+        assert m.saved_bytes[0] == m.saved_bytes[2] > 0  # each place measured
+        budget = mc.min_budget(m.input_bytes, m.saved_bytes)
+    plan = mc.auto(model, x, budget=budget)
+    try:
+        fwd = b.__dict__.get("forward")  # never measure()'s wrapper
+        assert fwd is None or getattr(fwd, "__memfit_checkpoint__", False)
+        if plan.checkpointed_stages:
+            assert {0, 2} <= set(plan.checkpointed_stages)
+        for _ in range(2):  # the second pass finds the places again
+            out, grads = loss_and_grads(model, x, seed=0)
+            assert torch.equal(out, ref_out) and torch.equal(out, torch_out)
+            _assert_close(grads, ref_grads)
+            _assert_close(grads, torch_grads)
+    finally:
+        plan.remove()
+    _assert_unchanged(model, before)
+
+
+class _Twice(nn.Module):
+    """Stacks its input on itself: the places after it see a batch twice as large."""
+
+    def forward(self, t):
+        return torch.cat([t, t])
+
+
+def test_auto_block_stored_at_one_place_and_checkpointed_at_others():
+    # one block at three places of different sizes (0: batch 4, 2 and 3: batch 8), the
+    # plan stores place 0 and checkpoints the segments [1, 3) and [3, 4): each call
+    # must run as its place's plan says, also after a pass that raised half-way (here
+    # in a hook, where no wrapper sees it).
+    torch.manual_seed(0)
+    b = _mlp()
+    model = nn.Sequential(b, _Twice(), b, b)
+    x = torch.randn(4, 8)
+    before = _snapshot(model)
+    ref_out, ref_grads = loss_and_grads(model, x, seed=0)
+    m = mc.measure(model, x, cost="flops")
+    want = [(0, 1, False), (1, 3, True), (3, 4, True)]
+    budget = mc.Plan.from_segments(want, m.input_bytes, m.saved_bytes).memory_bytes
+    plan = mc.auto(model, x, budget=budget, cost="flops")
+    try:
+        assert plan.segments == want
+
+        def check():
+            model.zero_grad(set_to_none=True)
+            with mc.ActivationMeter(exclude=model) as meter:
+                out = model(x)
+            out.pow(2).mean().backward()
+            assert torch.equal(out, ref_out)
+            _assert_close([p.grad for p in model.parameters()], ref_grads)
+            # place 0 keeps what its backward needs, the two segments their inputs
+            assert meter.saved_bytes == m.saved_bytes[0]
+            assert meter.boundary_bytes == m.input_bytes[1] + m.input_bytes[3]
+            assert meter.total_bytes <= plan.memory_bytes
+
+        check()
+        check()
+        calls = [0]
+
+        def boom(mod, args):
+            calls[0] += 1
+            if calls[0] == 2:
+                raise RuntimeError("boom")
+
+        handle = b.register_forward_pre_hook(boom)
+        with pytest.raises(RuntimeError, match="boom"):
+            model(x)
+        handle.remove()
+        check()
+    finally:
+        plan.remove()
+    _assert_unchanged(model, before)
+
+
+def _hooked_model():
+    """Four blocks, two with an instance forward as hook libraries set one (a bound
+    method, a functools.partial) that doubles the output, and a forward hook."""
+    import functools
+    import types
+
+    torch.manual_seed(0)
+    model = nn.Sequential(*[_mlp() for _ in range(4)])
+
+    def doubled(self, t):
+        return type(self).forward(self, t) * 2.0
+
+    model[1].forward = types.MethodType(doubled, model[1])
+    model[2].forward = functools.partial(doubled, model[2])
+    model[3].register_forward_hook(lambda mod, args, out: out + 1.0)
+    return model
+
+
+def test_auto_keeps_instance_forwards_and_remove_restores_them():
+    model = _hooked_model()
+    x = torch.randn(4, 8)
+    before = _snapshot(model)
+    ref_out, ref_grads = loss_and_grads(model, x, seed=0)
+    m = mc.measure(model, x)
+    plan = mc.auto(model, x, budget=mc.min_budget(m.input_bytes, m.saved_bytes))
+    try:
+        assert plan.checkpointed_stages == [0, 1, 2, 3]
+        out, grads = loss_and_grads(model, x, seed=0)  # the doubling forwards ran
+        assert torch.equal(out, ref_out)
+        _assert_close(grads, ref_grads)
+    finally:
+        plan.remove()
+    _assert_unchanged(model, before)
+    out, grads = loss_and_grads(model, x, seed=0)
+    assert torch.equal(out, ref_out)
+
+
+class _FailsOnCall(nn.Module):
+    def __init__(self, n):
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+        self.n = n
+        self.calls = []  # a list, so that counting calls changes no attribute
+
+    def forward(self, t):
+        self.calls.append(1)
+        if len(self.calls) == self.n:
+            raise RuntimeError("block failed")
+        return self.lin(t)
+
+
+@pytest.mark.parametrize("failure", ["budget", "block"])
+def test_auto_that_raises_leaves_the_model_exactly_as_it_was(failure):
+    model = _hooked_model()
+    model.append(model[0])  # a block used twice
+    if failure == "block":  # measured three times: fails in the second measuring pass
+        model.append(_FailsOnCall(2))
+    x = torch.randn(4, 8)
+    before = _snapshot(model)
+    with pytest.raises((ValueError, RuntimeError), match="smallest feasible|block failed"):
+        mc.auto(model, x, budget=1 if failure == "budget" else "100%")
+    _assert_unchanged(model, before)
+
+
+def test_refused_replan_keeps_the_installed_plan():
+    torch.manual_seed(0)
+    model = nn.Sequential(*[_mlp() for _ in range(4)])
+    x = torch.randn(4, 8)
+    original = _snapshot(model)
+    ref_out, ref_grads = loss_and_grads(model, x, seed=0)
+    m = mc.measure(model, x)
+    least = mc.min_budget(m.input_bytes, m.saved_bytes)
+    first = mc.auto(model, x, budget=least)
+    assert first.installed and first.checkpointed_stages == [0, 1, 2, 3]
+    planned = _snapshot(model)
+    with pytest.raises(ValueError, match="smallest feasible budget for this chain is"):
+        mc.auto(model, x, budget=1)
+    _assert_unchanged(model, planned)  # the same wrappers, still on
+    assert first.installed
+    with mc.ActivationMeter(exclude=model) as meter:
+        out = model(x)
+    assert meter.total_bytes <= first.memory_bytes
+    out, grads = loss_and_grads(model, x, seed=0)
+    assert torch.equal(out, ref_out)
+    _assert_close(grads, ref_grads)
+    second = mc.auto(model, x, budget=least)  # replaces the first plan
+    assert second.installed and not first.installed
+    replanned = _snapshot(model)
+    first.remove()  # not its wrappers any more: nothing happens
+    _assert_unchanged(model, replanned)
+    second.remove()
+    assert not second.installed
+    _assert_unchanged(model, original)
+
+
+def test_auto_with_a_budget_beyond_int64_stores_everything():
+    torch.manual_seed(0)
+    model = nn.Sequential(*[_mlp() for _ in range(3)])
+    x = torch.randn(4, 8)
+    for budget in (2**63, 10**30, "1e30GB"):
+        plan = mc.auto(model, x, budget=budget)
+        assert plan.segments == [(0, 3, False)] and plan.budget_bytes >= 2**63
+        assert all("forward" not in blk.__dict__ for blk in model)
+        plan.remove()
+    y = mc.checkpoint_sequential(model, x, budget=2**64)
+    assert torch.equal(y, model(x))

@@ -277,3 +277,16 @@ def test_auto_names_a_bad_budget_before_touching_the_model(budget):
     with pytest.raises(ValueError, match=r"^budget: "):
         mc.auto(net, torch.randn(2, 4), budget=budget)
     assert all("forward" not in b.__dict__ for b in net)
+
+
+@pytest.mark.parametrize("budget", [2**63 - 1, 2**63, 2**64, 10**30, "1e30GB", 1e30,
+                                    np.float64(2.0**70)])
+def test_budget_beyond_int64_means_no_limit(budget):
+    # issue 31 §1: no chain's memory reaches 2**63 bytes; the core gets the largest
+    # budget it can take and the Plan keeps the one given
+    from memfit.checkpoint import parse_bytes
+
+    p = mc.plan([2, 2, 2, 2], [10, 10, 10, 10], [1, 1, 1, 1], budget)
+    assert p.segments == [(0, 4, False)] and p.memory_bytes == 40 and p.recompute_cost == 0.0
+    assert p.budget_bytes == parse_bytes(budget) >= 2**63 - 1
+    assert "budget" in str(p)

@@ -87,6 +87,15 @@ def _resolve_chain(model_or_blocks, blocks):
                     f"a model with a block list), got {type(model_or_blocks).__name__}")
 
 
+def _places(stages):
+    """[(module, [its indices in the chain])] for each distinct module, in the order
+    of its first place (a module used twice in the chain is one entry)."""
+    found = {}
+    for i, st in enumerate(stages):
+        found.setdefault(id(st), (st, []))[1].append(i)
+    return list(found.values())
+
+
 def _call_with(fn, example):
     if isinstance(example, dict):
         return fn(**example)
@@ -193,23 +202,36 @@ def measure(model_or_blocks, example_input, *, blocks=None, cost: str = "time",
     if plain:
         raise TypeError(f"measure: stage {plain[0]} is not an nn.Module; wrap plain "
                         "functions in a module or pass the sizes to plan() yourself")
-    for i, st in enumerate(stages):
-        originals.append((st, st.__dict__.get("forward")))
-        st.forward = make_wrapper(i, st.forward)
+    # A module may stand at several places of the chain (weight tying by reuse,
+    # Sequential(b, act, b)): it gets one wrapper, whose k-th call in a pass measures
+    # its k-th place. Wrapping it once per place would wrap the wrapper and leave
+    # the first wrapper behind when the forwards are put back.
+    calls = {}  # id(module) -> calls so far in this pass
+    for st, places in _places(stages):
+        stage_calls = [make_wrapper(i, st.forward) for i in places]
+
+        def dispatch(*args, _st=st, _calls=stage_calls, **kwargs):
+            k = calls.get(id(_st), 0)
+            calls[id(_st)] = k + 1
+            return _calls[k % len(_calls)](*args, **kwargs)
+
+        originals.append((st, "forward" in st.__dict__, st.__dict__.get("forward")))
+        st.__dict__["forward"] = dispatch
     rng_devs = sorted(d for d in range(torch.cuda.device_count())) \
         if torch.cuda.is_available() and torch.cuda.is_initialized() else []
     try:
         with torch.random.fork_rng(devices=rng_devs), torch.enable_grad(), \
                 torch.autograd.graph.saved_tensors_hooks(drop_pack, no_unpack):
             for _ in range(max(1, int(repeats)) if cost == "time" else 1):
+                calls.clear()
                 out = run(example_input)
                 del out
     finally:
-        for st, fwd in originals:
-            if fwd is None:
-                st.__dict__.pop("forward", None)
+        for st, had, fwd in originals:  # exactly as they were: an instance forward stays
+            if had:
+                st.__dict__["forward"] = fwd
             else:
-                st.forward = fwd
+                st.__dict__.pop("forward", None)
         with torch.no_grad():
             for b, saved in buffers:
                 b.copy_(saved)

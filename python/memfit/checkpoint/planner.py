@@ -10,6 +10,8 @@ from typing import Sequence
 from memfit import _C
 from memfit.checkpoint.budget import _fmt_bytes, parse_bytes
 
+_INT64_MAX = 2**63 - 1
+
 
 class Plan:
     """A checkpointing plan for a chain of stages.
@@ -184,7 +186,10 @@ def plan(input_bytes: Sequence[int], saved_bytes: Sequence[int],
         total = _C.plan_evaluate(ib, sb, None, [(0, len(ib), False)])[0] if ib else 0
     budget = parse_bytes(budget_bytes, total=total, name="budget_bytes")
     slots = 0 if max_slots is None else int(max_slots)
-    segs, mem, cost, unit, exact = _C.plan_budget(ib, sb, fc, budget, slots)
+    # A budget beyond any int64 (2**63, "1e30GB") is no limit at all: no chain's memory
+    # reaches it (the C core adds sizes in int64), so the core gets the largest one it
+    # can take; the Plan keeps the budget as given.
+    segs, mem, cost, unit, exact = _C.plan_budget(ib, sb, fc, min(budget, _INT64_MAX), slots)
     return Plan(segs, mem, cost, budget_bytes=budget, input_bytes=ib, saved_bytes=sb,
                 forward_cost=fc, exact=exact, unit_bytes=unit, names=names)
 
