@@ -290,3 +290,23 @@ def test_budget_beyond_int64_means_no_limit(budget):
     assert p.segments == [(0, 4, False)] and p.memory_bytes == 40 and p.recompute_cost == 0.0
     assert p.budget_bytes == parse_bytes(budget) >= 2**63 - 1
     assert "budget" in str(p)
+
+
+@pytest.mark.parametrize("slots", [2**63, 2**64, 10**30])
+def test_huge_max_slots_is_clamped(slots):
+    # more slots than budget bytes add nothing: same plan as the exact default
+    assert mc.plan([2, 2, 2, 2], [10, 10, 10, 10], None, "85%", max_slots=slots).segments == \
+        mc.plan([2, 2, 2, 2], [10, 10, 10, 10], None, "85%").segments
+
+
+@pytest.mark.parametrize("slots, err", [(-1, ValueError), (1.5, TypeError), (True, TypeError),
+                                        ("8", TypeError)])
+def test_bad_max_slots_refused(slots, err):
+    with pytest.raises(err, match="max_slots"):
+        mc.plan([2, 2], [10, 10], None, "85%", max_slots=slots)
+
+
+@pytest.mark.parametrize("segs", [[(0, 2**63, True)], [(-2**70, 2, True)], [(0, 5, False)]])
+def test_from_segments_out_of_range_refused(segs):
+    with pytest.raises(ValueError, match=r"segments\[0\]"):
+        mc.Plan.from_segments(segs, [4, 4], [10, 10])

@@ -5,6 +5,7 @@ on a machine without it.
 
 from __future__ import annotations
 
+import numbers
 from typing import Sequence
 
 from memfit import _C
@@ -58,6 +59,11 @@ class Plan:
         18
         """
         segs = [(int(s), int(e), bool(c)) for s, e, c in segments]
+        n = len(input_bytes)
+        for i, (s, e, _) in enumerate(segs):
+            if not (0 <= s <= n and 0 <= e <= n):  # (the core checks the order)
+                raise _C.MemfitValueError(f"segments[{i}]: ({s}, {e}) lies outside the chain's "
+                                          f"{n} stages")
         mem, cost = _C.plan_evaluate(list(input_bytes), list(saved_bytes),
                                      None if forward_cost is None else list(forward_cost), segs)
         if forward_cost is None:
@@ -185,13 +191,27 @@ def plan(input_bytes: Sequence[int], saved_bytes: Sequence[int],
     if isinstance(budget_bytes, str) and budget_bytes.strip().endswith("%"):
         total = _C.plan_evaluate(ib, sb, None, [(0, len(ib), False)])[0] if ib else 0
     budget = parse_bytes(budget_bytes, total=total, name="budget_bytes")
-    slots = 0 if max_slots is None else int(max_slots)
+    slots = _max_slots(max_slots)
     # A budget beyond any int64 (2**63, "1e30GB") is no limit at all: no chain's memory
     # reaches it (the C core adds sizes in int64), so the core gets the largest one it
     # can take; the Plan keeps the budget as given.
     segs, mem, cost, unit, exact = _C.plan_budget(ib, sb, fc, min(budget, _INT64_MAX), slots)
     return Plan(segs, mem, cost, budget_bytes=budget, input_bytes=ib, saved_bytes=sb,
                 forward_cost=fc, exact=exact, unit_bytes=unit, names=names)
+
+
+def _max_slots(max_slots) -> int:
+    """``max_slots`` as the C core takes it: 0 (auto) for None, else an int >= 0. More
+    slots than bytes in the budget add nothing (a slot is at least one byte), so a
+    value past int64 is clamped rather than refused; the core refuses a table too large
+    for the host with a MemoryError that says to lower it."""
+    if max_slots is None:
+        return 0
+    if isinstance(max_slots, bool) or not isinstance(max_slots, numbers.Integral):
+        raise TypeError(f"max_slots: expected an int >= 0 or None, got {max_slots!r}")
+    if max_slots < 0:
+        raise ValueError(f"max_slots: must be >= 0 (0 or None: chosen from the chain), got {max_slots}")
+    return min(int(max_slots), _INT64_MAX)
 
 
 def min_budget(input_bytes: Sequence[int], saved_bytes: Sequence[int]) -> int:
