@@ -2,24 +2,17 @@
 
 from __future__ import annotations
 
-import math
 import sys
 from collections import defaultdict
 
 import torch
 
-from memfit._C import MemfitTypeError, MemfitValueError
-from memfit.optim import _blocks, _core, _dtensor, convert
+from memfit._C import MemfitValueError
+from memfit.optim import _checks, _core, _dtensor, _format, convert
+# re-exported: their old home (tests and users import them from here)
+from memfit.optim._format import dequantized_state, saved_format  # noqa: F401
 from memfit.optim._blocks import state_rows
 
-# 2: quantization blocks within rows (dim-0 slices), absmax of shape (rows, blocks per
-# row), 4-bit codes of shape (rows, ceil(row length / 2)), and float32 states for 1-D
-# parameters; 1: blocks over the whole storage.
-_FORMAT_VERSION = 2
-# The key under which state_dict() records _FORMAT_VERSION in every param group as well
-# as at the top level: torch.distributed.checkpoint's get_state_dict/set_state_dict keep
-# only "state" and "param_groups".
-_GROUP_FORMAT_KEY = "memfit_format"
 # Modules that read _step_supports_amp_scaling as "never unscale_ this optimizer, never
 # clip it" (see _MemfitOptimizer._step_supports_amp_scaling): Lightning's, under both of
 # its package names.
@@ -30,143 +23,7 @@ _UNSCALE_FIRST_CALLERS = ("lightning_fabric.", "pytorch_lightning.", "lightning.
 _STATE_KEYS = ("state1", "absmax1", "state2", "absmax2", "step", "kahan_comp")
 
 
-def _same_layout(a, b) -> bool:
-    """Same shape and the same strides along every dimension of more than one element:
-    the kernels pair the elements of a parameter, its gradient and its per-element
-    states in memory order (the binding's mf_py_same_layout)."""
-    return a.shape == b.shape and all(s == t for s, t, n in zip(a.stride(), b.stride(), a.shape)
-                                      if n != 1)
-
-
-def _dim_order(t) -> tuple:
-    """t's dimensions of more than one element, outermost in memory first."""
-    return tuple(sorted((d for d in range(t.dim()) if t.shape[d] != 1), key=lambda d: -t.stride(d)))
-
-
-def _check_dense(where, p) -> None:
-    """Refuses a parameter that is neither contiguous nor dense in another order
-    (channels_last): the kernels run over its storage."""
-    local = p.to_local() if _dtensor.is_dtensor(p) else p
-    if not _blocks.is_dense(local):
-        raise MemfitValueError(f"{where}: must be contiguous (this tensor has gaps or overlapping "
-                               "elements: a slice, an expand() or a view of part of a tensor, "
-                               f"strides {tuple(local.stride())}); call .contiguous() first; "
-                               "nothing was updated")
-
-
-def _refuse_grad(where, p, g):
-    """Raises for a gradient the step cannot take for p (step has found one of: another
-    shape, dtype, device, or another memory layout than a non-contiguous p's)."""
-    where = f"{where} (shape {tuple(p.shape)})"
-    if g.shape != p.shape:
-        raise MemfitValueError(
-            f"{where}: its gradient has shape {tuple(g.shape)}; a gradient must have its "
-            "parameter's shape (one of the same size in another layout, such as JAX's (in, out) "
-            "for torch's (out, in) weight, would update the wrong elements); nothing was updated")
-    if g.dtype != p.dtype:
-        raise MemfitTypeError(f"{where}: its gradient is {g.dtype} and the parameter {p.dtype}; "
-                              "cast the gradient to the parameter's dtype; nothing was updated")
-    if g.device != p.device:
-        raise MemfitValueError(f"{where}: its gradient is on {g.device} but the parameter on "
-                               f"{p.device}; nothing was updated")
-    _check_dense(where, p)
-    raise MemfitValueError(
-        f"{where}: must be contiguous (row-major), or dense with a gradient of the same "
-        f"strides, but has strides {tuple(p.stride())} and its gradient {tuple(g.stride())}; "
-        "make the gradient match the parameter's memory format (e.g. p.grad = p.grad."
-        "contiguous(memory_format=torch.channels_last)) or call .contiguous() on the "
-        "parameter; nothing was updated")
-
-
-def _state_problem(key, value, shape, dtype, p):
-    """None, or (exception class, message) for a state ``key`` of p that the kernels
-    cannot take as p's: not a tensor, another dtype or (global) shape, not laid out as
-    p's states are (a DTensor of p's mesh and placements for a DTensor p, except step),
-    another device, or other strides (p's for a state of one value per element, else
-    contiguous). Metadata only: no host sync."""
-    if not torch.is_tensor(value):
-        return MemfitTypeError, f"state {key!r} is a {type(value).__name__}, not a tensor"
-    if value.dtype != dtype:
-        return MemfitTypeError, f"state {key!r} is {value.dtype}, but needs {dtype} {shape}"
-    if tuple(value.shape) != shape:
-        return (MemfitValueError,
-                f"state {key!r} has shape {tuple(value.shape)}, but needs {dtype} {shape}")
-    dp, dv = _dtensor.is_dtensor(p), _dtensor.is_dtensor(value)
-    if dv != (dp and key != "step") or (dv and (value.device_mesh != p.device_mesh
-                                                or value.placements != p.placements)):
-        return MemfitValueError, (f"state {key!r} is {_dtensor.describe(value)}, but the "
-                                  f"parameter's states are {_dtensor.describe(p, key)}")
-    local = value.to_local() if dv else value
-    lp = p.to_local() if dp else p
-    if local.device != lp.device:
-        return MemfitValueError, f"state {key!r} is on {local.device}, the parameter on {lp.device}"
-    if key != "step" and shape == tuple(p.shape):
-        if not _same_layout(local, lp):
-            return MemfitValueError, (f"state {key!r} has strides {tuple(local.stride())}, but "
-                                      "holds one value per element and must be laid out as the "
-                                      f"parameter (strides {tuple(lp.stride())})")
-    elif not local.is_contiguous():
-        return MemfitValueError, (f"state {key!r} has strides {tuple(local.stride())}, but must "
-                                  "be contiguous")
-    return None
-
-
-_SAVED_FOR_ANOTHER = ("the state dict was saved for a different model or with different "
-                      "bits/block_size/min_8bit_size")
-
-
-def _check_saved_keys(where, saved, expected) -> None:
-    """Refuses a saved state of p (``saved``) whose keys are not those p needs
-    (``expected``, from _expected_state), or whose tensors have another dtype or shape."""
-    for key in saved:
-        if key not in expected:
-            raise MemfitValueError(f"{where}: has a state {key!r} that this optimizer does not "
-                                   f"keep for it: {_SAVED_FOR_ANOTHER}; nothing was loaded")
-    for key in expected:
-        # a missing Kahan buffer starts at zero: the parameter's value as it is
-        if key not in saved and key != "kahan_comp":
-            raise MemfitValueError(
-                f"{where}: has no state {key!r} (it has {', '.join(map(repr, saved))}; this "
-                f"optimizer keeps {', '.join(map(repr, expected))} for it): the state dict is "
-                "incomplete; nothing was loaded")
-    for key, value in saved.items():
-        shape, dtype = expected[key]
-        if not torch.is_tensor(value) or value.dtype != dtype or tuple(value.shape) != shape:
-            got = (f"{value.dtype} {tuple(value.shape)}" if torch.is_tensor(value)
-                   else type(value).__name__)
-            raise MemfitValueError(
-                f"{where}: state {key!r} is {got}, but needs {dtype} {shape}: "
-                f"{_SAVED_FOR_ANOTHER}, or is truncated; nothing was loaded")
-
-
-def _laid_out(where, key, value, p):
-    """``value`` (a loaded copy of p's state ``key``) in the memory layout the kernels
-    need: p's for a state of one value per element, else contiguous. Relaying out is
-    exact where each value keeps its meaning: float32 states, Kahan buffers, absmax and
-    4-bit codes (logical arrays), 8-bit codes stored in p's memory order (only their
-    strides differ, as in a slice). 8-bit codes stored in another order are refused: a
-    code's quantization block is given by its place in memory, so relaid codes would
-    be read with other blocks' absmax."""
-    dv = _dtensor.is_dtensor(value)
-    local = value.to_local() if dv else value
-    lp = p.to_local() if _dtensor.is_dtensor(p) else p
-    if key != "step" and tuple(value.shape) == tuple(p.shape):
-        if _same_layout(local, lp):
-            return value
-        if local.dtype == torch.uint8 and _dim_order(local) != _dim_order(lp):
-            raise MemfitValueError(
-                f"{where}: state {key!r} (8-bit codes) has strides {tuple(local.stride())}, in "
-                f"another memory order than the parameter's {tuple(lp.stride())}: its codes "
-                "belong to the quantization blocks of other elements; nothing was loaded")
-        fixed, stride = torch.empty_like(lp, dtype=local.dtype).copy_(local), p.stride()
-    else:
-        if local.is_contiguous():
-            return value
-        fixed, stride = local.contiguous(), None
-    return _dtensor.with_local(value, fixed, stride) if dv else fixed
-
-
-class _MemfitOptimizer(torch.optim.Optimizer):
+class _MemfitOptimizer(torch.optim.Optimizer, _format.MemfitOptimizerBase):
     """Base class: state layout, the step over param groups, state_dict checks.
 
     Subclasses set ``_kind`` and ``_bits`` and implement ``_hparams(group)``.
@@ -223,24 +80,7 @@ class _MemfitOptimizer(torch.optim.Optimizer):
         raise NotImplementedError
 
     def _check_group(self, group) -> None:
-        bits = group["bits"]
-        if bits not in (4, 8, 32):
-            raise ValueError(f"bits: expected 4, 8 or 32, got {bits!r}")
-        bs = group["block_size"]
-        if bits != 32 and bs not in _core.BLOCK_SIZES:
-            raise ValueError(f"block_size: must be one of {', '.join(map(str, _core.BLOCK_SIZES))}, "
-                             f"got {bs!r}")
-        if not isinstance(group["min_8bit_size"], int) or group["min_8bit_size"] < 0:
-            raise ValueError(f"min_8bit_size: expected an int >= 0, got {group['min_8bit_size']!r}")
-        kahan, sr = group.get("kahan", False), group.get("bf16_stochastic_round")
-        if not isinstance(kahan, bool):
-            raise TypeError(f"kahan: expected True or False, got {kahan!r}")
-        if kahan and sr:
-            raise ValueError(
-                "kahan=True and bf16_stochastic_round=True cannot be combined: the Kahan "
-                "buffer keeps the rounding error that stochastic rounding would randomise; "
-                "pass only kahan=True (stochastic rounding is then off)")
-        _core.check(self._kind, self._hparams(group))
+        _checks.check_group(self, group)
 
     def add_param_group(self, param_group):
         super().add_param_group(param_group)
@@ -319,7 +159,7 @@ class _MemfitOptimizer(torch.optim.Optimizer):
             if value is None:
                 added[key] = self._zero_state(p, key, shape, dtype)
                 continue
-            problem = _state_problem(key, value, shape, dtype, p)
+            problem = _checks.state_problem(key, value, shape, dtype, p)
             if problem is not None:
                 raise problem[0](f"{where}: {problem[1]}; nothing was updated")
         return added, "kahan_comp" in state and "kahan_comp" not in expected
@@ -415,8 +255,8 @@ class _MemfitOptimizer(torch.optim.Optimizer):
                     raise RuntimeError(f"{name} does not support sparse gradients")
                 shape, dtype, device, contiguous = p.shape, p.dtype, p.device, p.is_contiguous()
                 if g.shape != shape or g.dtype != dtype or g.device != device \
-                        or not (contiguous or _same_layout(g, p)):
-                    _refuse_grad(f"{name}.step: param_groups[{gi}]['params'][{i}]", p, g)
+                        or not (contiguous or _checks.same_layout(g, p)):
+                    _checks.refuse_grad(f"{name}.step: param_groups[{gi}]['params'][{i}]", p, g)
                 state = state_of.get(p)
                 seen = checked.get(id(p))
                 key = (layout, dtype, shape, device, contiguous)
@@ -432,7 +272,7 @@ class _MemfitOptimizer(torch.optim.Optimizer):
                 if not fresh:
                     where = f"{name}.step: param_groups[{gi}]['params'][{i}] (shape {tuple(shape)})"
                     if not contiguous:
-                        _check_dense(where, p)
+                        _checks.check_dense(where, p)
                     added, drop = self._new_states(where, group, p, state)
                     merged = {**(state or {}), **added}
                     if drop:
@@ -480,16 +320,16 @@ class _MemfitOptimizer(torch.optim.Optimizer):
 
     def state_dict(self):
         sd = super().state_dict()
-        sd["memfit"] = {"optimizer": type(self).__name__, "format_version": _FORMAT_VERSION}
+        sd["memfit"] = {"optimizer": type(self).__name__, "format_version": _format.FORMAT_VERSION}
         for g in sd["param_groups"]:  # new dicts (torch packs each group anew)
-            g[_GROUP_FORMAT_KEY] = _FORMAT_VERSION
+            g[_format.GROUP_FORMAT_KEY] = _format.FORMAT_VERSION
         return sd
 
     def _check_saved_format(self, state_dict) -> None:
         """Refuses a state dict that memfit did not save in this format (see
         :func:`saved_format`)."""
         name = type(self).__name__
-        saver, version = saved_format(state_dict)
+        saver, version = _format.saved_format(state_dict)
         if version is None:
             raise ValueError(
                 f"{name}.load_state_dict: this state dict was not saved by a memfit optimizer "
@@ -498,7 +338,7 @@ class _MemfitOptimizer(torch.optim.Optimizer):
         if saver is not None and saver != name:
             raise ValueError(f"{name}.load_state_dict: the state dict was saved by memfit.optim."
                              f"{saver}, not {name}")
-        if version != _FORMAT_VERSION:
+        if version != _format.FORMAT_VERSION:
             raise ValueError(f"{name}.load_state_dict: unknown format_version {version!r}")
 
     def load_state_dict(self, state_dict):
@@ -538,7 +378,7 @@ class _MemfitOptimizer(torch.optim.Optimizer):
         new_groups = []
         for g, sg in zip(groups, saved_groups):
             ng = dict(sg)
-            ng.pop(_GROUP_FORMAT_KEY, None)  # recorded by state_dict(), not a setting
+            ng.pop(_format.GROUP_FORMAT_KEY, None)  # recorded by state_dict(), not a setting
             ng["params"] = g["params"]
             new_groups.append(ng)
         for ng in new_groups:
@@ -557,14 +397,14 @@ class _MemfitOptimizer(torch.optim.Optimizer):
                 continue  # never stepped (torch saves such a state as {}): starts fresh
             group = new_groups[gi]
             expected = self._expected_state(group, p)
-            _check_saved_keys(where, saved, expected)
-            loaded = {k: _laid_out(where, k, self._loaded_value(k, v, p), p)
+            _checks.check_saved_keys(where, saved, expected)
+            loaded = {k: _checks.laid_out(where, k, self._loaded_value(k, v, p), p)
                       for k, v in saved.items()}
             for key, value in loaded.items():
-                problem = _state_problem(key, value, *expected[key], p)
+                problem = _checks.state_problem(key, value, *expected[key], p)
                 if problem is not None:
                     raise problem[0](f"{where}: {problem[1]}; nothing was loaded")
-            self._check_values(where, group, p, loaded)
+            _checks.check_values(self, where, group, p, loaded)
             state[p] = loaded
         self.__setstate__({"state": state, "param_groups": new_groups})
         self.__dict__.pop("_state_checked", None)  # new states: check them on the next step
@@ -576,57 +416,6 @@ class _MemfitOptimizer(torch.optim.Optimizer):
         if _dtensor.is_dtensor(p) or _dtensor.is_dtensor(value):
             return _dtensor.loaded_value(key, value, p)
         return value.detach().to(device=p.device, copy=True)
-
-    def _check_values(self, where, group, p, loaded) -> None:
-        """Refuses corrupt values in the loaded states of p: NaN, Inf or negative
-        absmax (a NaN scale would freeze its block for ever, silently), a step that is
-        not a whole number >= 0, NaN or Inf float32 states or Kahan buffers, negative
-        second moments. One host sync per parameter, at load only; for a DTensor p one
-        all-reduce over its mesh, so that every rank checks its own rows and all refuse
-        together."""
-        signed = _core.state_layout(self._kind, group["bits"], group["block_size"], 0,
-                                    self._hparams(group)["momentum"])["signed"]
-        checks = []  # (key, what is wrong, a 0-d bool tensor: True where it is)
-        for key, value in loaded.items():
-            v = value.to_local() if _dtensor.is_dtensor(value) else value
-            if key == "step":
-                whole = torch.isfinite(v) & (v >= 0) & (v == torch.floor(v))
-                checks.append((key, "is not a whole number of steps >= 0", ~whole))
-            elif key.startswith("absmax"):
-                # a block's scale is its largest |value|: finite and >= 0 (False for NaN)
-                checks.append((key, "holds NaN, Inf or negative block scales",
-                               ~((v >= 0) & (v < math.inf)).all()))
-            elif v.dtype != torch.uint8:  # float32 states and the Kahan buffer
-                checks.append((key, "holds NaN or Inf values", ~torch.isfinite(v).all()))
-                if key.startswith("state") and not signed[int(key[5:]) - 1]:
-                    checks.append((key, "holds negative values, but it is a second moment "
-                                        "(a mean of squares, >= 0)", (v < 0).any()))
-        flags = torch.stack([bad for *_, bad in checks]).float()
-        if _dtensor.is_dtensor(p):
-            flags = _dtensor.sum_over_mesh(flags, p)
-        for (key, what, _), bad in zip(checks, flags.tolist()):
-            if bad:
-                got = f" ({float(loaded[key])})" if key == "step" else ""
-                raise MemfitValueError(f"{where}: state {key!r}{got} {what}: the state dict is "
-                                       "corrupt; nothing was loaded")
-
-
-def saved_format(state_dict) -> tuple:
-    """(optimizer class name or None, format version or None) of a state dict memfit
-    saved: from its top-level "memfit" record or, after torch.distributed.checkpoint's
-    get_state_dict/set_state_dict (which keep only "state" and "param_groups"), from the
-    format every param group records (the name is then unknown). (None, None): not
-    memfit's (a torch.optim or bitsandbytes state dict, or not a state dict)."""
-    if not isinstance(state_dict, dict):
-        return None, None
-    meta, groups = state_dict.get("memfit"), state_dict.get("param_groups")
-    if isinstance(meta, dict) and "optimizer" in meta:
-        return meta["optimizer"], meta.get("format_version")
-    if (isinstance(groups, list) and groups
-            and all(isinstance(g, dict) and _GROUP_FORMAT_KEY in g for g in groups)):
-        versions = {g[_GROUP_FORMAT_KEY] for g in groups}
-        return None, versions.pop() if len(versions) == 1 else sorted(versions, key=repr)
-    return None, None
 
 
 def _grad_view(p, g):
@@ -648,57 +437,3 @@ def _on(t, device):
     if t.device != device or t.dtype != torch.float32:
         t = t.to(device=device, dtype=torch.float32, non_blocking=True)
     return t.reshape(1) if t.dim() != 1 else t
-
-
-def _state_codes(optimizer, group) -> list:
-    """[(torch's name, code table or None)] of state1, state2, ... of ``optimizer``'s
-    kind: the code each quantized state uses in ``group`` (None for 32-bit groups)."""
-    bits = group["bits"]
-    signed = (_core.state_layout(optimizer._kind, bits, group["block_size"], 0,
-                                 optimizer._hparams(group)["momentum"])["signed"]
-              if bits != 32 else None)
-    return [(nm, _core.code_table(bits, signed[k]) if signed else None)
-            for k, nm in enumerate(_core.STATE_NAMES[optimizer._kind])]
-
-
-def _dequantize_states(optimizer, group, state, param, rows=None) -> dict:
-    """float32 copies of the states in ``state`` (one parameter's, as ``group`` keeps
-    them), keyed by torch's names, each of ``param``'s shape and memory layout.
-    ``rows``: of the row-block layout, by default state_rows(param); 1 reads format 1."""
-    out = {}
-    for k, (nm, code) in enumerate(_state_codes(optimizer, group), start=1):
-        s = state.get(f"state{k}")
-        if s is None:
-            continue
-        if s.dtype == torch.float32:
-            out[nm] = s.detach().clone().reshape(param.shape)
-            continue
-        out[nm] = _blocks.dequantize_state(s.detach(), state[f"absmax{k}"].detach(),
-                                           group["bits"], code, group["block_size"], param,
-                                           rows=rows)
-    return out
-
-
-def dequantized_state(optimizer, param) -> dict:
-    """fp32 copies of ``param``'s optimizer states, keyed by torch's names
-    (``exp_avg``/``exp_avg_sq`` for Adam and AdamW, ``exp_avg`` for Lion,
-    ``momentum_buffer`` for SGD, ``square_avg`` (and ``momentum_buffer``) for RMSprop),
-    each of ``param``'s shape and device (for a DTensor ``param``: DTensors of its
-    placements, each rank's rows computed locally), plus ``kahan_comp`` (the Kahan compensation,
-    as float32; ``param.float() + kahan_comp`` is the parameter's value) for bfloat16 or
-    float16 parameters of ``kahan=True`` groups. Empty before the first step."""
-    if not isinstance(optimizer, _MemfitOptimizer):
-        raise TypeError(f"optimizer: expected a memfit.optim optimizer, got {type(optimizer).__name__}")
-    state = optimizer.state.get(param)
-    if not state:
-        return {}
-    group = next((g for g in optimizer.param_groups if any(q is param for q in g["params"])), None)
-    if group is None:
-        raise ValueError("param: not a parameter of this optimizer")
-    dparam = None
-    if _dtensor.is_dtensor(param):  # each rank dequantizes its rows (no block crosses a row)
-        dparam, param, state = param, param.to_local(), _dtensor.local_state(state)
-    out = _dequantize_states(optimizer, group, state, param)
-    if "kahan_comp" in state:
-        out["kahan_comp"] = state["kahan_comp"].detach().float().reshape(param.shape)
-    return out if dparam is None else {k: _dtensor.like_param(v, dparam) for k, v in out.items()}
