@@ -7,6 +7,7 @@ MemfitTypeError/MemfitValueError naming the parameter as the caller passed ``whe
 from __future__ import annotations
 
 import math
+import numbers
 
 import torch
 
@@ -115,6 +116,10 @@ def check_saved_keys(where, saved, expected) -> None:
                 "incomplete; nothing was loaded")
     for key, value in saved.items():
         shape, dtype = expected[key]
+        if torch.is_tensor(value) and (value.layout != torch.strided or value.is_meta):
+            raise MemfitValueError(
+                f"{where}: state {key!r} is a {value.layout} tensor on {value.device}: states "
+                "must be dense tensors with data (not sparse, not meta); nothing was loaded")
         if not torch.is_tensor(value) or value.dtype != dtype or tuple(value.shape) != shape:
             got = (f"{value.dtype} {tuple(value.shape)}" if torch.is_tensor(value)
                    else type(value).__name__)
@@ -150,28 +155,139 @@ def laid_out(where, key, value, p):
     return _dtensor.with_local(value, fixed, stride) if dv else fixed
 
 
-def check_group(optimizer, group) -> None:
-    """Raises for a param group of ``optimizer`` whose memfit options are out of range
-    (bits, block_size, min_8bit_size, kahan with stochastic rounding) or whose
-    hyperparameters the core refuses."""
-    bits = group["bits"]
-    if bits not in (4, 8, 32):
-        raise ValueError(f"bits: expected 4, 8 or 32, got {bits!r}")
-    bs = group["block_size"]
-    if bits != 32 and bs not in _core.BLOCK_SIZES:
-        raise ValueError(f"block_size: must be one of {', '.join(map(str, _core.BLOCK_SIZES))}, "
-                         f"got {bs!r}")
-    if not isinstance(group["min_8bit_size"], int) or group["min_8bit_size"] < 0:
-        raise ValueError(f"min_8bit_size: expected an int >= 0, got {group['min_8bit_size']!r}")
-    kahan, sr = group.get("kahan", False), group.get("bf16_stochastic_round")
-    if not isinstance(kahan, bool):
-        raise TypeError(f"kahan: expected True or False, got {kahan!r}")
-    if kahan and sr:
-        raise ValueError(
-            "kahan=True and bf16_stochastic_round=True cannot be combined: the Kahan "
-            "buffer keeps the rounding error that stochastic rounding would randomise; "
-            "pass only kahan=True (stochastic rounding is then off)")
-    _core.check(optimizer._kind, optimizer._hparams(group))
+# the parameter dtypes the kernels step (uint8 and others are states' dtypes only)
+PARAM_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def check_param(where, p, at_step=False) -> None:
+    """Refuses a parameter the kernels cannot step: not dense (strided), a dtype other
+    than PARAM_DTYPES and, ``at_step``, on a device other than the CPU or a CUDA GPU
+    (not checked earlier: a model built on the meta device gets its storage in place,
+    after the optimizer is made)."""
+    what = f"{where} (shape {tuple(p.shape)}, {p.dtype})"
+    if p.layout != torch.strided:
+        raise MemfitValueError(f"{what}: is a {p.layout} tensor; memfit's optimizers step dense "
+                               "(strided) parameters only; nothing was updated")
+    if p.dtype not in PARAM_DTYPES:
+        raise MemfitTypeError(
+            f"{what}: unsupported dtype {p.dtype}; memfit's optimizers take float32, float16 "
+            "and bfloat16 parameters: cast the model (e.g. model.float()) or leave this "
+            "parameter out of the optimizer; nothing was updated")
+    if at_step and p.device.type not in ("cpu", "cuda"):
+        raise MemfitValueError(f"{what}: is on {p.device}; memfit's optimizers step parameters "
+                               "on the CPU or a CUDA GPU; nothing was updated")
+
+
+def check_torch_flags(flags) -> None:
+    """Refuses torch's flags (a param group or the constructor's keywords) that memfit
+    cannot honour: fused and foreach both True (as torch does), capturable=True,
+    differentiable=True, or values that are not bools (None: fused and foreach)."""
+    for key in ("fused", "foreach", "capturable", "differentiable"):
+        value = flags.get(key)
+        if value is not None and not isinstance(value, bool):
+            none = " or None" if key in ("fused", "foreach") else ""
+            raise TypeError(f"{key}: expected True, False{none}, got {value!r}")
+    if flags.get("fused") and flags.get("foreach"):
+        raise RuntimeError("`fused` and `foreach` cannot be `True` together (as in torch); "
+                           "memfit is always fused: leave foreach out")
+    if flags.get("capturable"):
+        raise ValueError("capturable=True is not supported: memfit's step never waits for the "
+                         "device (steps, grad_scale and found_inf stay on it), but its "
+                         "stochastic-rounding counter is kept on the host, so a CUDA graph "
+                         "replay would repeat the same random bits; pass capturable=False and "
+                         "leave step() out of the captured graph")
+    if flags.get("differentiable"):
+        raise ValueError("differentiable=True is not supported: memfit's step runs in C/CUDA "
+                         "kernels outside autograd; pass differentiable=False, or use "
+                         "torch.optim's class for a differentiable step")
+
+
+def _whole(value) -> bool:
+    """An int (or NumPy integer), not a bool."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def check_group(optimizer, group, where) -> dict:
+    """The hyperparameters of a param group of ``optimizer`` as the core takes them
+    (``optimizer._hparams(group)``), after checking every value of the group: memfit's
+    options (bits, block_size, min_8bit_size, kahan with stochastic rounding, sr_seed,
+    sr_step), torch's flags (fused, foreach, capturable, differentiable), the options
+    memfit does not have (``optimizer._fixed_options``: amsgrad, centered, ...), and the
+    hyperparameters the core refuses (a negative lr after a schedule, ...). Raises
+    naming ``where`` (the group) and the key; changes nothing. Called by the
+    constructor, add_param_group, load_state_dict and, for every group, by each step
+    before it writes anything (a group's values can be changed at any time)."""
+    try:
+        for key, value, advice in optimizer._fixed_options:
+            got = group.get(key, value)
+            if bool(got) != value:
+                raise ValueError(f"{key}={got!r} is not supported: {advice}")
+        bits = group["bits"]
+        if bits not in (4, 8, 32):
+            raise ValueError(f"bits: expected 4, 8 or 32, got {bits!r}")
+        bs = group["block_size"]
+        if bits != 32 and bs not in _core.BLOCK_SIZES:
+            raise ValueError(f"block_size: must be one of "
+                             f"{', '.join(map(str, _core.BLOCK_SIZES))}, got {bs!r}")
+        if not _whole(group["min_8bit_size"]) or group["min_8bit_size"] < 0:
+            raise ValueError(f"min_8bit_size: expected an int >= 0, got {group['min_8bit_size']!r}")
+        kahan, sr = group.get("kahan", False), group.get("bf16_stochastic_round")
+        if not isinstance(kahan, bool):
+            raise TypeError(f"kahan: expected True or False, got {kahan!r}")
+        if kahan and sr:
+            raise ValueError(
+                "kahan=True and bf16_stochastic_round=True cannot be combined: the Kahan "
+                "buffer keeps the rounding error that stochastic rounding would randomise; "
+                "pass only kahan=True (stochastic rounding is then off)")
+        if not _whole(group.get("sr_seed", 0)):
+            raise TypeError(f"sr_seed: expected an int (the stochastic-rounding seed), got "
+                            f"{group['sr_seed']!r}")
+        sr_step = group.get("sr_step", 0)
+        if not _whole(sr_step) or sr_step < 0:
+            raise ValueError(f"sr_step: expected an int >= 0 (the group's step counter for "
+                             f"stochastic rounding), got {sr_step!r}")
+        check_torch_flags(group)
+        hp = optimizer._hparams(group)
+        _core.check(optimizer._kind, hp)
+    except (TypeError, ValueError, RuntimeError) as e:
+        if str(e).startswith(where):
+            raise
+        raise type(e)(f"{where}: {e}") from None
+    return hp
+
+
+def saved_step(where, value):
+    """A loaded ``step`` as the kernels keep it. A real number (Python or NumPy, as
+    older torch and hand-edited state dicts hold it; torch loads them) that is a whole
+    number >= 0 becomes torch's float32 0-d tensor; NaN, Inf, negative or fractional
+    ones are refused. Anything else is returned as it is, for check_saved_keys and
+    check_values to judge."""
+    if torch.is_tensor(value) or isinstance(value, bool) or not isinstance(value, numbers.Real):
+        return value
+    v = float(value)
+    if not (math.isfinite(v) and v >= 0 and v == math.floor(v)):
+        raise MemfitValueError(f"{where}: state 'step' is {value!r}: a step count must be a "
+                               "whole number >= 0 (not NaN, Inf, negative or fractional); the "
+                               "state dict is corrupt; nothing was loaded")
+    return torch.tensor(v, dtype=torch.float32)
+
+
+def check_structure(name, state_dict) -> None:
+    """Refuses what is not a state dict at all: not a dict, ``state`` not a dict,
+    ``param_groups`` not a list of dicts with a list of ``params``."""
+    where = f"{name}.load_state_dict"
+    if not isinstance(state_dict, dict):
+        raise MemfitValueError(f"{where}: expected a state dict (a dict with 'state' and "
+                               f"'param_groups'), got a {type(state_dict).__name__}")
+    state, groups = state_dict.get("state"), state_dict.get("param_groups")
+    if not isinstance(state, dict):
+        raise MemfitValueError(f"{where}: the state dict's 'state' is a {type(state).__name__}, "
+                               "expected a dict {parameter id: that parameter's state}; "
+                               "nothing was loaded")
+    if not isinstance(groups, (list, tuple)) or not all(
+            isinstance(g, dict) and isinstance(g.get("params"), (list, tuple)) for g in groups):
+        raise MemfitValueError(f"{where}: the state dict's 'param_groups' must be a list of "
+                               "dicts, each with a list of 'params'; nothing was loaded")
 
 
 def check_values(optimizer, where, group, p, loaded) -> None:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import sys
-from collections import defaultdict
+from collections import OrderedDict, defaultdict
 
 import torch
 
@@ -19,6 +19,8 @@ from memfit.optim._blocks import state_rows
 _UNSCALE_FIRST_CALLERS = ("lightning_fabric.", "pytorch_lightning.", "lightning.")
 
 
+# isinstance(x, _DTENSOR): whether x is a DTensor (always False without torch.distributed)
+_DTENSOR = _dtensor.DTensor or ()
 # A parameter's state tensors in the order the step passes them to the core (absent: None).
 _STATE_KEYS = ("state1", "absmax1", "state2", "absmax2", "step", "kahan_comp")
 
@@ -59,12 +61,29 @@ class _MemfitOptimizer(torch.optim.Optimizer, _format.MemfitOptimizerBase):
         caller = sys._getframe(1).f_globals.get("__name__", "")
         return not caller.startswith(_UNSCALE_FIRST_CALLERS)
 
+    # torch's flags that this class keeps in its param groups, as torch's class of the
+    # same kind does (every class takes all four keywords: see
+    # memfit.optim.optimizers), with their defaults: filled into a loaded or unpickled
+    # group that lacks them, as torch's __setstate__ does
+    _TORCH_FLAGS = dict(maximize=False, foreach=None, fused=None, capturable=False,
+                        differentiable=False)
+    # (group key, the only value memfit's math has, advice): options of torch's class
+    # that memfit does not have, refused wherever they are given (keyword, param group,
+    # loaded group) instead of being ignored; their values are the defaults of a group
+    # that lacks them
+    _fixed_options: tuple = ()
+
     def __init__(self, params, hyper, *, maximize=False, block_size=None, min_8bit_size=4096,
-                 bf16_stochastic_round=None, kahan=False):
+                 bf16_stochastic_round=None, kahan=False, foreach=None, fused=None,
+                 capturable=False, differentiable=False):
         """``hyper``: the subclass's own hyperparameters (lr, betas, ...); the keyword
         options are the ones every memfit optimizer takes (see memfit.optim.optimizers)."""
-        defaults = dict(hyper, maximize=maximize, min_8bit_size=min_8bit_size,
-                        bf16_stochastic_round=bf16_stochastic_round, kahan=kahan)
+        flags = dict(maximize=maximize, foreach=foreach, fused=fused, capturable=capturable,
+                     differentiable=differentiable)
+        _checks.check_torch_flags(flags)  # also those this class does not keep
+        defaults = dict(hyper, min_8bit_size=min_8bit_size,
+                        bf16_stochastic_round=bf16_stochastic_round, kahan=kahan,
+                        **{k: v for k, v in flags.items() if k in self._TORCH_FLAGS})
         defaults.setdefault("bits", self._bits)
         defaults["block_size"] = (_core.DEFAULT_BLOCK[defaults["bits"]] if block_size is None
                                   else block_size)
@@ -74,18 +93,28 @@ class _MemfitOptimizer(torch.optim.Optimizer, _format.MemfitOptimizerBase):
         defaults.setdefault("sr_seed", 0)
         super().__init__(params, defaults)  # checks each group (add_param_group)
 
+    def __setstate__(self, state):
+        super().__setstate__(state)
+        missing = {**self._TORCH_FLAGS, **{k: v for k, v, _ in self._fixed_options}}
+        for group in self.param_groups:
+            for key, value in missing.items():
+                group.setdefault(key, value)
+
     # -- hyperparameters -------------------------------------------------------------
 
     def _hparams(self, group) -> dict:  # pragma: no cover - abstract
         raise NotImplementedError
 
-    def _check_group(self, group) -> None:
-        _checks.check_group(self, group)
-
     def add_param_group(self, param_group):
+        """torch's add_param_group, then memfit's checks of the new group's values and
+        parameters (dtype, layout); a refused group is not added."""
         super().add_param_group(param_group)
+        gi = len(self.param_groups) - 1
         try:
-            self._check_group(self.param_groups[-1])
+            where = f"{type(self).__name__}: param_groups[{gi}]"
+            _checks.check_group(self, self.param_groups[-1], where)
+            for i, p in enumerate(self.param_groups[-1]["params"]):
+                _checks.check_param(f"{where}['params'][{i}]", p)
         except Exception:
             self.param_groups.pop()
             raise
@@ -227,11 +256,12 @@ class _MemfitOptimizer(torch.optim.Optimizer, _format.MemfitOptimizerBase):
 
         ``seen`` (kept in ``self._state_checked`` by id(p): a tensor's own hash is a
         Python call): (key, format, rows, index_base, states, whether p is float16 or
-        bfloat16, its bucket) of the layout p's states were last checked against, rows and
-        index_base those of the tensor the kernels step (a DTensor's local shard), and
-        the state tensors checked. A step over a model of hundreds of tensors does not
-        rebuild every expected layout every time: p's states are checked again only when
-        the key changes or a state tensor was replaced. This loop runs per parameter per
+        bfloat16, its bucket, storage marks) of the layout p's states were last checked
+        against, rows and index_base those of the tensor the kernels step (a DTensor's
+        local shard), the state tensors checked and their storage (_storage_marks). A step
+        over a model of hundreds of tensors does not rebuild every expected layout every
+        time: p's states are checked again only when the key changes, a state tensor was
+        replaced or its storage changed in place. This loop runs per parameter per
         step, and is most of the step's time for models of many small tensors: it reads
         only metadata (no host sync) and stays lean.
         """
@@ -241,7 +271,8 @@ class _MemfitOptimizer(torch.optim.Optimizer, _format.MemfitOptimizerBase):
         name = type(self).__name__
         plan, new = [], []
         for gi, group in enumerate(self.param_groups):
-            hp = self._hparams(group)
+            # a group's values can change at any time (a schedule, a hand edit)
+            hp = _checks.check_group(self, group, f"{name}.step: param_groups[{gi}]")
             rounding = self._rounding(group)
             layout = (group["bits"], group.get("block_size"), group["min_8bit_size"], rounding,
                       hp["momentum"])
@@ -266,10 +297,13 @@ class _MemfitOptimizer(torch.optim.Optimizer, _format.MemfitOptimizerBase):
                               get("step"), get("kahan_comp"))
                     # (spelled out: the cheapest test that no state tensor was replaced)
                     fresh = states[0] is s[0] and states[1] is s[1] and states[2] is s[2] \
-                        and states[3] is s[3] and states[4] is s[4] and states[5] is s[5]
+                        and states[3] is s[3] and states[4] is s[4] and states[5] is s[5] \
+                        and _storage_marks(states) == seen[7]  # nor resized in place
                 else:
                     fresh = False
                 if not fresh:
+                    _checks.check_param(f"{name}.step: param_groups[{gi}]['params'][{i}]", p,
+                                        at_step=True)
                     where = f"{name}.step: param_groups[{gi}]['params'][{i}] (shape {tuple(shape)})"
                     if not contiguous:
                         _checks.check_dense(where, p)
@@ -281,7 +315,7 @@ class _MemfitOptimizer(torch.optim.Optimizer, _format.MemfitOptimizerBase):
                     local = p.to_local() if _dtensor.is_dtensor(p) else p
                     seen = (key, self._format(group, p), state_rows(local),
                             _dtensor.index_base(p, self._where), states, dtype != torch.float32,
-                            (device, self._format(group, p)))
+                            (device, self._format(group, p)), _storage_marks(states))
                     new.append((p, added, drop, seen))
                 if dtensor_type is not None and isinstance(p, dtensor_type):
                     # FSDP2 & co.: the kernels step the local rows, in place
@@ -319,27 +353,45 @@ class _MemfitOptimizer(torch.optim.Optimizer, _format.MemfitOptimizerBase):
     # -- state dict ------------------------------------------------------------------------
 
     def state_dict(self):
-        sd = super().state_dict()
+        """torch's state dict, plus memfit's format record (top level and every group).
+        The state-dict hooks run where torch runs them: pre-hooks first (torch's
+        state_dict), post-hooks on the finished dict, memfit's record included."""
+        post_hooks = self._optimizer_state_dict_post_hooks
+        self._optimizer_state_dict_post_hooks = OrderedDict()  # run below, after the record
+        try:
+            sd = super().state_dict()
+        finally:
+            self._optimizer_state_dict_post_hooks = post_hooks
         sd["memfit"] = {"optimizer": type(self).__name__, "format_version": _format.FORMAT_VERSION}
         for g in sd["param_groups"]:  # new dicts (torch packs each group anew)
             g[_format.GROUP_FORMAT_KEY] = _format.FORMAT_VERSION
+        for hook in list(post_hooks.values()):
+            result = hook(self, sd)
+            if result is not None:
+                sd = result
         return sd
 
-    def _check_saved_format(self, state_dict) -> None:
-        """Refuses a state dict that memfit did not save in this format (see
-        :func:`saved_format`)."""
+    def _check_saved_format(self, state_dict, versions=None) -> None:
+        """Refuses a state dict that memfit did not save in one of ``versions`` (by
+        default the current format; see :func:`memfit.optim._format.saved_format`), or
+        saved for another class."""
         name = type(self).__name__
+        versions = versions or (_format.FORMAT_VERSION,)
         saver, version = _format.saved_format(state_dict)
-        if version is None:
-            raise ValueError(
+        if saver is None and version is None:
+            raise MemfitValueError(
                 f"{name}.load_state_dict: this state dict was not saved by a memfit optimizer "
                 "(its optimizer states have a different layout); start the optimizer fresh or "
                 "load a state dict saved by memfit.optim." + name)
         if saver is not None and saver != name:
-            raise ValueError(f"{name}.load_state_dict: the state dict was saved by memfit.optim."
-                             f"{saver}, not {name}")
-        if version != _format.FORMAT_VERSION:
-            raise ValueError(f"{name}.load_state_dict: unknown format_version {version!r}")
+            raise MemfitValueError(f"{name}.load_state_dict: the state dict was saved by "
+                                   f"memfit.optim.{saver}, not {name}: load it into a "
+                                   f"memfit.optim.{saver}; nothing was loaded")
+        if version not in versions:
+            raise MemfitValueError(
+                f"{name}.load_state_dict: the state dict's memfit format_version is {version!r}; "
+                f"this memfit reads {' and '.join(map(str, versions))} (a state dict saved by "
+                "a newer memfit, or its record was edited); nothing was loaded")
 
     def load_state_dict(self, state_dict):
         """Loads a state dict saved by the same memfit optimizer class for parameters of
@@ -361,9 +413,27 @@ class _MemfitOptimizer(torch.optim.Optimizer, _format.MemfitOptimizerBase):
         buffers, absmax, 4-bit codes, 8-bit codes in the parameter's order) are copied
         into the layout the kernels need. An empty state (``{}``, a parameter never
         stepped) starts fresh, as in torch; a missing ``kahan_comp`` starts at zero (the
-        parameter's value as it is)."""
-        state_dict = convert.to_current(self, state_dict)
+        parameter's value as it is).
+
+        As in torch: the load_state_dict pre-hooks run first, on a shallow copy of
+        ``state_dict`` (a hook may return a replacement), the post-hooks after loading;
+        a param group missing torch's flags (maximize, foreach, fused, capturable,
+        differentiable) gets their defaults; ``param_names`` absent from the saved groups
+        are kept; a ``step`` saved as a number is converted to a tensor; entries of
+        ``state`` that belong to no parameter are kept as they are, unless they look
+        like a parameter's state (hold memfit's state keys): then it is refused, as a
+        state that would be lost (shifted or string ids)."""
+        state_dict = state_dict.copy() if isinstance(state_dict, dict) else state_dict
+        for hook in list(self._optimizer_load_state_dict_pre_hooks.values()):
+            result = hook(self, state_dict)
+            if result is not None:
+                state_dict = result
         name = type(self).__name__
+        _checks.check_structure(name, state_dict)
+        if _format.saved_format(state_dict) != (None, None):
+            # memfit's own: its record is checked before any conversion reads it
+            self._check_saved_format(state_dict, versions=(1, _format.FORMAT_VERSION))
+        state_dict = convert.to_current(self, state_dict)
         self._check_saved_format(state_dict)
         groups = self.param_groups
         saved_groups = state_dict["param_groups"]
@@ -376,16 +446,25 @@ class _MemfitOptimizer(torch.optim.Optimizer, _format.MemfitOptimizerBase):
         place = {pid: (gi, i, p) for gi, (g, sg) in enumerate(zip(groups, saved_groups))
                  for i, (pid, p) in enumerate(zip(sg["params"], g["params"]))}
         new_groups = []
-        for g, sg in zip(groups, saved_groups):
-            ng = dict(sg)
+        missing = {**self._TORCH_FLAGS, **{k: v for k, v, _ in self._fixed_options}}
+        for gi, (g, sg) in enumerate(zip(groups, saved_groups)):
+            ng = {**missing, **sg}  # torch's __setstate__ fills the flags an old dict lacks
             ng.pop(_format.GROUP_FORMAT_KEY, None)  # recorded by state_dict(), not a setting
             ng["params"] = g["params"]
+            if "param_names" in g and "param_names" not in sg:
+                ng["param_names"] = g["param_names"]
+            _checks.check_group(self, ng, f"{name}.load_state_dict: param_groups[{gi}]")
             new_groups.append(ng)
-        for ng in new_groups:
-            self._check_group(ng)
         state = defaultdict(dict)
         for pid, saved in state_dict["state"].items():
             if pid not in place:
+                if isinstance(saved, dict) and any(k in saved for k in _STATE_KEYS):
+                    raise MemfitValueError(
+                        f"{name}.load_state_dict: state has an entry {pid!r} that is no saved "
+                        f"parameter id (the param groups list {_ids(saved_groups)}), but holds a "
+                        "parameter's state: the ids were changed (shifted, or turned into "
+                        "strings by a JSON round trip); nothing was loaded")
+                state[pid] = saved  # not a parameter's: kept as it is, as torch does
                 continue
             gi, i, p = place[pid]
             where = (f"{name}.load_state_dict: param_groups[{gi}]['params'][{i}] "
@@ -396,6 +475,8 @@ class _MemfitOptimizer(torch.optim.Optimizer, _format.MemfitOptimizerBase):
             if not saved:
                 continue  # never stepped (torch saves such a state as {}): starts fresh
             group = new_groups[gi]
+            if "step" in saved:
+                saved = {**saved, "step": _checks.saved_step(where, saved["step"])}
             expected = self._expected_state(group, p)
             _checks.check_saved_keys(where, saved, expected)
             loaded = {k: _checks.laid_out(where, k, self._loaded_value(k, v, p), p)
@@ -408,6 +489,8 @@ class _MemfitOptimizer(torch.optim.Optimizer, _format.MemfitOptimizerBase):
             state[p] = loaded
         self.__setstate__({"state": state, "param_groups": new_groups})
         self.__dict__.pop("_state_checked", None)  # new states: check them on the next step
+        for hook in list(self._optimizer_load_state_dict_post_hooks.values()):
+            hook(self)
 
     @staticmethod
     def _loaded_value(key, value, p):
@@ -416,6 +499,24 @@ class _MemfitOptimizer(torch.optim.Optimizer, _format.MemfitOptimizerBase):
         if _dtensor.is_dtensor(p) or _dtensor.is_dtensor(value):
             return _dtensor.loaded_value(key, value, p)
         return value.detach().to(device=p.device, copy=True)
+
+
+def _ids(saved_groups) -> str:
+    ids = [pid for sg in saved_groups for pid in sg["params"]]
+    return ", ".join(map(repr, ids[:8])) + (", ..." if len(ids) > 8 else "")
+
+
+def _storage_marks(states) -> tuple:
+    """(data pointer, shape) of each state tensor (a DTensor's local one, which the
+    kernels write): what ``resize_()``, ``set_()`` or ``.data =`` change in place while
+    the tensor object stays the same. Metadata only (no host sync)."""
+    marks = []
+    for s in states:
+        if s is not None:
+            if isinstance(s, _DTENSOR):
+                s = s._local_tensor  # to_local() without its autograd call
+            marks.append((s.data_ptr(), s.shape))
+    return tuple(marks)
 
 
 def _grad_view(p, g):
