@@ -453,7 +453,10 @@ class _MemfitOptimizer(torch.optim.Optimizer, _format.MemfitOptimizerBase):
             ng["params"] = g["params"]
             if "param_names" in g and "param_names" not in sg:
                 ng["param_names"] = g["param_names"]
-            _checks.check_group(self, ng, f"{name}.load_state_dict: param_groups[{gi}]")
+            try:  # a refused load is a MemfitValueError, whatever the value's fault
+                _checks.check_group(self, ng, f"{name}.load_state_dict: param_groups[{gi}]")
+            except (TypeError, ValueError, RuntimeError) as e:
+                raise MemfitValueError(f"{e}; nothing was loaded") from None
             new_groups.append(ng)
         state = defaultdict(dict)
         for pid, saved in state_dict["state"].items():
