@@ -327,8 +327,8 @@ def test_refused_state_dicts_raise_memfit_value_error(cls):
     p0 = sd["param_groups"][0]["params"][0]
     cases = [
         (sd_other.state_dict(), f"saved by memfit.optim.{other}"),
-        ({**sd, "memfit": {"optimizer": cls, "format_version": 99}}, "format_version is 99"),
-        ({**sd, "memfit": {"optimizer": cls}}, "format_version is None"),
+        ({**sd, "memfit": {"optimizer": cls, "format_version": 99}}, "unknown format_version 99"),
+        ({**sd, "memfit": {"optimizer": cls}}, "unknown format_version None"),
         ({**sd, "state": list(sd["state"].values())}, "'state' is a list"),
         ({**sd, "state": {**sd["state"], p0: {**sd["state"][p0],
                                               "step": sd["state"][p0]["step"].to("meta")}}},

@@ -389,8 +389,8 @@ class _MemfitOptimizer(torch.optim.Optimizer, _format.MemfitOptimizerBase):
                                    f"memfit.optim.{saver}; nothing was loaded")
         if version not in versions:
             raise MemfitValueError(
-                f"{name}.load_state_dict: the state dict's memfit format_version is {version!r}; "
-                f"this memfit reads {' and '.join(map(str, versions))} (a state dict saved by "
+                f"{name}.load_state_dict: unknown format_version {version!r} in memfit's record "
+                f"(this memfit reads {' and '.join(map(str, versions))}: a state dict saved by "
                 "a newer memfit, or its record was edited); nothing was loaded")
 
     def load_state_dict(self, state_dict):
