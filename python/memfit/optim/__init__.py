@@ -38,7 +38,7 @@ __all__ = [
 _TORCH_NAMES = {
     "Adam": "optimizers", "Adam8bit": "optimizers", "AdamW": "optimizers",
     "AdamW4bit": "optimizers", "AdamW8bit": "optimizers", "Lion8bit": "optimizers",
-    "RMSprop8bit": "optimizers", "SGD8bit": "optimizers", "dequantized_state": "_torch",
+    "RMSprop8bit": "optimizers", "SGD8bit": "optimizers", "dequantized_state": "_format",
     "to_torch_state_dict": "convert",
 }
 

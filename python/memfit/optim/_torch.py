@@ -2,166 +2,23 @@
 
 from __future__ import annotations
 
-import math
-from collections import defaultdict
+from collections import OrderedDict, defaultdict
 
 import torch
 
-from memfit._C import MemfitTypeError, MemfitValueError
-from memfit.optim import _blocks, _core, _dtensor, convert
+from memfit._C import MemfitValueError
+from memfit.optim import _checks, _core, _dtensor, _format, convert
+# re-exported: their old home (tests and users import them from here)
+from memfit.optim._format import dequantized_state, saved_format  # noqa: F401
 from memfit.optim._blocks import state_rows
 
-# 2: quantization blocks within rows (dim-0 slices), absmax of shape (rows, blocks per
-# row), 4-bit codes of shape (rows, ceil(row length / 2)), and float32 states for 1-D
-# parameters; 1: blocks over the whole storage.
-_FORMAT_VERSION = 2
-# The key under which state_dict() records _FORMAT_VERSION in every param group as well
-# as at the top level: torch.distributed.checkpoint's get_state_dict/set_state_dict keep
-# only "state" and "param_groups".
-_GROUP_FORMAT_KEY = "memfit_format"
-
-
+# isinstance(x, _DTENSOR): whether x is a DTensor (always False without torch.distributed)
+_DTENSOR = _dtensor.DTensor or ()
 # A parameter's state tensors in the order the step passes them to the core (absent: None).
 _STATE_KEYS = ("state1", "absmax1", "state2", "absmax2", "step", "kahan_comp")
 
 
-def _same_layout(a, b) -> bool:
-    """Same shape and the same strides along every dimension of more than one element:
-    the kernels pair the elements of a parameter, its gradient and its per-element
-    states in memory order (the binding's mf_py_same_layout)."""
-    return a.shape == b.shape and all(s == t for s, t, n in zip(a.stride(), b.stride(), a.shape)
-                                      if n != 1)
-
-
-def _dim_order(t) -> tuple:
-    """t's dimensions of more than one element, outermost in memory first."""
-    return tuple(sorted((d for d in range(t.dim()) if t.shape[d] != 1), key=lambda d: -t.stride(d)))
-
-
-def _check_dense(where, p) -> None:
-    """Refuses a parameter that is neither contiguous nor dense in another order
-    (channels_last): the kernels run over its storage."""
-    local = p.to_local() if _dtensor.is_dtensor(p) else p
-    if not _blocks.is_dense(local):
-        raise MemfitValueError(f"{where}: must be contiguous (this tensor has gaps or overlapping "
-                               "elements: a slice, an expand() or a view of part of a tensor, "
-                               f"strides {tuple(local.stride())}); call .contiguous() first; "
-                               "nothing was updated")
-
-
-def _refuse_grad(where, p, g):
-    """Raises for a gradient the step cannot take for p (step has found one of: another
-    shape, dtype, device, or another memory layout than a non-contiguous p's)."""
-    where = f"{where} (shape {tuple(p.shape)})"
-    if g.shape != p.shape:
-        raise MemfitValueError(
-            f"{where}: its gradient has shape {tuple(g.shape)}; a gradient must have its "
-            "parameter's shape (one of the same size in another layout, such as JAX's (in, out) "
-            "for torch's (out, in) weight, would update the wrong elements); nothing was updated")
-    if g.dtype != p.dtype:
-        raise MemfitTypeError(f"{where}: its gradient is {g.dtype} and the parameter {p.dtype}; "
-                              "cast the gradient to the parameter's dtype; nothing was updated")
-    if g.device != p.device:
-        raise MemfitValueError(f"{where}: its gradient is on {g.device} but the parameter on "
-                               f"{p.device}; nothing was updated")
-    _check_dense(where, p)
-    raise MemfitValueError(
-        f"{where}: must be contiguous (row-major), or dense with a gradient of the same "
-        f"strides, but has strides {tuple(p.stride())} and its gradient {tuple(g.stride())}; "
-        "make the gradient match the parameter's memory format (e.g. p.grad = p.grad."
-        "contiguous(memory_format=torch.channels_last)) or call .contiguous() on the "
-        "parameter; nothing was updated")
-
-
-def _state_problem(key, value, shape, dtype, p):
-    """None, or (exception class, message) for a state ``key`` of p that the kernels
-    cannot take as p's: not a tensor, another dtype or (global) shape, not laid out as
-    p's states are (a DTensor of p's mesh and placements for a DTensor p, except step),
-    another device, or other strides (p's for a state of one value per element, else
-    contiguous). Metadata only: no host sync."""
-    if not torch.is_tensor(value):
-        return MemfitTypeError, f"state {key!r} is a {type(value).__name__}, not a tensor"
-    if value.dtype != dtype:
-        return MemfitTypeError, f"state {key!r} is {value.dtype}, but needs {dtype} {shape}"
-    if tuple(value.shape) != shape:
-        return (MemfitValueError,
-                f"state {key!r} has shape {tuple(value.shape)}, but needs {dtype} {shape}")
-    dp, dv = _dtensor.is_dtensor(p), _dtensor.is_dtensor(value)
-    if dv != (dp and key != "step") or (dv and (value.device_mesh != p.device_mesh
-                                                or value.placements != p.placements)):
-        return MemfitValueError, (f"state {key!r} is {_dtensor.describe(value)}, but the "
-                                  f"parameter's states are {_dtensor.describe(p, key)}")
-    local = value.to_local() if dv else value
-    lp = p.to_local() if dp else p
-    if local.device != lp.device:
-        return MemfitValueError, f"state {key!r} is on {local.device}, the parameter on {lp.device}"
-    if key != "step" and shape == tuple(p.shape):
-        if not _same_layout(local, lp):
-            return MemfitValueError, (f"state {key!r} has strides {tuple(local.stride())}, but "
-                                      "holds one value per element and must be laid out as the "
-                                      f"parameter (strides {tuple(lp.stride())})")
-    elif not local.is_contiguous():
-        return MemfitValueError, (f"state {key!r} has strides {tuple(local.stride())}, but must "
-                                  "be contiguous")
-    return None
-
-
-_SAVED_FOR_ANOTHER = ("the state dict was saved for a different model or with different "
-                      "bits/block_size/min_8bit_size")
-
-
-def _check_saved_keys(where, saved, expected) -> None:
-    """Refuses a saved state of p (``saved``) whose keys are not those p needs
-    (``expected``, from _expected_state), or whose tensors have another dtype or shape."""
-    for key in saved:
-        if key not in expected:
-            raise MemfitValueError(f"{where}: has a state {key!r} that this optimizer does not "
-                                   f"keep for it: {_SAVED_FOR_ANOTHER}; nothing was loaded")
-    for key in expected:
-        # a missing Kahan buffer starts at zero: the parameter's value as it is
-        if key not in saved and key != "kahan_comp":
-            raise MemfitValueError(
-                f"{where}: has no state {key!r} (it has {', '.join(map(repr, saved))}; this "
-                f"optimizer keeps {', '.join(map(repr, expected))} for it): the state dict is "
-                "incomplete; nothing was loaded")
-    for key, value in saved.items():
-        shape, dtype = expected[key]
-        if not torch.is_tensor(value) or value.dtype != dtype or tuple(value.shape) != shape:
-            got = (f"{value.dtype} {tuple(value.shape)}" if torch.is_tensor(value)
-                   else type(value).__name__)
-            raise MemfitValueError(
-                f"{where}: state {key!r} is {got}, but needs {dtype} {shape}: "
-                f"{_SAVED_FOR_ANOTHER}, or is truncated; nothing was loaded")
-
-
-def _laid_out(where, key, value, p):
-    """``value`` (a loaded copy of p's state ``key``) in the memory layout the kernels
-    need: p's for a state of one value per element, else contiguous. Relaying out is
-    exact where each value keeps its meaning: float32 states, Kahan buffers, absmax and
-    4-bit codes (logical arrays), 8-bit codes stored in p's memory order (only their
-    strides differ, as in a slice). 8-bit codes stored in another order are refused: a
-    code's quantization block is given by its place in memory, so relaid codes would
-    be read with other blocks' absmax."""
-    dv = _dtensor.is_dtensor(value)
-    local = value.to_local() if dv else value
-    lp = p.to_local() if _dtensor.is_dtensor(p) else p
-    if key != "step" and tuple(value.shape) == tuple(p.shape):
-        if _same_layout(local, lp):
-            return value
-        if local.dtype == torch.uint8 and _dim_order(local) != _dim_order(lp):
-            raise MemfitValueError(
-                f"{where}: state {key!r} (8-bit codes) has strides {tuple(local.stride())}, in "
-                f"another memory order than the parameter's {tuple(lp.stride())}: its codes "
-                "belong to the quantization blocks of other elements; nothing was loaded")
-        fixed, stride = torch.empty_like(lp, dtype=local.dtype).copy_(local), p.stride()
-    else:
-        if local.is_contiguous():
-            return value
-        fixed, stride = local.contiguous(), None
-    return _dtensor.with_local(value, fixed, stride) if dv else fixed
-
-
-class _MemfitOptimizer(torch.optim.Optimizer):
+class _MemfitOptimizer(torch.optim.Optimizer, _format.MemfitOptimizerBase):
     """Base class: state layout, the step over param groups, state_dict checks.
 
     Subclasses set ``_kind`` and ``_bits`` and implement ``_hparams(group)``.
@@ -190,12 +47,29 @@ class _MemfitOptimizer(torch.optim.Optimizer):
     # plugin that unscales and clips such optimizers (docs/frameworks.md).
     _step_supports_amp_scaling = True
 
+    # torch's flags that this class keeps in its param groups, as torch's class of the
+    # same kind does (every class takes all four keywords: see
+    # memfit.optim.optimizers), with their defaults: filled into a loaded or unpickled
+    # group that lacks them, as torch's __setstate__ does
+    _TORCH_FLAGS = dict(maximize=False, foreach=None, fused=None, capturable=False,
+                        differentiable=False)
+    # (group key, the only value memfit's math has, advice): options of torch's class
+    # that memfit does not have, refused wherever they are given (keyword, param group,
+    # loaded group) instead of being ignored; their values are the defaults of a group
+    # that lacks them
+    _fixed_options: tuple = ()
+
     def __init__(self, params, hyper, *, maximize=False, block_size=None, min_8bit_size=4096,
-                 bf16_stochastic_round=None, kahan=False):
+                 bf16_stochastic_round=None, kahan=False, foreach=None, fused=None,
+                 capturable=False, differentiable=False):
         """``hyper``: the subclass's own hyperparameters (lr, betas, ...); the keyword
         options are the ones every memfit optimizer takes (see memfit.optim.optimizers)."""
-        defaults = dict(hyper, maximize=maximize, min_8bit_size=min_8bit_size,
-                        bf16_stochastic_round=bf16_stochastic_round, kahan=kahan)
+        flags = dict(maximize=maximize, foreach=foreach, fused=fused, capturable=capturable,
+                     differentiable=differentiable)
+        _checks.check_torch_flags(flags)  # also those this class does not keep
+        defaults = dict(hyper, min_8bit_size=min_8bit_size,
+                        bf16_stochastic_round=bf16_stochastic_round, kahan=kahan,
+                        **{k: v for k, v in flags.items() if k in self._TORCH_FLAGS})
         defaults.setdefault("bits", self._bits)
         defaults["block_size"] = (_core.DEFAULT_BLOCK[defaults["bits"]] if block_size is None
                                   else block_size)
@@ -205,35 +79,28 @@ class _MemfitOptimizer(torch.optim.Optimizer):
         defaults.setdefault("sr_seed", 0)
         super().__init__(params, defaults)  # checks each group (add_param_group)
 
+    def __setstate__(self, state):
+        super().__setstate__(state)
+        missing = {**self._TORCH_FLAGS, **{k: v for k, v, _ in self._fixed_options}}
+        for group in self.param_groups:
+            for key, value in missing.items():
+                group.setdefault(key, value)
+
     # -- hyperparameters -------------------------------------------------------------
 
     def _hparams(self, group) -> dict:  # pragma: no cover - abstract
         raise NotImplementedError
 
-    def _check_group(self, group) -> None:
-        bits = group["bits"]
-        if bits not in (4, 8, 32):
-            raise ValueError(f"bits: expected 4, 8 or 32, got {bits!r}")
-        bs = group["block_size"]
-        if bits != 32 and bs not in _core.BLOCK_SIZES:
-            raise ValueError(f"block_size: must be one of {', '.join(map(str, _core.BLOCK_SIZES))}, "
-                             f"got {bs!r}")
-        if not isinstance(group["min_8bit_size"], int) or group["min_8bit_size"] < 0:
-            raise ValueError(f"min_8bit_size: expected an int >= 0, got {group['min_8bit_size']!r}")
-        kahan, sr = group.get("kahan", False), group.get("bf16_stochastic_round")
-        if not isinstance(kahan, bool):
-            raise TypeError(f"kahan: expected True or False, got {kahan!r}")
-        if kahan and sr:
-            raise ValueError(
-                "kahan=True and bf16_stochastic_round=True cannot be combined: the Kahan "
-                "buffer keeps the rounding error that stochastic rounding would randomise; "
-                "pass only kahan=True (stochastic rounding is then off)")
-        _core.check(self._kind, self._hparams(group))
-
     def add_param_group(self, param_group):
+        """torch's add_param_group, then memfit's checks of the new group's values and
+        parameters (dtype, layout); a refused group is not added."""
         super().add_param_group(param_group)
+        gi = len(self.param_groups) - 1
         try:
-            self._check_group(self.param_groups[-1])
+            where = f"{type(self).__name__}: param_groups[{gi}]"
+            _checks.check_group(self, self.param_groups[-1], where)
+            for i, p in enumerate(self.param_groups[-1]["params"]):
+                _checks.check_param(f"{where}['params'][{i}]", p)
         except Exception:
             self.param_groups.pop()
             raise
@@ -307,7 +174,7 @@ class _MemfitOptimizer(torch.optim.Optimizer):
             if value is None:
                 added[key] = self._zero_state(p, key, shape, dtype)
                 continue
-            problem = _state_problem(key, value, shape, dtype, p)
+            problem = _checks.state_problem(key, value, shape, dtype, p)
             if problem is not None:
                 raise problem[0](f"{where}: {problem[1]}; nothing was updated")
         return added, "kahan_comp" in state and "kahan_comp" not in expected
@@ -375,11 +242,12 @@ class _MemfitOptimizer(torch.optim.Optimizer):
 
         ``seen`` (kept in ``self._state_checked`` by id(p): a tensor's own hash is a
         Python call): (key, format, rows, index_base, states, whether p is float16 or
-        bfloat16, its bucket) of the layout p's states were last checked against, rows and
-        index_base those of the tensor the kernels step (a DTensor's local shard), and
-        the state tensors checked. A step over a model of hundreds of tensors does not
-        rebuild every expected layout every time: p's states are checked again only when
-        the key changes or a state tensor was replaced. This loop runs per parameter per
+        bfloat16, its bucket, storage marks) of the layout p's states were last checked
+        against, rows and index_base those of the tensor the kernels step (a DTensor's
+        local shard), the state tensors checked and their storage (_storage_marks). A step
+        over a model of hundreds of tensors does not rebuild every expected layout every
+        time: p's states are checked again only when the key changes, a state tensor was
+        replaced or its storage changed in place. This loop runs per parameter per
         step, and is most of the step's time for models of many small tensors: it reads
         only metadata (no host sync) and stays lean.
         """
@@ -389,7 +257,8 @@ class _MemfitOptimizer(torch.optim.Optimizer):
         name = type(self).__name__
         plan, new = [], []
         for gi, group in enumerate(self.param_groups):
-            hp = self._hparams(group)
+            # a group's values can change at any time (a schedule, a hand edit)
+            hp = _checks.check_group(self, group, f"{name}.step: param_groups[{gi}]")
             rounding = self._rounding(group)
             layout = (group["bits"], group.get("block_size"), group["min_8bit_size"], rounding,
                       hp["momentum"])
@@ -403,8 +272,8 @@ class _MemfitOptimizer(torch.optim.Optimizer):
                     raise RuntimeError(f"{name} does not support sparse gradients")
                 shape, dtype, device, contiguous = p.shape, p.dtype, p.device, p.is_contiguous()
                 if g.shape != shape or g.dtype != dtype or g.device != device \
-                        or not (contiguous or _same_layout(g, p)):
-                    _refuse_grad(f"{name}.step: param_groups[{gi}]['params'][{i}]", p, g)
+                        or not (contiguous or _checks.same_layout(g, p)):
+                    _checks.refuse_grad(f"{name}.step: param_groups[{gi}]['params'][{i}]", p, g)
                 state = state_of.get(p)
                 seen = checked.get(id(p))
                 key = (layout, dtype, shape, device, contiguous)
@@ -414,13 +283,16 @@ class _MemfitOptimizer(torch.optim.Optimizer):
                               get("step"), get("kahan_comp"))
                     # (spelled out: the cheapest test that no state tensor was replaced)
                     fresh = states[0] is s[0] and states[1] is s[1] and states[2] is s[2] \
-                        and states[3] is s[3] and states[4] is s[4] and states[5] is s[5]
+                        and states[3] is s[3] and states[4] is s[4] and states[5] is s[5] \
+                        and _storage_marks(states) == seen[7]  # nor resized in place
                 else:
                     fresh = False
                 if not fresh:
+                    _checks.check_param(f"{name}.step: param_groups[{gi}]['params'][{i}]", p,
+                                        at_step=True)
                     where = f"{name}.step: param_groups[{gi}]['params'][{i}] (shape {tuple(shape)})"
                     if not contiguous:
-                        _check_dense(where, p)
+                        _checks.check_dense(where, p)
                     added, drop = self._new_states(where, group, p, state)
                     merged = {**(state or {}), **added}
                     if drop:
@@ -429,7 +301,7 @@ class _MemfitOptimizer(torch.optim.Optimizer):
                     local = p.to_local() if _dtensor.is_dtensor(p) else p
                     seen = (key, self._format(group, p), state_rows(local),
                             _dtensor.index_base(p, self._where), states, dtype != torch.float32,
-                            (device, self._format(group, p)))
+                            (device, self._format(group, p)), _storage_marks(states))
                     new.append((p, added, drop, seen))
                 if dtensor_type is not None and isinstance(p, dtensor_type):
                     # FSDP2 & co.: the kernels step the local rows, in place
@@ -467,27 +339,45 @@ class _MemfitOptimizer(torch.optim.Optimizer):
     # -- state dict ------------------------------------------------------------------------
 
     def state_dict(self):
-        sd = super().state_dict()
-        sd["memfit"] = {"optimizer": type(self).__name__, "format_version": _FORMAT_VERSION}
+        """torch's state dict, plus memfit's format record (top level and every group).
+        The state-dict hooks run where torch runs them: pre-hooks first (torch's
+        state_dict), post-hooks on the finished dict, memfit's record included."""
+        post_hooks = self._optimizer_state_dict_post_hooks
+        self._optimizer_state_dict_post_hooks = OrderedDict()  # run below, after the record
+        try:
+            sd = super().state_dict()
+        finally:
+            self._optimizer_state_dict_post_hooks = post_hooks
+        sd["memfit"] = {"optimizer": type(self).__name__, "format_version": _format.FORMAT_VERSION}
         for g in sd["param_groups"]:  # new dicts (torch packs each group anew)
-            g[_GROUP_FORMAT_KEY] = _FORMAT_VERSION
+            g[_format.GROUP_FORMAT_KEY] = _format.FORMAT_VERSION
+        for hook in list(post_hooks.values()):
+            result = hook(self, sd)
+            if result is not None:
+                sd = result
         return sd
 
-    def _check_saved_format(self, state_dict) -> None:
-        """Refuses a state dict that memfit did not save in this format (see
-        :func:`saved_format`)."""
+    def _check_saved_format(self, state_dict, versions=None) -> None:
+        """Refuses a state dict that memfit did not save in one of ``versions`` (by
+        default the current format; see :func:`memfit.optim._format.saved_format`), or
+        saved for another class."""
         name = type(self).__name__
-        saver, version = saved_format(state_dict)
-        if version is None:
-            raise ValueError(
+        versions = versions or (_format.FORMAT_VERSION,)
+        saver, version = _format.saved_format(state_dict)
+        if saver is None and version is None:
+            raise MemfitValueError(
                 f"{name}.load_state_dict: this state dict was not saved by a memfit optimizer "
                 "(its optimizer states have a different layout); start the optimizer fresh or "
                 "load a state dict saved by memfit.optim." + name)
         if saver is not None and saver != name:
-            raise ValueError(f"{name}.load_state_dict: the state dict was saved by memfit.optim."
-                             f"{saver}, not {name}")
-        if version != _FORMAT_VERSION:
-            raise ValueError(f"{name}.load_state_dict: unknown format_version {version!r}")
+            raise MemfitValueError(f"{name}.load_state_dict: the state dict was saved by "
+                                   f"memfit.optim.{saver}, not {name}: load it into a "
+                                   f"memfit.optim.{saver}; nothing was loaded")
+        if version not in versions:
+            raise MemfitValueError(
+                f"{name}.load_state_dict: unknown format_version {version!r} in memfit's record "
+                f"(this memfit reads {' and '.join(map(str, versions))}: a state dict saved by "
+                "a newer memfit, or its record was edited); nothing was loaded")
 
     def load_state_dict(self, state_dict):
         """Loads a state dict saved by the same memfit optimizer class for parameters of
@@ -509,9 +399,27 @@ class _MemfitOptimizer(torch.optim.Optimizer):
         buffers, absmax, 4-bit codes, 8-bit codes in the parameter's order) are copied
         into the layout the kernels need. An empty state (``{}``, a parameter never
         stepped) starts fresh, as in torch; a missing ``kahan_comp`` starts at zero (the
-        parameter's value as it is)."""
-        state_dict = convert.to_current(self, state_dict)
+        parameter's value as it is).
+
+        As in torch: the load_state_dict pre-hooks run first, on a shallow copy of
+        ``state_dict`` (a hook may return a replacement), the post-hooks after loading;
+        a param group missing torch's flags (maximize, foreach, fused, capturable,
+        differentiable) gets their defaults; ``param_names`` absent from the saved groups
+        are kept; a ``step`` saved as a number is converted to a tensor; entries of
+        ``state`` that belong to no parameter are kept as they are, unless they look
+        like a parameter's state (hold memfit's state keys): then it is refused, as a
+        state that would be lost (shifted or string ids)."""
+        state_dict = state_dict.copy() if isinstance(state_dict, dict) else state_dict
+        for hook in list(self._optimizer_load_state_dict_pre_hooks.values()):
+            result = hook(self, state_dict)
+            if result is not None:
+                state_dict = result
         name = type(self).__name__
+        _checks.check_structure(name, state_dict)
+        if _format.saved_format(state_dict) != (None, None):
+            # memfit's own: its record is checked before any conversion reads it
+            self._check_saved_format(state_dict, versions=(1, _format.FORMAT_VERSION))
+        state_dict = convert.to_current(self, state_dict)
         self._check_saved_format(state_dict)
         groups = self.param_groups
         saved_groups = state_dict["param_groups"]
@@ -524,16 +432,28 @@ class _MemfitOptimizer(torch.optim.Optimizer):
         place = {pid: (gi, i, p) for gi, (g, sg) in enumerate(zip(groups, saved_groups))
                  for i, (pid, p) in enumerate(zip(sg["params"], g["params"]))}
         new_groups = []
-        for g, sg in zip(groups, saved_groups):
-            ng = dict(sg)
-            ng.pop(_GROUP_FORMAT_KEY, None)  # recorded by state_dict(), not a setting
+        missing = {**self._TORCH_FLAGS, **{k: v for k, v, _ in self._fixed_options}}
+        for gi, (g, sg) in enumerate(zip(groups, saved_groups)):
+            ng = {**missing, **sg}  # torch's __setstate__ fills the flags an old dict lacks
+            ng.pop(_format.GROUP_FORMAT_KEY, None)  # recorded by state_dict(), not a setting
             ng["params"] = g["params"]
+            if "param_names" in g and "param_names" not in sg:
+                ng["param_names"] = g["param_names"]
+            try:  # a refused load is a MemfitValueError, whatever the value's fault
+                _checks.check_group(self, ng, f"{name}.load_state_dict: param_groups[{gi}]")
+            except (TypeError, ValueError, RuntimeError) as e:
+                raise MemfitValueError(f"{e}; nothing was loaded") from None
             new_groups.append(ng)
-        for ng in new_groups:
-            self._check_group(ng)
         state = defaultdict(dict)
         for pid, saved in state_dict["state"].items():
             if pid not in place:
+                if isinstance(saved, dict) and any(k in saved for k in _STATE_KEYS):
+                    raise MemfitValueError(
+                        f"{name}.load_state_dict: state has an entry {pid!r} that is no saved "
+                        f"parameter id (the param groups list {_ids(saved_groups)}), but holds a "
+                        "parameter's state: the ids were changed (shifted, or turned into "
+                        "strings by a JSON round trip); nothing was loaded")
+                state[pid] = saved  # not a parameter's: kept as it is, as torch does
                 continue
             gi, i, p = place[pid]
             where = (f"{name}.load_state_dict: param_groups[{gi}]['params'][{i}] "
@@ -544,18 +464,22 @@ class _MemfitOptimizer(torch.optim.Optimizer):
             if not saved:
                 continue  # never stepped (torch saves such a state as {}): starts fresh
             group = new_groups[gi]
+            if "step" in saved:
+                saved = {**saved, "step": _checks.saved_step(where, saved["step"])}
             expected = self._expected_state(group, p)
-            _check_saved_keys(where, saved, expected)
-            loaded = {k: _laid_out(where, k, self._loaded_value(k, v, p), p)
+            _checks.check_saved_keys(where, saved, expected)
+            loaded = {k: _checks.laid_out(where, k, self._loaded_value(k, v, p), p)
                       for k, v in saved.items()}
             for key, value in loaded.items():
-                problem = _state_problem(key, value, *expected[key], p)
+                problem = _checks.state_problem(key, value, *expected[key], p)
                 if problem is not None:
                     raise problem[0](f"{where}: {problem[1]}; nothing was loaded")
-            self._check_values(where, group, p, loaded)
+            _checks.check_values(self, where, group, p, loaded)
             state[p] = loaded
         self.__setstate__({"state": state, "param_groups": new_groups})
         self.__dict__.pop("_state_checked", None)  # new states: check them on the next step
+        for hook in list(self._optimizer_load_state_dict_post_hooks.values()):
+            hook(self)
 
     @staticmethod
     def _loaded_value(key, value, p):
@@ -565,56 +489,23 @@ class _MemfitOptimizer(torch.optim.Optimizer):
             return _dtensor.loaded_value(key, value, p)
         return value.detach().to(device=p.device, copy=True)
 
-    def _check_values(self, where, group, p, loaded) -> None:
-        """Refuses corrupt values in the loaded states of p: NaN, Inf or negative
-        absmax (a NaN scale would freeze its block for ever, silently), a step that is
-        not a whole number >= 0, NaN or Inf float32 states or Kahan buffers, negative
-        second moments. One host sync per parameter, at load only; for a DTensor p one
-        all-reduce over its mesh, so that every rank checks its own rows and all refuse
-        together."""
-        signed = _core.state_layout(self._kind, group["bits"], group["block_size"], 0,
-                                    self._hparams(group)["momentum"])["signed"]
-        checks = []  # (key, what is wrong, a 0-d bool tensor: True where it is)
-        for key, value in loaded.items():
-            v = value.to_local() if _dtensor.is_dtensor(value) else value
-            if key == "step":
-                whole = torch.isfinite(v) & (v >= 0) & (v == torch.floor(v))
-                checks.append((key, "is not a whole number of steps >= 0", ~whole))
-            elif key.startswith("absmax"):
-                # a block's scale is its largest |value|: finite and >= 0 (False for NaN)
-                checks.append((key, "holds NaN, Inf or negative block scales",
-                               ~((v >= 0) & (v < math.inf)).all()))
-            elif v.dtype != torch.uint8:  # float32 states and the Kahan buffer
-                checks.append((key, "holds NaN or Inf values", ~torch.isfinite(v).all()))
-                if key.startswith("state") and not signed[int(key[5:]) - 1]:
-                    checks.append((key, "holds negative values, but it is a second moment "
-                                        "(a mean of squares, >= 0)", (v < 0).any()))
-        flags = torch.stack([bad for *_, bad in checks]).float()
-        if _dtensor.is_dtensor(p):
-            flags = _dtensor.sum_over_mesh(flags, p)
-        for (key, what, _), bad in zip(checks, flags.tolist()):
-            if bad:
-                got = f" ({float(loaded[key])})" if key == "step" else ""
-                raise MemfitValueError(f"{where}: state {key!r}{got} {what}: the state dict is "
-                                       "corrupt; nothing was loaded")
+
+def _ids(saved_groups) -> str:
+    ids = [pid for sg in saved_groups for pid in sg["params"]]
+    return ", ".join(map(repr, ids[:8])) + (", ..." if len(ids) > 8 else "")
 
 
-def saved_format(state_dict) -> tuple:
-    """(optimizer class name or None, format version or None) of a state dict memfit
-    saved: from its top-level "memfit" record or, after torch.distributed.checkpoint's
-    get_state_dict/set_state_dict (which keep only "state" and "param_groups"), from the
-    format every param group records (the name is then unknown). (None, None): not
-    memfit's (a torch.optim or bitsandbytes state dict, or not a state dict)."""
-    if not isinstance(state_dict, dict):
-        return None, None
-    meta, groups = state_dict.get("memfit"), state_dict.get("param_groups")
-    if isinstance(meta, dict) and "optimizer" in meta:
-        return meta["optimizer"], meta.get("format_version")
-    if (isinstance(groups, list) and groups
-            and all(isinstance(g, dict) and _GROUP_FORMAT_KEY in g for g in groups)):
-        versions = {g[_GROUP_FORMAT_KEY] for g in groups}
-        return None, versions.pop() if len(versions) == 1 else sorted(versions, key=repr)
-    return None, None
+def _storage_marks(states) -> tuple:
+    """(data pointer, shape) of each state tensor (a DTensor's local one, which the
+    kernels write): what ``resize_()``, ``set_()`` or ``.data =`` change in place while
+    the tensor object stays the same. Metadata only (no host sync)."""
+    marks = []
+    for s in states:
+        if s is not None:
+            if isinstance(s, _DTENSOR):
+                s = s._local_tensor  # to_local() without its autograd call
+            marks.append((s.data_ptr(), s.shape))
+    return tuple(marks)
 
 
 def _grad_view(p, g):
@@ -636,57 +527,3 @@ def _on(t, device):
     if t.device != device or t.dtype != torch.float32:
         t = t.to(device=device, dtype=torch.float32, non_blocking=True)
     return t.reshape(1) if t.dim() != 1 else t
-
-
-def _state_codes(optimizer, group) -> list:
-    """[(torch's name, code table or None)] of state1, state2, ... of ``optimizer``'s
-    kind: the code each quantized state uses in ``group`` (None for 32-bit groups)."""
-    bits = group["bits"]
-    signed = (_core.state_layout(optimizer._kind, bits, group["block_size"], 0,
-                                 optimizer._hparams(group)["momentum"])["signed"]
-              if bits != 32 else None)
-    return [(nm, _core.code_table(bits, signed[k]) if signed else None)
-            for k, nm in enumerate(_core.STATE_NAMES[optimizer._kind])]
-
-
-def _dequantize_states(optimizer, group, state, param, rows=None) -> dict:
-    """float32 copies of the states in ``state`` (one parameter's, as ``group`` keeps
-    them), keyed by torch's names, each of ``param``'s shape and memory layout.
-    ``rows``: of the row-block layout, by default state_rows(param); 1 reads format 1."""
-    out = {}
-    for k, (nm, code) in enumerate(_state_codes(optimizer, group), start=1):
-        s = state.get(f"state{k}")
-        if s is None:
-            continue
-        if s.dtype == torch.float32:
-            out[nm] = s.detach().clone().reshape(param.shape)
-            continue
-        out[nm] = _blocks.dequantize_state(s.detach(), state[f"absmax{k}"].detach(),
-                                           group["bits"], code, group["block_size"], param,
-                                           rows=rows)
-    return out
-
-
-def dequantized_state(optimizer, param) -> dict:
-    """fp32 copies of ``param``'s optimizer states, keyed by torch's names
-    (``exp_avg``/``exp_avg_sq`` for Adam and AdamW, ``exp_avg`` for Lion,
-    ``momentum_buffer`` for SGD, ``square_avg`` (and ``momentum_buffer``) for RMSprop),
-    each of ``param``'s shape and device (for a DTensor ``param``: DTensors of its
-    placements, each rank's rows computed locally), plus ``kahan_comp`` (the Kahan compensation,
-    as float32; ``param.float() + kahan_comp`` is the parameter's value) for bfloat16 or
-    float16 parameters of ``kahan=True`` groups. Empty before the first step."""
-    if not isinstance(optimizer, _MemfitOptimizer):
-        raise TypeError(f"optimizer: expected a memfit.optim optimizer, got {type(optimizer).__name__}")
-    state = optimizer.state.get(param)
-    if not state:
-        return {}
-    group = next((g for g in optimizer.param_groups if any(q is param for q in g["params"])), None)
-    if group is None:
-        raise ValueError("param: not a parameter of this optimizer")
-    dparam = None
-    if _dtensor.is_dtensor(param):  # each rank dequantizes its rows (no block crosses a row)
-        dparam, param, state = param, param.to_local(), _dtensor.local_state(state)
-    out = _dequantize_states(optimizer, group, state, param)
-    if "kahan_comp" in state:
-        out["kahan_comp"] = state["kahan_comp"].detach().float().reshape(param.shape)
-    return out if dparam is None else {k: _dtensor.like_param(v, dparam) for k, v in out.items()}

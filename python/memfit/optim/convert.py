@@ -37,15 +37,14 @@ import itertools
 
 import torch
 
-from memfit.optim import _blocks, _core
-from memfit.optim import _torch
+from memfit.optim import _blocks, _core, _format
 
 __all__ = ["from_bitsandbytes", "from_torch", "to_current", "to_torch_state_dict", "upgrade_v1"]
 
 # param-group keys that only memfit has: never exported, and kept from the optimizer
 # when a foreign state dict is loaded
 _MEMFIT_GROUP_KEYS = ("bits", "block_size", "min_8bit_size", "bf16_stochastic_round", "kahan",
-                      "sr_seed", "sr_step", "memfit_format")  # the last: _torch._GROUP_FORMAT_KEY
+                      "sr_seed", "sr_step", _format.GROUP_FORMAT_KEY)
 # hyperparameters taken over from a foreign state dict where both name them
 _SHARED_HYPER = ("lr", "betas", "eps", "weight_decay", "maximize", "momentum", "dampening",
                  "nesterov", "alpha")
@@ -74,9 +73,7 @@ def _name(optimizer) -> str:
     return type(optimizer).__name__
 
 
-def _check_optimizer(optimizer) -> None:
-    if not isinstance(optimizer, _torch._MemfitOptimizer):
-        raise TypeError(f"optimizer: expected a memfit.optim optimizer, got {_name(optimizer)}")
+_check_optimizer = _format.check_optimizer
 
 
 def to_current(optimizer, state_dict):
@@ -91,7 +88,7 @@ def to_current(optimizer, state_dict):
         return state_dict
     # memfit's own, also after torch.distributed.checkpoint's get_state_dict (which keeps
     # only "state" and "param_groups"; every group then carries the format)
-    _, version = _torch.saved_format(state_dict)
+    _, version = _format.saved_format(state_dict)
     if version is not None:
         return upgrade_v1(optimizer, state_dict) if version == 1 else state_dict
     keys = set()
@@ -184,7 +181,7 @@ def _memfit_state(optimizer, group, p, floats, step, extra=None):
     torch's names (quantized where the layout says so)."""
     expected = optimizer._expected_state(group, p)
     out = {"step": step}
-    for k, (nm, code) in enumerate(_torch._state_codes(optimizer, group), start=1):
+    for k, (nm, code) in enumerate(_format.state_codes(optimizer, group), start=1):
         if f"state{k}" not in expected:
             continue
         value = floats.get(nm)
@@ -207,7 +204,7 @@ def _memfit_state(optimizer, group, p, floats, step, extra=None):
 
 def _result(optimizer, state, groups):
     return {"state": state, "param_groups": groups,
-            "memfit": {"optimizer": _name(optimizer), "format_version": _torch._FORMAT_VERSION}}
+            "memfit": {"optimizer": _name(optimizer), "format_version": _format.FORMAT_VERSION}}
 
 
 def from_torch(optimizer, state_dict):
@@ -359,7 +356,7 @@ def upgrade_v1(optimizer, state_dict):
             continue
         # format 1 is the row-block layout with one row (its flat blocks)
         local = {k: v.to(p.device) for k, v in saved.items() if k.startswith(("state", "absmax"))}
-        floats = _torch._dequantize_states(optimizer, sg, local, p, rows=1)
+        floats = _format.dequantize_states(optimizer, sg, local, p, rows=1)
         extra = {k: v for k, v in saved.items() if k == "kahan_comp"}
         state[pid] = _memfit_state(optimizer, {**sg, "params": []}, p, floats,
                                    saved["step"], extra)
@@ -393,7 +390,7 @@ def to_torch_state_dict(optimizer) -> dict:
             st = optimizer.state.get(p)
             if not st:
                 continue
-            floats = _torch.dequantized_state(optimizer, p)
+            floats = _format.dequantized_state(optimizer, p)
             floats.pop("kahan_comp", None)
             # torch's SGD keeps no step count
             state[pid] = ({} if optimizer._kind == _core.SGD

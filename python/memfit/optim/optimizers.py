@@ -19,9 +19,28 @@ Common keyword options (also settable per param group):
         update reads ``param + kahan_comp``. Default False. Cannot be combined with
         ``bf16_stochastic_round=True`` (ValueError). float32 parameters need no buffer:
         for them ``kahan`` changes nothing and adds no state.
+
+torch's flags, taken by every class so that ``torch.optim.AdamW(..., fused=True)``
+becomes ``memfit.optim.AdamW8bit(..., fused=True)``, and kept in the param groups (and
+state dicts) where torch's class of the same kind keeps them (Adam/AdamW all four, SGD
+fused/foreach/differentiable, RMSprop capturable/foreach/differentiable, Lion none):
+    fused: memfit always steps with its own fused kernel (one call per device and state
+        format); True and None (the default) say so, False is accepted and changes
+        nothing (there is no unfused path).
+    foreach: no effect (None, True or False); True together with fused=True is refused
+        with RuntimeError, as torch does.
+    capturable: only False. memfit's step keeps no host-side state that a CUDA graph
+        could replay except its stochastic-rounding step counter, which a replay would
+        not advance: True is refused (ValueError).
+    differentiable: only False. The step runs in C/CUDA kernels outside autograd:
+        True is refused (ValueError); use torch.optim for a differentiable step.
+Parameters must be float32, float16 or bfloat16, dense (strided) tensors: others are
+refused by the constructor, add_param_group, and (after ``model.double()``) step.
 """
 
 from __future__ import annotations
+
+import torch
 
 from memfit.optim import _core
 from memfit.optim._torch import _MemfitOptimizer
@@ -35,25 +54,36 @@ def _betas(betas):
         b1, b2 = betas
     except (TypeError, ValueError):
         raise ValueError(f"betas: expected a pair (beta1, beta2), got {betas!r}") from None
+    if torch.is_tensor(b1) != torch.is_tensor(b2):  # as torch.optim.Adam & co.
+        raise ValueError(f"betas must be either both floats or both Tensors, got {betas!r}")
     return float(b1), float(b2)
 
 
-def _no_amsgrad(amsgrad):
-    if amsgrad:
-        raise ValueError("amsgrad=True is not supported by memfit's Adam/AdamW")
+_AMSGRAD = ("amsgrad", False, "memfit's Adam keeps no max_exp_avg_sq state (AMSGrad); "
+                              "pass amsgrad=False")
 
 
 class _AdamBase(_MemfitOptimizer):
     _kind = _core.ADAMW
+    # what amsgrad and decoupled_weight_decay must be (see _MemfitOptimizer._fixed_options)
+    _fixed_options = (_AMSGRAD, (
+        "decoupled_weight_decay", True,
+        "this class applies weight decay decoupled (AdamW); for L2 decay added to the "
+        "gradient (torch.optim.Adam's) use memfit.optim.Adam8bit or Adam"))
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2,
                  amsgrad=False, *, maximize=False, block_size=None, min_8bit_size=4096,
-                 bf16_stochastic_round=None, kahan=False):
-        _no_amsgrad(amsgrad)
+                 bf16_stochastic_round=None, kahan=False, decoupled_weight_decay=None,
+                 **torch_flags):
+        # decoupled_weight_decay: torch.optim.Adam's keyword (None: this class's own way,
+        # the other is refused with advice, by the group check)
+        if decoupled_weight_decay is None:
+            decoupled_weight_decay = self._fixed_options[1][1]
         super().__init__(params, dict(lr=lr, betas=_betas(betas), eps=eps,
-                                      weight_decay=weight_decay, amsgrad=False),
+                                      weight_decay=weight_decay, amsgrad=amsgrad,
+                                      decoupled_weight_decay=decoupled_weight_decay),
                          maximize=maximize, block_size=block_size, min_8bit_size=min_8bit_size,
-                         bf16_stochastic_round=bf16_stochastic_round, kahan=kahan)
+                         bf16_stochastic_round=bf16_stochastic_round, kahan=kahan, **torch_flags)
 
     def _hparams(self, group):
         b1, b2 = _betas(group["betas"])
@@ -79,13 +109,19 @@ class _AdamL2Base(_AdamBase):
     gradient."""
 
     _kind = _core.ADAM
+    _fixed_options = (_AMSGRAD, (
+        "decoupled_weight_decay", False,
+        "this class applies weight decay as L2, added to the gradient (torch.optim.Adam's "
+        "default); for decoupled decay use memfit.optim.AdamW8bit or AdamW"))
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0,
                  amsgrad=False, *, maximize=False, block_size=None, min_8bit_size=4096,
-                 bf16_stochastic_round=None, kahan=False):
+                 bf16_stochastic_round=None, kahan=False, decoupled_weight_decay=None,
+                 **torch_flags):
         super().__init__(params, lr, betas, eps, weight_decay, amsgrad, maximize=maximize,
                          block_size=block_size, min_8bit_size=min_8bit_size,
-                         bf16_stochastic_round=bf16_stochastic_round, kahan=kahan)
+                         bf16_stochastic_round=bf16_stochastic_round, kahan=kahan,
+                         decoupled_weight_decay=decoupled_weight_decay, **torch_flags)
 
 
 class Adam8bit(_AdamL2Base):
@@ -123,13 +159,14 @@ class Lion8bit(_MemfitOptimizer):
 
     _kind = _core.LION
     _bits = 8
+    _TORCH_FLAGS = dict(maximize=False)  # as lion-pytorch's Lion (torch has none)
 
     def __init__(self, params, lr=1e-4, betas=(0.9, 0.99), weight_decay=0.0, *,
                  maximize=False, block_size=None, min_8bit_size=4096,
-                 bf16_stochastic_round=None, kahan=False):
+                 bf16_stochastic_round=None, kahan=False, **torch_flags):
         super().__init__(params, dict(lr=lr, betas=_betas(betas), weight_decay=weight_decay),
                          maximize=maximize, block_size=block_size, min_8bit_size=min_8bit_size,
-                         bf16_stochastic_round=bf16_stochastic_round, kahan=kahan)
+                         bf16_stochastic_round=bf16_stochastic_round, kahan=kahan, **torch_flags)
 
     def _hparams(self, group):
         b1, b2 = _betas(group["betas"])
@@ -143,14 +180,15 @@ class SGD8bit(_MemfitOptimizer):
 
     _kind = _core.SGD
     _bits = 8
+    _TORCH_FLAGS = dict(maximize=False, foreach=None, differentiable=False, fused=None)
 
     def __init__(self, params, lr=1e-3, momentum=0.0, dampening=0.0, weight_decay=0.0,
                  nesterov=False, *, maximize=False, block_size=None, min_8bit_size=4096,
-                 bf16_stochastic_round=None, kahan=False):
+                 bf16_stochastic_round=None, kahan=False, **torch_flags):
         super().__init__(params, dict(lr=lr, momentum=momentum, dampening=dampening,
                                       weight_decay=weight_decay, nesterov=nesterov),
                          maximize=maximize, block_size=block_size, min_8bit_size=min_8bit_size,
-                         bf16_stochastic_round=bf16_stochastic_round, kahan=kahan)
+                         bf16_stochastic_round=bf16_stochastic_round, kahan=kahan, **torch_flags)
 
     def _hparams(self, group):
         return _core.hparams(lr=group["lr"], momentum=group["momentum"],
@@ -164,16 +202,17 @@ class RMSprop8bit(_MemfitOptimizer):
 
     _kind = _core.RMSPROP
     _bits = 8
+    _TORCH_FLAGS = dict(maximize=False, capturable=False, foreach=None, differentiable=False)
+    _fixed_options = (("centered", False, "RMSprop8bit keeps no grad_avg state (centered "
+                                          "RMSprop); pass centered=False"),)
 
     def __init__(self, params, lr=1e-2, alpha=0.99, eps=1e-8, weight_decay=0.0, momentum=0.0,
                  centered=False, *, maximize=False, block_size=None, min_8bit_size=4096,
-                 bf16_stochastic_round=None, kahan=False):
-        if centered:
-            raise ValueError("centered=True is not supported by RMSprop8bit")
+                 bf16_stochastic_round=None, kahan=False, **torch_flags):
         super().__init__(params, dict(lr=lr, alpha=alpha, eps=eps, weight_decay=weight_decay,
-                                      momentum=momentum, centered=False),
+                                      momentum=momentum, centered=centered),
                          maximize=maximize, block_size=block_size, min_8bit_size=min_8bit_size,
-                         bf16_stochastic_round=bf16_stochastic_round, kahan=kahan)
+                         bf16_stochastic_round=bf16_stochastic_round, kahan=kahan, **torch_flags)
 
     def _hparams(self, group):
         return _core.hparams(lr=group["lr"], alpha=group["alpha"], eps=group["eps"],
