@@ -84,10 +84,23 @@ def hparams(lr=0.0, beta1=0.0, beta2=0.0, eps=0.0, weight_decay=0.0, momentum=0.
     """The hyperparameters by name, as the C binding parses them (mf_optim_hparams).
     ``sr_seed`` != 0 writes half-precision parameters with stochastic rounding seeded
     by it."""
-    return {"lr": float(lr), "beta1": float(beta1), "beta2": float(beta2), "eps": float(eps),
-            "weight_decay": float(weight_decay), "momentum": float(momentum),
-            "dampening": float(dampening), "alpha": float(alpha), "nesterov": bool(nesterov),
+    return {"lr": _real("lr", lr), "beta1": _real("beta1", beta1), "beta2": _real("beta2", beta2),
+            "eps": _real("eps", eps), "weight_decay": _real("weight_decay", weight_decay),
+            "momentum": _real("momentum", momentum), "dampening": _real("dampening", dampening),
+            "alpha": _real("alpha", alpha), "nesterov": bool(nesterov),
             "maximize": bool(maximize), "sr_seed": int(sr_seed) & ((1 << 64) - 1)}
+
+
+def _real(name: str, value) -> float:
+    """float(value), or the error naming the hyperparameter (a Tensor lr of two
+    elements, a string): float() alone says neither which value nor what it needs."""
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        shape = getattr(value, "shape", None)
+        got = f"an array of shape {tuple(shape)}" if shape is not None else repr(value)
+        raise (TypeError if isinstance(value, (str, bytes)) or shape is None else ValueError)(
+            f"{name}: expected a real number (or a one-element tensor), got {got}") from None
 
 
 def sr_seed(base: int, step: int, bucket: int) -> int:
