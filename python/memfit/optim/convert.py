@@ -592,7 +592,7 @@ def _bnb_dequantize(optimizer, where, k, nm, signed, codes, p, absmax, qmap, blo
                                  "bitsandbytes code; the state dict is corrupt")
     if bool((qmap < 0).any()) != signed:
         raise _refuse(optimizer, f"{where}: qmap{k} is "
-                                 + ("an unsigned code, but state{k} ({nm}) is signed" if signed else
+                                 + (f"an unsigned code, but state{k} ({nm}) is signed" if signed else
                                     f"a signed code, but state{k} ({nm}) is a second moment (>= 0)")
                                  + " (qmap1 and qmap2 swapped?): the state dict is corrupt")
     codes = codes.detach().cpu().contiguous()
