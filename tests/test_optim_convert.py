@@ -850,3 +850,13 @@ def test_memfit_state_dicts_are_taken_by_the_math_not_the_class_name():
     plain = mo.Adam8bit(clone_model(m).parameters(), min_8bit_size=500)
     plain.load_state_dict(trained(mo.AdamW8bit, weight_decay=0.0)[1].state_dict())
     assert plain.param_groups[0]["weight_decay"] == 0.0
+
+
+def test_group_mismatches_keep_torchs_words():
+    m, opt = trained(mo.AdamW8bit)
+    sd = torch_sd(torch.optim.AdamW, clone_model(m))
+    assert_refused(opt, {**sd, "param_groups": sd["param_groups"] * 2},
+                   r"loaded state dict has a different number of parameter groups \(2, the optimizer 1\)")
+    g = sd["param_groups"][0]
+    assert_refused(opt, {**sd, "param_groups": [{**g, "params": g["params"][:3]}]},
+                   r"doesn't match the size of optimizer's group \(param_groups\[0\]: 3 parameters")

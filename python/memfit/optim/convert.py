@@ -10,12 +10,16 @@ bitsandbytes') mid-training, and load memfit checkpoints of an older format.
     name (lr, betas, eps, weight_decay, maximize, momentum, ...) are taken over, while
     memfit's own (bits, block_size, min_8bit_size, ...) stay the optimizer's;
   - a bitsandbytes 8-bit (block-wise) or 32-bit state dict (``state1``/``state2``,
-    ``absmax1``/``absmax2``, ``qmap1``/``qmap2``), dequantized with its own code and
-    block size and requantized;
-  - a memfit state dict of format_version 1 (:func:`upgrade_v1`).
+    ``absmax1``/``absmax2``, ``qmap1``/``qmap2``) of AdamW, Lion, SGD or RMSprop,
+    dequantized with its own code and block size and requantized;
+  - a memfit state dict of format_version 1 (:func:`upgrade_v1`), or one saved by
+    another memfit class of the same math and bits (a memfit.optim.bnb shim's).
 
-  What cannot be converted is refused with ValueError: amsgrad's ``max_exp_avg_sq``,
-  another optimizer's states, other shapes, non-finite values.
+  What cannot be converted is refused, before anything is quantized, with a
+  MemfitValueError naming ``param_groups[g]['params'][i]``: amsgrad's
+  ``max_exp_avg_sq``, another optimizer's states, other shapes, NaN or Inf values,
+  negative second moments, corrupt bitsandbytes absmax or qmap, states of ids no param
+  group lists (docs/optim.md, "State dicts of other optimizers").
 - :func:`to_torch_state_dict` exports float32 states under torch's names with torch's
   param-group keys, for ``torch.optim.AdamW(...).load_state_dict()``.
 
@@ -232,8 +236,8 @@ def _places(optimizer, state_dict) -> dict:
     after the checks torch makes (as many groups, of the same sizes) and check_state_ids."""
     groups, saved_groups = optimizer.param_groups, state_dict["param_groups"]
     if len(groups) != len(saved_groups):
-        raise _refuse(optimizer, f"the state dict has {len(saved_groups)} parameter groups and the "
-                                 f"optimizer {len(groups)}")
+        raise _refuse(optimizer, "loaded state dict has a different number of parameter groups "
+                                 f"({len(saved_groups)}, the optimizer {len(groups)})")
     place = {}
     for gi, (g, sg) in enumerate(zip(groups, saved_groups)):
         ids = sg["params"]
@@ -242,8 +246,9 @@ def _places(optimizer, state_dict) -> dict:
             raise _refuse(optimizer, f"param_groups[{gi}]['params'] is {ids!r}, not a list of "
                                      "parameter ids (ints)")
         if len(ids) != len(g["params"]):
-            raise _refuse(optimizer, f"param_groups[{gi}] of the state dict has {len(ids)} parameters "
-                                     f"and the optimizer's {len(g['params'])}")
+            raise _refuse(optimizer, "loaded state dict contains a parameter group that doesn't match "
+                                     f"the size of optimizer's group (param_groups[{gi}]: {len(ids)} "
+                                     f"parameters, the optimizer's {len(g['params'])})")
         for i, (pid, p) in enumerate(zip(ids, g["params"])):
             place[pid] = (gi, i, p)
     check_state_ids(_name(optimizer), state_dict, place)
