@@ -13,6 +13,7 @@ torch = pytest.importorskip("torch")
 
 import memfit.optim as mo  # noqa: E402
 import memfit.optim.bnb as bnb  # noqa: E402
+from test_optim_convert import assert_refused  # noqa: E402
 
 _ADAMW = "lr=0.001, betas=(0.9, 0.999), eps=1e-08, weight_decay=0.01, amsgrad=False, optim_bits=32, args=None, min_8bit_size=4096"
 _ADAM = _ADAMW.replace("weight_decay=0.01", "weight_decay=0")
@@ -205,6 +206,17 @@ ERRORS = [
     ("AdamW8bit", dict(args=Args(skip_zeros=True)), "updates every element"),
     ("RMSprop", dict(centered=True), "centered"),
     ("AdamW8bit", dict(lr=-1.0), "lr"),
+    ("AdamW32bit", dict(optim_bits=8), "AdamW32bit keeps 32-bit states; optim_bits must stay 32"),
+    ("Adam32bit", dict(optim_bits="banana"), "Adam32bit keeps 32-bit states; optim_bits must stay 32"),
+    ("AdamW32bit", dict(optim_bits=None), "optim_bits must stay 32"),
+    ("AdamW", dict(optim_bits="banana"), "optim_bits: expected 8 or 32"),
+    ("Adam", dict(optim_bits=None), "optim_bits: expected 8 or 32"),
+    ("Lion", dict(optim_bits=True), "optim_bits: expected 8 or 32"),
+    ("SGD", dict(lr=0.1, momentum=0.9, optim_bits=8.5), "optim_bits: expected 8 or 32"),
+    ("AdamW8bit", dict(betas="(0.9,)"), "betas: expected two numbers"),
+    ("AdamW8bit", dict(betas="__import__('os').getcwd()"), "betas: expected two numbers"),
+    ("Adam", dict(betas="(0.9, '0.9')"), "betas: expected two numbers"),
+    ("Lion8bit", dict(betas="(0.9, 0.99)"), "parses string betas only for Adam and AdamW"),
 ]
 
 
@@ -344,3 +356,95 @@ def test_override_errors():
     opt = bnb.AdamW(m.parameters())  # 32-bit states: an 8-bit override cannot join this group
     with pytest.raises(ValueError, match=r"param_groups\[0\]\['params'\]\[1\].*'bits': 8"):
         train(opt, m, 1)
+
+
+@pytest.mark.parametrize("name", ["AdamW8bit", "AdamW", "Adam32bit"])
+def test_string_betas_as_fairseq_passes_them(name):
+    """bitsandbytes' two-state optimizers parse betas given as a string ("(0.9, 0.995)",
+    fairseq's configs); the shim reads the same strings as literals and steps exactly as
+    with the pair."""
+    ma, mb = model(), model()
+    a = getattr(bnb, name)(ma.parameters(), lr=1e-2, betas="(0.9, 0.995)", min_8bit_size=100)
+    b = getattr(bnb, name)(mb.parameters(), lr=1e-2, betas=(0.9, 0.995), min_8bit_size=100)
+    assert a.param_groups[0]["betas"] == (0.9, 0.995)
+    assert bnb.AdamW(model().parameters(), betas=" 0.8, 0.99 ").param_groups[0]["betas"] == (0.8, 0.99)
+    train(a, ma), train(b, mb)
+    assert_same_training(a, ma, b, mb)
+
+
+def memfit_twin(case, m):
+    """The memfit optimizer of SAME_STEP's ``case``, for ``m``."""
+    _, cls, mkw, bits = SAME_STEP[case]
+    params = list(m.parameters())
+    return cls(params if bits is None else [{"params": params, "bits": bits}], **mkw)
+
+
+@pytest.mark.parametrize("case", SAME_STEP)
+def test_shim_state_dict_loads_into_memfits_class_of_the_same_math_bit_exactly(case):
+    """Every shim's state dict (saved as by "bnb.<class>") loads into the memfit class of
+    the same math and bits, and back; both resume bit for bit with the optimizer that
+    saved the dict stepping on."""
+    kw = SAME_STEP[case][0]
+    ma, mb = model(), model()
+    a = getattr(bnb, case.split("-")[0])(ma.parameters(), **kw)
+    train(a, ma, 2)
+    assert a.state_dict()["memfit"]["optimizer"] == "bnb." + case.split("-")[0]
+    b = memfit_twin(case, mb)
+    mb.load_state_dict(ma.state_dict())
+    b.load_state_dict(a.state_dict())
+    train(a, ma, 2), train(b, mb, 2)
+    assert_same_training(a, ma, b, mb)
+    # and back, into a fresh shim
+    mc = model()
+    mc.load_state_dict(mb.state_dict())
+    c = getattr(bnb, case.split("-")[0])(mc.parameters(), **kw)
+    c.load_state_dict(b.state_dict())
+    train(b, mb, 1), train(c, mc, 1)
+    assert_same_training(b, mb, c, mc)
+
+
+def test_shim_dicts_saved_before_the_record_named_the_shim_load():
+    """Dicts saved by a shim before state_dict() recorded "bnb.<class>" name the bare
+    class ("AdamW32bit", a class memfit.optim does not have): they load by its math."""
+    ma, mb = model(), model()
+    a = bnb.AdamW32bit(ma.parameters(), lr=1e-2)
+    train(a, ma, 2)
+    sd = a.state_dict()
+    sd["memfit"]["optimizer"] = "AdamW32bit"
+    b = mo.AdamW(mb.parameters(), lr=1e-2)
+    mb.load_state_dict(ma.state_dict())
+    b.load_state_dict(sd)
+    train(a, ma, 1), train(b, mb, 1)
+    assert_same_training(a, ma, b, mb)
+
+
+def test_decoupled_adam_state_does_not_load_into_l2_adam_and_back():
+    """bitsandbytes' Adam decays decoupled (the shim too); memfit.optim.Adam8bit/Adam
+    apply L2: with weight decay, each refuses the other's dict with torch AdamW's advice
+    (the optimizer left bit-identical); without, the math is the same and they load."""
+    ma, mb = model(), model()
+    shim = bnb.Adam8bit(ma.parameters(), lr=1e-2, weight_decay=0.1, min_8bit_size=100)
+    own = mo.Adam8bit(mb.parameters(), lr=1e-2, weight_decay=0.1, min_8bit_size=100)
+    train(shim, ma, 1), train(own, mb, 1)
+    assert_refused(own, shim.state_dict(), r"saved by memfit.optim.bnb.Adam8bit with weight decay; "
+                                           r"Adam8bit applies weight decay as L2.*memfit.optim.AdamW8bit")
+    assert_refused(shim, own.state_dict(), r"saved by memfit.optim.Adam8bit with weight decay; "
+                                           r"Adam8bit applies weight decay decoupled.*memfit.optim.Adam8bit")
+    own32 = mo.Adam(model().parameters(), weight_decay=0.1)
+    assert_refused(bnb.Adam32bit(model().parameters()), own32.state_dict(), "with weight decay")
+    mo.Adam8bit(model().parameters(), min_8bit_size=100).load_state_dict(
+        bnb.Adam8bit(model().parameters(), min_8bit_size=100).state_dict())  # weight_decay=0
+
+
+def test_shim_dict_of_other_bits_or_kind_is_refused_saying_why():
+    m = model()
+    lion = bnb.Lion32bit(m.parameters(), lr=1e-3)
+    train(lion, m, 1)
+    own = mo.Lion8bit(model().parameters(), min_8bit_size=100)
+    train(own, model(), 1)
+    assert_refused(own, lion.state_dict(), r"param_groups\[0\] was saved by memfit.optim.bnb.Lion32bit "
+                                           r"with 32-bit states, and Lion8bit keeps 8-bit states there: "
+                                           r"give that group 'bits': 32")
+    sgd = bnb.SGD32bit(model().parameters(), lr=0.1, momentum=0.9)
+    assert_refused(mo.RMSprop8bit(model().parameters()), sgd.state_dict(),
+                   r"saved by memfit.optim.bnb.SGD32bit, which does SGD, and RMSprop8bit does RMSprop")

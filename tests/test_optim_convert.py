@@ -211,6 +211,8 @@ def assert_quantized_from(opt, p, floats):
     names = _core.STATE_NAMES[opt._kind]
     quantized = 0
     for k, nm in enumerate(names, start=1):
+        if f"state{k}" not in st:  # RMSprop without momentum keeps one state
+            continue
         want = floats[nm].float()
         if st[f"state{k}"].dtype == torch.float32:
             assert torch.equal(st[f"state{k}"], want)
@@ -395,7 +397,7 @@ def test_conversion_refusals():
     bad["state"][0]["exp_avg"] = sd["state"][0]["exp_avg"].clone()
     bad["state"][0]["exp_avg"][0, 0] = float("nan")
     opt = mo.AdamW8bit(m.parameters())
-    with pytest.raises(ValueError, match="'exp_avg' of parameter 0 has non-finite values"):
+    with pytest.raises(ValueError, match=r"param_groups\[0\]\['params'\]\[0\] \(shape \(96, 64\)\): state 'exp_avg' holds NaN or Inf"):
         opt.load_state_dict(bad)
     assert not opt.state  # nothing half-loaded
     with pytest.raises(TypeError, match="optimizer: expected a memfit.optim optimizer"):
@@ -512,3 +514,349 @@ def test_requantizing_dequantized_states_after_steps(cls):
                                   _indices(st[f"state{k}"], g["bits"], length)[elems])
             checked += 1
     assert checked >= 2
+
+
+# ---- hostile and foreign state dicts -------------------------------------------------------
+# Every refusal is a MemfitValueError naming the parameter as param_groups[g]['params'][i],
+# and leaves the optimizer bit-identical: its parameters, states and param groups.
+
+def frozen(opt):
+    """Everything a load could change: parameters, states, param groups (by value)."""
+    groups = [{k: (list(map(id, v)) if k == "params" else v) for k, v in g.items()}
+              for g in opt.param_groups]
+    params = [p.detach().clone() for g in opt.param_groups for p in g["params"]]
+    state = {id(p): {k: v.clone() for k, v in st.items()} for p, st in opt.state.items()}
+    return groups, params, state
+
+
+def assert_frozen(opt, before):
+    groups, params, state = frozen(opt)
+    assert groups == before[0]
+    assert all(torch.equal(a, b) for a, b in zip(params, before[1]))
+    assert state.keys() == before[2].keys()
+    for pid, st in state.items():
+        assert st.keys() == before[2][pid].keys()
+        assert all(torch.equal(v, before[2][pid][k]) for k, v in st.items())
+
+
+def assert_refused(opt, sd, match):
+    """opt.load_state_dict(sd) raises MemfitValueError matching ``match`` and changes nothing."""
+    before = frozen(opt)
+    with pytest.raises(_C.MemfitValueError, match=match):
+        opt.load_state_dict(sd)
+    assert_frozen(opt, before)
+
+
+def trained(cls, steps=1, **kw):
+    """(model, optimizer) after ``steps`` steps: the refusals below must leave real states."""
+    m = model()
+    opt = cls(m.parameters(), min_8bit_size=500, **kw)
+    train(m, opt, steps, seed=7)
+    return m, opt
+
+
+W0 = r"param_groups\[0\]\['params'\]\[0\] \(shape \(96, 64\)\)"  # the first weight
+
+
+def torch_sd(torch_cls, m, steps=2, **kw):
+    t = torch_cls(m.parameters(), **kw)
+    train(m, t, steps)
+    return t.state_dict()
+
+
+@pytest.mark.parametrize("cls,torch_cls,key", [(mo.AdamW8bit, torch.optim.AdamW, "exp_avg_sq"),
+                                               (mo.AdamW4bit, torch.optim.AdamW, "exp_avg_sq"),
+                                               (mo.AdamW, torch.optim.AdamW, "exp_avg_sq"),
+                                               (mo.RMSprop8bit, torch.optim.RMSprop, "square_avg")])
+def test_negative_second_moment_is_refused_for_every_format(cls, torch_cls, key):
+    """Before the fix an 8-bit AdamW8bit took a negated row of exp_avg_sq: the values
+    quantized to 0 beside non-zero first moments, and the next zero-gradient step moved a
+    weight by lr * |m| / eps (about 500 at lr=1e-3 here, 1.9e6 in the report)."""
+    m, opt = trained(cls)
+    sd = torch_sd(torch_cls, clone_model(m))
+    sd["state"][0][key][3] = -sd["state"][0][key][3] - 1e-6
+    assert_refused(opt, sd, f"{W0}: state '{key}' holds negative values, but it is a second moment")
+
+
+@pytest.mark.parametrize("cls", [mo.AdamW8bit, mo.AdamW4bit])
+def test_non_finite_step_and_state_values_are_refused(cls):
+    m, opt = trained(cls)
+    good = torch_sd(torch.optim.AdamW, clone_model(m))
+    for key, value, match in [("exp_avg", float("inf"), "'exp_avg' holds NaN or Inf"),
+                              ("exp_avg_sq", float("nan"), "'exp_avg_sq' holds NaN or Inf"),
+                              ("step", float("nan"), r"'step' \(nan\) is not a whole number"),
+                              ("step", -1.0, r"'step' \(-1.0\) is not a whole number"),
+                              ("step", 2.5, r"'step' \(2.5\) is not a whole number")]:
+        sd = {**good, "state": {**good["state"], 0: dict(good["state"][0])}}
+        t = sd["state"][0][key].clone()
+        t.view(-1)[0] = value
+        sd["state"][0][key] = t
+        assert_refused(opt, sd, f"{W0}: state {match}")
+
+
+def test_malformed_foreign_states_raise_memfit_value_error():
+    """Lists, strings, sparse and meta tensors, a str step, str ids: a MemfitValueError
+    that names the parameter, never AttributeError, RuntimeError or NotImplementedError."""
+    m, opt = trained(mo.AdamW8bit)
+    good = torch_sd(torch.optim.AdamW, clone_model(m))
+
+    def with_state0(**kw):
+        return {**good, "state": {**good["state"], 0: {**good["state"][0], **kw}}}
+
+    ea = good["state"][0]["exp_avg"]
+    cases = [
+        ({**good, "state": {**good["state"], 0: [ea]}}, f"{W0}: its state is a list, not a dict"),
+        (with_state0(exp_avg=ea.to_sparse()), f"{W0}: state 'exp_avg' is a torch.sparse_coo tensor"),
+        (with_state0(exp_avg=torch.empty_like(ea, device="meta")), f"{W0}: state 'exp_avg' is a meta"),
+        (with_state0(exp_avg=ea.tolist()), f"{W0}: state 'exp_avg' is a list, not a tensor"),
+        (with_state0(exp_avg=ea.to(torch.int32)), f"{W0}: state 'exp_avg' is torch.int32"),
+        (with_state0(step="abc"), rf"{W0}: state 'step' \('abc'\) is not a whole number"),
+        (with_state0(step=torch.ones(2)), f"{W0}: state 'step' has 2 values"),
+        (with_state0(step=torch.tensor(1.0).to_sparse()), f"{W0}: state 'step' is a torch.sparse_coo"),
+        ({**good, "param_groups": [{**good["param_groups"][0], "params": ["a", 1, 2, 3]}]},
+         r"param_groups\[0\]\['params'\] is \['a', 1, 2, 3\], not a list of parameter ids"),
+        ({**good, "param_groups": [{**good["param_groups"][0], "lr": "fast"}]},
+         r"param_groups\[0\] of the state dict: "),
+    ]
+    for sd, match in cases:
+        assert_refused(opt, sd, match)
+
+
+def test_states_of_unlisted_ids_are_refused_not_dropped():
+    m, opt = trained(mo.AdamW8bit)
+    good = torch_sd(torch.optim.AdamW, clone_model(m))
+    # a JSON round trip turns the state's keys into strings (the group's ids stay ints)
+    as_json = {**good, "state": {str(k): v for k, v in good["state"].items()}}
+    assert_refused(opt, as_json, r"state\['0'\] is a parameter's state, but no param group lists "
+                                 r"the id '0' \(they list 0\.\.3\): its ids became strings")
+    shifted = {**good, "state": {k + 1: v for k, v in good["state"].items()}}
+    assert_refused(opt, shifted, r"state\[4\] is a parameter's state.*do not match")
+    # bitsandbytes' and format 1's paths make the same check
+    bnb_json = bnb_state_dict(opt, {1: (0.9, 0.99)}, opt_bits=8)
+    bnb_json["state"] = {str(k): v for k, v in bnb_json["state"].items()}
+    assert_refused(mo.Lion8bit(m.parameters()), bnb_json, r"state\['0'\] is a parameter's state")
+    # what is not a parameter's state (not a dict) is kept, as torch keeps it
+    kept = convert.from_torch(opt, {**good, "state": {**good["state"], "note": 3}})
+    assert kept["state"]["note"] == 3
+    with pytest.raises(_C.MemfitValueError, match=r"state\[9\] is a parameter's state"):
+        convert.check_state_ids("X", {"state": {9: {}}}, {0: None})
+
+
+# -- bitsandbytes' state dicts, laid out as bitsandbytes 0.50.2 saves them ---------------------
+
+BNB_HYPER = {  # memfit kind -> (bitsandbytes' group, what memfit's group takes from it)
+    _core.ADAMW: (dict(lr=2e-3, betas=(0.8, 0.99), eps=1e-7, weight_decay=0.02, alpha=0.0,
+                       t_alpha=None, t_beta3=None),
+                  dict(lr=2e-3, betas=(0.8, 0.99), eps=1e-7, weight_decay=0.02)),
+    _core.LION: (dict(lr=3e-4, betas=(0.95, 0.98), eps=0.0, weight_decay=0.1),
+                 dict(lr=3e-4, betas=(0.95, 0.98), weight_decay=0.1)),
+    _core.SGD: (dict(lr=0.05, betas=(0.9, 0.1), eps=0.0, weight_decay=0.01),
+                dict(lr=0.05, momentum=0.9, dampening=0.1, weight_decay=0.01)),
+    _core.RMSPROP: (dict(lr=1e-3, betas=(0.9, 0.0), eps=1e-6, weight_decay=0.01),
+                    dict(lr=1e-3, alpha=0.9, momentum=0.0, eps=1e-6, weight_decay=0.01)),
+}
+BNB_WRAPPED = "__bnb_optimizer_quant_state__"
+
+
+def bnb_state_dict(source, group=None, opt_bits=8, min_8bit_size=500):
+    """The state dict bitsandbytes 0.50.2 saves (optim/optimizer.py, Optimizer8bit and
+    Optimizer1State/Optimizer2State) for the float states of memfit optimizer ``source``
+    (dequantized), parameter by parameter in its order: 'step' an int; 'state1' (and, for
+    Adam, 'state2'), float32, or with ``opt_bits=8`` for tensors of at least
+    ``min_8bit_size`` elements uint8 codes of the parameter's shape with 'absmax1'/'absmax2'
+    (one per 256 elements, flat over the tensor) and 'qmap1'/'qmap2' (the signed and
+    unsigned dynamic maps: memfit's 8-bit codes, which are bitsandbytes' map to within
+    an ulp; the converter reads the dict's own); all but 'step' nested under
+    __bnb_optimizer_quant_state__ (hidden from FSDP); param groups {lr, betas, eps,
+    weight_decay} (and Adam's AdEMAMix keys), from BNB_HYPER or ``group``."""
+    kind = source._kind
+    names = _core.STATE_NAMES[kind][:2 if kind in (_core.ADAMW, _core.ADAM) else 1]
+    signed = _core.state_layout(kind, 8, 256, 0, 0.5)["signed"]
+    state, ids = {}, []
+    params = [p for g in source.param_groups for p in g["params"]]
+    for pid, p in enumerate(params):
+        ids.append(pid)
+        floats = mo.dequantized_state(source, p)
+        if not floats:
+            continue
+        inner = {}
+        for k, nm in enumerate(names, start=1):
+            x = floats[nm].contiguous()
+            if opt_bits == 8 and p.numel() >= min_8bit_size:
+                code = torch.as_tensor(_core.code_table(8, signed[k - 1]))
+                codes, absmax = _blocks.quantize_state(x, 8, code, 256, 1,
+                                                       keep_positive=not signed[k - 1])
+                inner.update({f"state{k}": codes, f"absmax{k}": absmax.reshape(-1),
+                              f"qmap{k}": code.clone()})
+            else:
+                inner[f"state{k}"] = x
+        state[pid] = {"step": int(source.state[p]["step"].item()), BNB_WRAPPED: inner}
+    g = dict(BNB_HYPER[_core.ADAMW if kind == _core.ADAM else kind][0])
+    g.update(group or {})
+    return {"state": state, "param_groups": [{**g, "params": ids}]}
+
+
+def bnb_floats(saved, k):
+    """bitsandbytes' dequantization of state{k}: qmap[code] * absmax[i // 256], flat."""
+    inner = saved[BNB_WRAPPED]
+    s = inner[f"state{k}"]
+    if s.dtype != torch.uint8:
+        return s
+    flat = inner[f"qmap{k}"][s.reshape(-1).long()]
+    flat = flat * inner[f"absmax{k}"].repeat_interleave(256)[:flat.numel()]
+    return flat.reshape(s.shape)
+
+
+# memfit class, extra constructor keywords (momentum: RMSprop8bit then keeps two states)
+BNB_TARGETS = [(mo.AdamW8bit, {}), (mo.Lion8bit, {}), (mo.SGD8bit, dict(momentum=0.5)),
+               (mo.RMSprop8bit, {})]
+
+
+@pytest.mark.parametrize("cls,kw", BNB_TARGETS, ids=[c.__name__ for c, _ in BNB_TARGETS])
+@pytest.mark.parametrize("bits", [8, 32])
+def test_bitsandbytes_state_dict_of_every_kind_loads(cls, kw, bits):
+    """bitsandbytes' AdamW, Lion, SGD and RMSprop dicts (8-bit and 32-bit) load: the
+    hyperparameters as memfit.optim.bnb maps bitsandbytes' arguments, the states exactly
+    quantize_state(bitsandbytes' dequantized values) (float32 ones bit for bit)."""
+    _, source = trained(cls, 2, **kw)
+    sd = bnb_state_dict(source, opt_bits=bits)
+    m = model()
+    opt = cls(m.parameters(), min_8bit_size=500, **kw)
+    opt.load_state_dict(sd)
+    g = opt.param_groups[0]
+    want = BNB_HYPER[cls._kind][1]
+    assert {k: (tuple(g[k]) if k == "betas" else g[k]) for k in want} == want
+    assert g["bits"] == 8 and g["min_8bit_size"] == 500  # memfit's own keys stay the optimizer's
+    quantized = 0
+    for pid, p in enumerate(m.parameters()):
+        names = _core.STATE_NAMES[cls._kind]
+        floats = {nm: bnb_floats(sd["state"][pid], k) for k, nm in enumerate(names, start=1)
+                  if f"state{k}" in sd["state"][pid][BNB_WRAPPED]}
+        assert opt.state[p]["step"].item() == 2
+        quantized += assert_quantized_from(opt, p, floats)
+    assert quantized == 2 * len(_core.STATE_NAMES[cls._kind] if cls is not mo.RMSprop8bit else [1])
+    train(m, opt, 1, seed=2)
+    assert all(torch.isfinite(p).all() for p in m.parameters())
+
+
+@pytest.mark.parametrize("cls,kw", BNB_TARGETS, ids=[c.__name__ for c, _ in BNB_TARGETS])
+def test_bitsandbytes_32bit_state_dict_resumes_bit_exactly(cls, kw):
+    """A 32-bit bitsandbytes dict of a memfit run's states: loaded into a fresh optimizer
+    with 32-bit groups, the next steps equal the source's own, bit for bit."""
+    m_src = model()
+    src = cls([{"params": list(m_src.parameters()), "bits": 32}], **kw)
+    train(m_src, src, 2)
+    sd = bnb_state_dict(src, {k: v for k, v in src.param_groups[0].items()
+                              if k in ("lr", "eps", "weight_decay", "betas")} | (
+        {"betas": (src.param_groups[0]["momentum"], src.param_groups[0]["dampening"])}
+        if cls is mo.SGD8bit else {"betas": (src.param_groups[0]["alpha"], 0.0)}
+        if cls is mo.RMSprop8bit else {}), opt_bits=32)
+    m = clone_model(m_src)
+    opt = cls([{"params": list(m.parameters()), "bits": 32}], **kw)
+    opt.load_state_dict(sd)
+    train(m_src, src, 2, seed=3)
+    train(m, opt, 2, seed=3)
+    for p, q in zip(m_src.parameters(), m.parameters()):
+        assert torch.equal(p, q)
+        assert all(torch.equal(v, opt.state[q][k]) for k, v in src.state[p].items())
+
+
+def test_bitsandbytes_rmsprop_momentum_starts_a_zero_buffer():
+    """bitsandbytes' RMSprop keeps betas=(alpha, momentum) and one state (its kernel
+    applies no momentum); memfit's, as the shim's constructor, applies the momentum, with
+    a buffer that starts at zero (as torch's RMSprop's does)."""
+    _, source = trained(mo.RMSprop8bit, 2)
+    sd = bnb_state_dict(source, {"betas": (0.9, 0.5)})
+    m = model()
+    opt = mo.RMSprop8bit(m.parameters(), min_8bit_size=500)
+    opt.load_state_dict(sd)
+    assert opt.param_groups[0]["momentum"] == 0.5
+    for p in m.parameters():
+        assert not mo.dequantized_state(opt, p)["momentum_buffer"].any()
+
+
+def test_bitsandbytes_refusals_name_the_parameter_and_bitsandbytes():
+    m, opt = trained(mo.AdamW8bit)
+    good = bnb_state_dict(opt)
+
+    def corrupt(key, fn, pid=0):
+        sd = {**good, "state": {**good["state"]}}
+        inner = dict(sd["state"][pid][BNB_WRAPPED])
+        sd["state"][pid] = {**sd["state"][pid], BNB_WRAPPED: inner}
+        if key == "step":
+            sd["state"][pid]["step"] = fn(sd["state"][pid]["step"])
+        else:
+            inner[key] = fn(inner[key].clone())
+        return sd
+
+    def first(v, x):
+        v.view(-1)[0] = x
+        return v
+
+    swapped = corrupt("qmap1", lambda q: good["state"][0][BNB_WRAPPED]["qmap2"].clone())
+    swapped["state"][0][BNB_WRAPPED]["qmap2"] = good["state"][0][BNB_WRAPPED]["qmap1"].clone()
+    for sd, match in [
+        (corrupt("absmax2", lambda a: -a), r"absmax2 holds NaN, Inf or negative block scales"),
+        (corrupt("absmax1", lambda a: first(a, float("nan"))), "absmax1 holds NaN, Inf or negative"),
+        (swapped, r"qmap1 is an unsigned code, but state1 \(exp_avg\) is signed \(qmap1 and qmap2 swapped\?\)"),
+        (corrupt("qmap2", lambda q: first(q, float("inf"))), "qmap2 holds NaN or values outside"),
+        (corrupt("qmap2", lambda q: q[:255]), "qmap2 has 255 values, expected 256"),
+        (corrupt("absmax1", lambda a: a[:5]), "absmax1 has 5 values, which no block size gives"),
+        (corrupt("step", lambda s: float("nan")), r"'step' \(nan\) is not a whole number"),
+    ]:
+        assert_refused(opt, sd, f"{W0}: .*{match}")
+    # a 32-bit state: a negative second moment, Inf anywhere
+    b = r"param_groups\[0\]\['params'\]\[1\] \(shape \(96,\)\)"
+    assert_refused(opt, corrupt("state2", lambda s: first(s, -1.0), pid=1),
+                   rf"{b}: state 'state2' \(exp_avg_sq\) holds negative values")
+    assert_refused(opt, corrupt("state1", lambda s: first(s, float("inf")), pid=1),
+                   rf"{b}: state 'state1' \(exp_avg\) holds NaN or Inf")
+    # kinds: one state and two states do not mix; a decoupled Adam dict needs an AdamW
+    _, lion = trained(mo.Lion8bit)
+    one_state = bnb_state_dict(lion)
+    with pytest.raises(_C.MemfitValueError, match="one state per parameter .*bitsandbytes' Lion, SGD "
+                                                  "or RMSprop.*AdamW8bit keeps exp_avg, exp_avg_sq") as e:
+        opt.load_state_dict(one_state)
+    assert "torch.optim" not in str(e.value)
+    assert_refused(lion, good, r"two states per parameter \(state1, state2: bitsandbytes' Adam or AdamW\)")
+    adam = mo.Adam8bit(m.parameters(), min_8bit_size=500)
+    train(m, adam, 1)
+    assert_refused(adam, good, r"param_groups\[0\] was saved by a bitsandbytes Adam or AdamW \(both "
+                               r"decay decoupled\) with weight decay; Adam8bit applies weight decay as "
+                               r"L2.*load it into memfit.optim.AdamW8bit instead")
+    mo.Adam8bit(model().parameters(), min_8bit_size=500).load_state_dict(
+        bnb_state_dict(opt, {"weight_decay": 0.0}))  # without decay the math is the same
+    assert_refused(opt, bnb_state_dict(opt, {"alpha": 5.0}), "AdEMAMix")
+    assert_refused(opt, bnb_state_dict(opt, {"betas": (0.9, 0.99, 0.999)}), "AdEMAMix")
+
+
+def test_memfit_state_dicts_are_taken_by_the_math_not_the_class_name():
+    """A memfit state dict loads into another memfit class of the same kind and bits
+    (memfit.optim.bnb's shims: test_optim_bnb.py); otherwise the refusal says why."""
+    m, a8 = trained(mo.AdamW8bit)
+    sd = a8.state_dict()
+    assert_refused(trained(mo.AdamW)[1], sd, r"param_groups\[0\] was saved by memfit.optim.AdamW8bit "
+                                             r"with 8-bit states, and AdamW keeps 32-bit states")
+    assert_refused(trained(mo.Lion8bit)[1], sd, r"saved by memfit.optim.AdamW8bit, which does AdamW "
+                                                r"\(decoupled weight decay\), and Lion8bit does Lion")
+    adam = trained(mo.Adam8bit, weight_decay=0.1)[1]
+    assert_refused(adam, sd, r"saved by memfit.optim.AdamW8bit with weight decay; Adam8bit applies "
+                             "weight decay as L2")
+    assert_refused(a8, adam.state_dict(), r"saved by memfit.optim.Adam8bit with weight decay; "
+                                          "AdamW8bit applies weight decay decoupled.*memfit.optim.Adam8bit")
+    assert_refused(a8, {**sd, "memfit": {**sd["memfit"], "optimizer": "Adamw8bit"}},
+                   "saved by memfit.optim.Adamw8bit, which is not a memfit optimizer class")
+    # the same math: AdamW8bit's dict into an Adam8bit without decay, bit for bit
+    plain = mo.Adam8bit(clone_model(m).parameters(), min_8bit_size=500)
+    plain.load_state_dict(trained(mo.AdamW8bit, weight_decay=0.0)[1].state_dict())
+    assert plain.param_groups[0]["weight_decay"] == 0.0
+
+
+def test_group_mismatches_keep_torchs_words():
+    m, opt = trained(mo.AdamW8bit)
+    sd = torch_sd(torch.optim.AdamW, clone_model(m))
+    assert_refused(opt, {**sd, "param_groups": sd["param_groups"] * 2},
+                   r"loaded state dict has a different number of parameter groups \(2, the optimizer 1\)")
+    g = sd["param_groups"][0]
+    assert_refused(opt, {**sd, "param_groups": [{**g, "params": g["params"][:3]}]},
+                   r"doesn't match the size of optimizer's group \(param_groups\[0\]: 3 parameters")

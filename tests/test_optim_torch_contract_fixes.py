@@ -297,7 +297,7 @@ def test_old_state_dicts_load_as_torch_loads_them(cls, n_groups):
     # a parameter's state under an id no group lists (shifted, or a string after JSON)
     sd["state"][pid]["step"] = 1
     sd["state"][str(pid)] = sd["state"].pop(pid)
-    with pytest.raises(MemfitValueError, match="no saved parameter id"):
+    with pytest.raises(MemfitValueError, match="no param group lists the id"):
         opt.load_state_dict(sd)
 
 

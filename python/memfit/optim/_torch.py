@@ -357,10 +357,11 @@ class _MemfitOptimizer(torch.optim.Optimizer, _format.MemfitOptimizerBase):
                 sd = result
         return sd
 
-    def _check_saved_format(self, state_dict, versions=None) -> None:
+    def _check_saved_format(self, state_dict, versions=None, same_class=True) -> None:
         """Refuses a state dict that memfit did not save in one of ``versions`` (by
-        default the current format; see :func:`memfit.optim._format.saved_format`), or
-        saved for another class."""
+        default the current format; see :func:`memfit.optim._format.saved_format`), or,
+        with ``same_class``, saved for another class (before conversion the saver may be
+        another class of the same math: convert.to_current judges that)."""
         name = type(self).__name__
         versions = versions or (_format.FORMAT_VERSION,)
         saver, version = _format.saved_format(state_dict)
@@ -369,7 +370,7 @@ class _MemfitOptimizer(torch.optim.Optimizer, _format.MemfitOptimizerBase):
                 f"{name}.load_state_dict: this state dict was not saved by a memfit optimizer "
                 "(its optimizer states have a different layout); start the optimizer fresh or "
                 "load a state dict saved by memfit.optim." + name)
-        if saver is not None and saver != name:
+        if same_class and saver is not None and saver != name:
             raise MemfitValueError(f"{name}.load_state_dict: the state dict was saved by "
                                    f"memfit.optim.{saver}, not {name}: load it into a "
                                    f"memfit.optim.{saver}; nothing was loaded")
@@ -418,7 +419,8 @@ class _MemfitOptimizer(torch.optim.Optimizer, _format.MemfitOptimizerBase):
         _checks.check_structure(name, state_dict)
         if _format.saved_format(state_dict) != (None, None):
             # memfit's own: its record is checked before any conversion reads it
-            self._check_saved_format(state_dict, versions=(1, _format.FORMAT_VERSION))
+            self._check_saved_format(state_dict, versions=(1, _format.FORMAT_VERSION),
+                                     same_class=False)
         state_dict = convert.to_current(self, state_dict)
         self._check_saved_format(state_dict)
         groups = self.param_groups
@@ -444,15 +446,10 @@ class _MemfitOptimizer(torch.optim.Optimizer, _format.MemfitOptimizerBase):
             except (TypeError, ValueError, RuntimeError) as e:
                 raise MemfitValueError(f"{e}; nothing was loaded") from None
             new_groups.append(ng)
+        convert.check_state_ids(name, state_dict, place, _STATE_KEYS)
         state = defaultdict(dict)
         for pid, saved in state_dict["state"].items():
             if pid not in place:
-                if isinstance(saved, dict) and any(k in saved for k in _STATE_KEYS):
-                    raise MemfitValueError(
-                        f"{name}.load_state_dict: state has an entry {pid!r} that is no saved "
-                        f"parameter id (the param groups list {_ids(saved_groups)}), but holds a "
-                        "parameter's state: the ids were changed (shifted, or turned into "
-                        "strings by a JSON round trip); nothing was loaded")
                 state[pid] = saved  # not a parameter's: kept as it is, as torch does
                 continue
             gi, i, p = place[pid]
@@ -488,11 +485,6 @@ class _MemfitOptimizer(torch.optim.Optimizer, _format.MemfitOptimizerBase):
         if _dtensor.is_dtensor(p) or _dtensor.is_dtensor(value):
             return _dtensor.loaded_value(key, value, p)
         return value.detach().to(device=p.device, copy=True)
-
-
-def _ids(saved_groups) -> str:
-    ids = [pid for sg in saved_groups for pid in sg["params"]]
-    return ", ".join(map(repr, ids[:8])) + (", ..." if len(ids) > 8 else "")
 
 
 def _storage_marks(states) -> tuple:

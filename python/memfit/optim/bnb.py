@@ -11,8 +11,11 @@ memfit's optimizers: coming from bitsandbytes, swap the import and keep the line
 subclass of the memfit optimizer that does the same math (the table in docs/optim.md,
 "Coming from bitsandbytes"); its constructor only translates arguments, so a step is
 bit-identical to the memfit class built with the translated arguments, and
-``state_dict()`` is that class's (a ``bnb.AdamW8bit``'s loads into
-``memfit.optim.AdamW8bit`` and back).
+``state_dict()`` is that class's, recorded as saved by ``bnb.<class>``: it loads
+into the memfit class of the same math and bits and back (a ``bnb.AdamW32bit``'s into
+``memfit.optim.AdamW``, a ``bnb.Lion32bit``'s into ``Lion8bit`` with ``bits=32``
+groups), and a ``bnb.Adam8bit``'s (decoupled decay) into ``memfit.optim.Adam8bit``
+(L2) only without weight decay.
 
 Both bitsandbytes spellings are taken: 0.49's ``(..., min_8bit_size,
 percentile_clipping=100, block_wise=True, is_paged=False)`` and 0.50's ``(...,
@@ -25,8 +28,12 @@ Every argument does what bitsandbytes documents, or raises ``ValueError`` saying
 memfit does instead; none is ignored:
 
 - ``optim_bits`` (8 or 32; ``args.optim_bits`` where ``args`` is given): the state
-  format, as bitsandbytes. The ``*8bit`` classes accept only the default 32 (as
-  bitsandbytes, which raises for anything else) and keep 8-bit states.
+  format, as bitsandbytes; anything else (``"banana"``, None) raises. The ``*8bit`` and
+  ``*32bit`` classes accept only the default 32 (bitsandbytes' ``*8bit`` raise for
+  anything else, its ``*32bit`` ignore it) and keep their own format.
+- ``betas`` of Adam and AdamW may be a string, ``"(0.9, 0.995)"`` (fairseq's configs),
+  as bitsandbytes parses it: read as a literal pair of numbers, never evaluated. Lion
+  takes no string (bitsandbytes fails on one): ValueError.
 - ``min_8bit_size``: tensors with fewer elements keep float32 states. memfit also
   keeps float32 states for 1-D tensors of any size (its quantization blocks stay
   inside a row; docs/optim.md).
@@ -48,11 +55,14 @@ is a param group: ``{"params": [model.embed.weight], "bits": 32}``.
 
 from __future__ import annotations
 
+import ast
+import numbers
 import sys
 import weakref
 
 import torch
 
+from memfit.optim import convert as _convert
 from memfit.optim import optimizers as _m
 from memfit.optim._torch import _MemfitOptimizer
 
@@ -127,10 +137,12 @@ def _resolve(name, *, optim_bits, args, min_8bit_size, percentile_clipping=100, 
     """The checked (bits, min_8bit_size) of a bitsandbytes constructor call. ``fixed_bits``:
     the class's own format (the *8bit and *32bit classes), None where optim_bits says."""
     percentile_clipping, block_wise, is_paged = _tail(name, percentile_clipping, block_wise, is_paged)
-    if fixed_bits == 8 and optim_bits != 32:
-        raise ValueError(f"{name}: optim_bits={optim_bits!r}: {name} keeps 8-bit states; optim_bits "
-                         "must stay 32, bitsandbytes' default, kept for compatibility (for 32-bit "
-                         "states use the class without '8bit')")
+    if fixed_bits is not None and not (_is_int(optim_bits) and optim_bits == 32):
+        # bitsandbytes' *8bit classes raise for another optim_bits, its *32bit ones ignore it
+        other = "'8bit'" if fixed_bits == 8 else "'32bit'"
+        raise ValueError(f"{name}: optim_bits={optim_bits!r}: {name} keeps {fixed_bits}-bit states; "
+                         "optim_bits must stay 32, bitsandbytes' default, kept for compatibility "
+                         f"(for other states use the class without {other}, with optim_bits=8 or 32)")
     bits = optim_bits if fixed_bits is None else fixed_bits
     max_unorm, skip_zeros = 0.0, False
     if args is not None:  # bitsandbytes takes these from args instead of the arguments
@@ -142,10 +154,36 @@ def _resolve(name, *, optim_bits, args, min_8bit_size, percentile_clipping=100, 
         skip_zeros = _get(args, "skip_zeros", False)
     _check_bnb_options(name, percentile_clipping=percentile_clipping, block_wise=block_wise,
                        is_paged=is_paged, max_unorm=max_unorm, skip_zeros=skip_zeros)
-    if bits not in (8, 32):
+    if not (_is_int(bits) and bits in (8, 32)):
         raise ValueError(f"{name}: optim_bits: expected 8 or 32 (as bitsandbytes), got {bits!r}; "
                          "for 4-bit states use memfit.optim.AdamW4bit")
-    return bits, min_8bit_size
+    return int(bits), min_8bit_size
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def _string_betas(name, betas, parsed):
+    """``betas`` as the constructor takes them. bitsandbytes' Adam-family optimizers
+    (``parsed``) also take them as a string, ``"(0.9, 0.999)"``, as fairseq's configs pass
+    them: read here as a Python literal (never evaluated) that must be two numbers. Its
+    Lion takes no string (bitsandbytes fails on one): refused, saying so."""
+    if not isinstance(betas, str):
+        return betas
+    if not parsed:
+        raise ValueError(f"{name}: betas: expected a pair of floats, got the string {betas!r} "
+                         "(bitsandbytes parses string betas only for Adam and AdamW); pass "
+                         "betas=(beta1, beta2)")
+    try:
+        value = ast.literal_eval(betas.strip())
+    except (ValueError, SyntaxError, MemoryError, RecursionError):
+        value = None
+    if not (isinstance(value, tuple) and len(value) == 2
+            and all(isinstance(b, (int, float)) and not isinstance(b, bool) for b in value)):
+        raise ValueError(f"{name}: betas: expected two numbers, as the string '(0.9, 0.999)' or "
+                         f"the pair (0.9, 0.999), got {betas!r}")
+    return tuple(float(b) for b in value)
 
 
 def _no_amsgrad(name, amsgrad):
@@ -162,6 +200,12 @@ class _BnbOptimizer:
         # the state format of every group that does not say otherwise (memfit's "bits"
         # group option); set before the base constructor reads it
         self._bits = bits
+
+    def state_dict(self):
+        sd = super().state_dict()
+        # "bnb.Adam8bit", not memfit's own Adam8bit (L2 decay): loaders decide by the math
+        sd["memfit"]["optimizer"] = _convert.record_name(self)
+        return sd
 
     def _format(self, group, p) -> int:
         config = GlobalOptimManager.get_instance()._config_for(p)
@@ -192,7 +236,8 @@ def _adam_class(name, base, fixed_bits, weight_decay_default, paged=False, has_i
                               percentile_clipping=percentile_clipping, block_wise=block_wise,
                               is_paged=is_paged, fixed_bits=fixed_bits)
         self._set_bits(bits)
-        base.__init__(self, params, lr, betas, eps, weight_decay, min_8bit_size=min8)
+        base.__init__(self, params, lr, _string_betas(name, betas, True), eps, weight_decay,
+                      min_8bit_size=min8)
 
     if not has_is_paged:  # bitsandbytes' PagedAdamW*/PagedLion* take no is_paged
         def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8,  # noqa: F811
@@ -260,7 +305,8 @@ def _init_lion(self, name, params, lr, betas, weight_decay, optim_bits, args, mi
                           min_8bit_size=min_8bit_size, percentile_clipping=percentile_clipping,
                           block_wise=block_wise, is_paged=is_paged)
     self._set_bits(bits)
-    _m.Lion8bit.__init__(self, params, lr, betas, weight_decay, min_8bit_size=min8)
+    _m.Lion8bit.__init__(self, params, lr, _string_betas(name, betas, False), weight_decay,
+                         min_8bit_size=min8)
 
 
 Lion = _lion_class("Lion", None)
