@@ -10,8 +10,6 @@
 #include "cpu_isa.h" /* kernel variants per ISA, picked at run time */
 #include "memfit/optim.h"
 
-#include <stdatomic.h>
-
 #if defined(__GNUC__)
 #define MF_INLINE static inline __attribute__((always_inline))
 #else
@@ -32,7 +30,8 @@ typedef struct {
   int search;                  /* the fused kernels' code search on this CPU: flags below */
 } quant_ctx;
 
-/* quant_ctx.search, as measured on this CPU (mf_optim_search_form); every form gives the
+/* quant_ctx.search, as measured on this CPU (mf_optim_search_form, optim_search_form.c:
+ * the ISA files call it, optim.c does not); every form gives the
  * same bytes. SEARCH_FAST: 8-bit codes by scalar loads (AVX2) or by the arithmetic of
  * code_lut.h (AVX-512), not by gathers. SEARCH_TREE4: 4-bit codes by the threshold
  * tree of code_lut.h, not by the table. */
@@ -225,16 +224,6 @@ typedef fused_kernel *fused_fn;
 fused_kernel mf_optim_fused8_avx512_vbmi, mf_optim_fused4_avx512_vbmi;
 fused_kernel mf_optim_fused8_avx512_gather, mf_optim_fused4_avx512_gather;
 fused_kernel mf_optim_fused8_avx2, mf_optim_fused4_avx2;
-
-/* Which of two forms of a code search is faster on this CPU, 1 or 0, once per process
- * (*cache: -1 before): MEMFIT_OPTIM_KERNEL (a comma-separated list) naming force1 or
- * force0 says, else the
- * faster of 9 alternating timings of run(lut, form, ...) over the same 2048 synthetic
- * states (a few hundred microseconds; optim.c). Racing first calls may both measure;
- * either answer is right, as both forms give the same bytes. */
-typedef void search_run(const mf_code_lut *lut, int form, const float *x, int64_t n, uint8_t *q);
-int mf_optim_search_form(_Atomic int *cache, const char *force1, const char *force0,
-                         const mf_code_lut *lut, search_run *run);
 
 /* quant_ctx.search of the AVX2 (optim_avx2.c) and AVX-512 (optim_avx512.c) fused
  * kernels for codes like `lut`'s, 8-bit or 4-bit (bits). The forms (MEMFIT_OPTIM_KERNEL
