@@ -187,7 +187,8 @@ static block_fn pick_block_fn(void) {
 /* Elements a thread takes from the shared work list at a time (whole items): taken one
  * item at a time, the threads interleave at a fine grain and the step is slower when
  * both cores run at the same speed; 65536 elements (4 fused items) keep that speed and
- * most of the gain of dynamic sharing when they do not (benchmarks/RESULTS.md). */
+ * most of the gain of dynamic sharing when they do not
+ * (benchmarks/history/2026-11-21-optim-intel-xeon-4-late-afternoon-work-sharing.md). */
 #define GRAB_ELEMS 65536
 
 /* The fused kernel that work items with whole quantization blocks go to (optim_fused.h;

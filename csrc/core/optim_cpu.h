@@ -170,7 +170,8 @@ MF_TARGET_AVX512 static inline void dequant4_16_avx512(const uint8_t *restrict q
  * Adam) once per 8 elements as a branch: when all 8 are finite they are stored, else the
  * 8 go through mf_optim_update_one, which keeps the old values where it must. The same
  * bits as update_loop; what it saves is the three selects per element, which cost 10-17%
- * of the step on a core with 128-bit vector units such as Zen 1 (benchmarks/RESULTS.md).
+ * of the step on a core with 128-bit vector units such as Zen 1
+ * (benchmarks/history/2026-11-24-optim-amd-epyc-adam-skip-branch.md).
  * GCC does not find this form in the scalar loop. */
 MF_TARGET_AVX2 static inline void update_adam_avx2(mf_optim_kind kind, const mf_optim_consts *c,
                                                    int64_t n, float *restrict p,
@@ -203,7 +204,8 @@ MF_TARGET_AVX2 static inline void update_avx2(mf_optim_kind kind, const mf_optim
 }
 
 /* code[q[0..7]] by eight scalar loads: on AVX2 faster than an 8-lane gather, which is
- * microcoded on AMD Zen (benchmarks/RESULTS.md, "AMD EPYC"; llvm-mca agrees for Intel). */
+ * microcoded on AMD Zen (benchmarks/history/2026-11-24-optim-amd-epyc-search-by-loads.md;
+ * llvm-mca agrees for Intel). */
 MF_TARGET_AVX2 static inline __m256 load_code8(const float *code, const uint8_t *q) {
   uint64_t w;
   memcpy(&w, q, 8);
