@@ -3,7 +3,8 @@
 Each benchmark prints its run metadata (machine, commit, date, threads) and a markdown
 table; this script runs them one after another (never in parallel: they time things),
 and writes their output into RESULTS.md under one section each, with the command that
-reproduces it. GPU rows appear only when the machine has a GPU.
+reproduces it. GPU rows appear only when the machine has a GPU. It replaces the whole
+file: move the sections it replaces to history/ first (history/README.md).
 
     python benchmarks/run_all.py                   # all benchmarks
     python benchmarks/run_all.py bench_quant        # only some
@@ -25,6 +26,11 @@ Numbers measured by the scripts in this folder; regenerate with
 it came from. Peers run in the same process, interleaved, medians of repeated runs,
 so ratios hold up better than absolute times on a shared machine. GPU numbers appear
 only where a GPU was measured: a missing GPU table means it is still owed.
+
+This file holds today's numbers: for each capability, the latest measurement on each
+machine. How they came about (every session's attempts, what helped and what did not,
+the llvm-mca models) is in [history/](history/README.md), one file per session, moved
+there unchanged.
 """
 
 

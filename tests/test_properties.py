@@ -206,6 +206,25 @@ decays = st.one_of(st.floats(0.0, 0.2), st.sampled_from([-0.01, math.nan]))
 grads_mod = st.floats(-1e3, 1e3, width=32, allow_subnormal=True)
 
 
+def _torch_step_skipping_nonfinite(opt, p):
+    """torch's step with memfit's rule for undefined updates (docs/optim.md, "Non-finite
+    values"): an element whose new parameter or state is NaN or Inf keeps its parameter
+    and states (zero before the first step) and the step counts. torch writes them (eps=0
+    with a zero gradient and zero states: 0/0, NaN; a subnormal gradient whose square is
+    0: m/0, Inf); everywhere else this is torch's step, unchanged."""
+    def tensors():  # the parameter and its element-wise states (not the step count)
+        return {"param": p.detach(), **{k: v for k, v in opt.state[p].items() if k != "step"}}
+    before = {k: v.clone() for k, v in tensors().items()}
+    opt.step()
+    now = tensors()
+    bad = torch.zeros(p.shape, dtype=torch.bool)
+    for v in now.values():
+        bad |= ~torch.isfinite(v)
+    with torch.no_grad():
+        for k, v in now.items():
+            v[bad] = before[k][bad] if k in before else 0.0
+
+
 @given(kind=st.sampled_from(list(_TORCH_OPT)), n=st.integers(1, 40), steps=st.integers(1, 3),
        lr=lrs, b1=betas, b2=betas, eps=epss, wd=decays, maximize=st.booleans(), data=st.data())
 def test_functional_32bit_step_matches_torch_or_refuses(kind, n, steps, lr, b1, b2, eps, wd, maximize, data):
@@ -227,7 +246,7 @@ def test_functional_32bit_step_matches_torch_or_refuses(kind, n, steps, lr, b1, 
         return
     for g in gs:
         ref_p.grad = torch.from_numpy(g.copy())
-        opt.step()
+        _torch_step_skipping_nonfinite(opt, ref_p)
         step(p, g, state, **hp)
     ref = ref_p.detach().numpy()
     assert np.allclose(p, ref, rtol=2e-5, atol=1e-6 + 1e-5 * lr * steps), np.abs(p - ref).max()

@@ -173,3 +173,40 @@ def test_state_bytes_table_is_the_estimators():
     rows = table_after("Optimizer state per parameter")[1:]
     names = ["adamw", "adamw-bf16", "adamw8bit", "adamw4bit"]
     assert [float(r[1]) for r in rows] == [round(OPTIMIZER_BYTES[n], 2) for n in names]
+
+
+# -- the test command: README, .ci/run and the pinned versions agree ---------------------------
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _pip_command(text: str) -> str:
+    """The `pip install ... && python -m pytest` line in text, written one way
+    (`python3 -m pip` and `pip`, `python3` and `python` are the same command)."""
+    lines = [line for line in text.splitlines() if "pip install -r requirements-test.txt" in line]
+    assert len(lines) == 1, lines
+    return re.sub(r"\bpython3\b", "python", lines[0].replace("python3 -m pip", "pip")).strip()
+
+
+def test_ci_runs_the_readme_test_command():
+    assert _pip_command((ROOT / ".ci" / "run").read_text()) == _pip_command(README.read_text())
+    assert "-c constraints-test.txt" in _pip_command(README.read_text())
+
+
+def test_constraints_pin_every_test_requirement_within_its_range():
+    from packaging.requirements import Requirement
+    from packaging.utils import canonicalize_name
+
+    pins = {}
+    for line in (ROOT / "constraints-test.txt").read_text().splitlines():
+        if line.strip() and not line.startswith("#"):
+            name, sep, version = line.partition("==")
+            assert sep and version.strip(), f"constraints-test.txt: not an exact pin: {line!r}"
+            pins[canonicalize_name(name)] = version.strip()
+    assert "memfit" not in pins
+    lines = [line.split("#")[0].strip() for line in (ROOT / "requirements-test.txt").read_text().splitlines()]
+    for req in (Requirement(line) for line in lines if line):
+        name = canonicalize_name(req.name)
+        assert name in pins, f"constraints-test.txt pins no {req.name} (run .ci/lock_test_deps.py)"
+        assert req.specifier.contains(pins[name], prereleases=True), (
+            f"constraints-test.txt pins {req.name}=={pins[name]}, outside requirements-test.txt's {req}")

@@ -7,7 +7,7 @@
  *
  *   gcc -O2 -mavx2 benchmarks/c/probe_vector_width.c -o /tmp/probe && taskset -c 0 /tmp/probe
  *
- * Benchmark-only (benchmarks/RESULTS.md, "AMD EPYC ... Adam skip test").
+ * Benchmark-only (benchmarks/history/2026-11-24-optim-amd-epyc-adam-skip-branch.md).
  */
 #include <immintrin.h>
 #include <stdio.h>

@@ -28,7 +28,7 @@ MF_TARGET_AVX2 static inline __m256i mf_code_lut_sum8(const mf_code_lut *t, __m2
  * of a gather: the keys go through memory as four 64-bit words (one load per two
  * buckets, no vpextrd, which costs 2 uops on Zen) and the entries come back by inserts.
  * On AMD Zen 1/2 an 8-lane gather is microcoded and this is faster (measured: 5.1 vs
- * 9.2 ns per 8, benchmarks/RESULTS.md); on Intel and Zen 3/4 the gather is
+ * 9.2 ns per 8, benchmarks/history/2026-11-24-optim-amd-epyc-search-by-loads.md); on Intel and Zen 3/4 the gather is
  * (optim_avx2.c measures which; quant.c always loads). */
 MF_TARGET_AVX2 static inline __m256i mf_code_lut_sum8_loads(const mf_code_lut *t, __m256i key) {
   uint64_t k[4];

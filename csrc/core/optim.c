@@ -37,7 +37,6 @@
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
-#include <time.h>
 
 #include "optim_cpu.h"
 #include "memfit/multi_tensor.h"
@@ -188,7 +187,8 @@ static block_fn pick_block_fn(void) {
 /* Elements a thread takes from the shared work list at a time (whole items): taken one
  * item at a time, the threads interleave at a fine grain and the step is slower when
  * both cores run at the same speed; 65536 elements (4 fused items) keep that speed and
- * most of the gain of dynamic sharing when they do not (benchmarks/RESULTS.md). */
+ * most of the gain of dynamic sharing when they do not
+ * (benchmarks/history/2026-11-21-optim-intel-xeon-4-late-afternoon-work-sharing.md). */
 #define GRAB_ELEMS 65536
 
 /* The fused kernel that work items with whole quantization blocks go to (optim_fused.h;
@@ -211,54 +211,6 @@ static fused_fn pick_fused(const mf_optim_hparams *h, mf_state_format fmt, int n
     return eight ? mf_optim_fused8_avx512_gather : mf_optim_fused4_avx512_gather;
   if (mf_cpu_isa() == ISA_AVX2) return eight ? mf_optim_fused8_avx2 : mf_optim_fused4_avx2;
   return NULL;
-}
-#endif
-
-#ifdef MF_X86_SIMD
-static double now_s(void) {
-  struct timespec t;
-  clock_gettime(CLOCK_MONOTONIC, &t);
-  return (double)t.tv_sec + (double)t.tv_nsec * 1e-9;
-}
-
-/* The faster form of run: the best of 9 timings each, alternating, over CALIB
- * synthetic states (normalised by their absmax: spread over [-1, 1], denser near 0). */
-#define CALIB 2048
-static int measure_faster_form(const mf_code_lut *lut, search_run *run) {
-  float x[CALIB];
-  uint8_t q[CALIB];
-  uint32_t r = 12345u;
-  for (int i = 0; i < CALIB; i++, r = r * 1664525u + 1013904223u)
-    x[i] = powf((float)(r >> 8) / 8388608.0f - 1.0f, 3.0f);
-  double best[2] = {1e30, 1e30};
-  for (int rep = 0; rep < 18; rep++) {
-    const double t0 = now_s();
-    run(lut, rep & 1, x, CALIB, q);
-    const double dt = now_s() - t0;
-    best[rep & 1] = dt < best[rep & 1] ? dt : best[rep & 1];
-  }
-  return best[1] < best[0];
-}
-
-/* Whether the comma-separated list names `name`. */
-static int names(const char *list, const char *name) {
-  const size_t n = strlen(name);
-  for (const char *p = list; p && *p; p = strchr(p, ',') ? strchr(p, ',') + 1 : NULL)
-    if (!strncmp(p, name, n) && (p[n] == ',' || p[n] == '\0')) return 1;
-  return 0;
-}
-
-int mf_optim_search_form(_Atomic int *cache, const char *force1, const char *force0,
-                         const mf_code_lut *lut, search_run *run) {
-  int v = atomic_load_explicit(cache, memory_order_relaxed);
-  if (v < 0) {
-    const char *force = getenv("MEMFIT_OPTIM_KERNEL");
-    if (names(force, force1)) v = 1;
-    else if (names(force, force0)) v = 0;
-    else v = measure_faster_form(lut, run);
-    atomic_store_explicit(cache, v, memory_order_relaxed);
-  }
-  return v;
 }
 #endif
 

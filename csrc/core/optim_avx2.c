@@ -6,6 +6,7 @@
  */
 #include "code_lut_avx2.h"
 #include "optim_cpu.h"
+#include "optim_search_form.h"
 
 #ifdef MF_X86_SIMD
 #include <string.h>
@@ -98,7 +99,8 @@ MF_TARGET_AVX2 static inline void quantize32(const mf_code_lut *lut, int search,
 /* ---- gather or scalar loads: measured ----------------------------------------------
  * CPUID does not say how fast a gather is: an 8-lane vpgatherdd is microcoded on AMD Zen
  * 1/2, where eight scalar loads beat it, and fast on Zen 3/4 and on Intel, where the
- * gather wins (measured and llvm-mca numbers: benchmarks/RESULTS.md, "AMD EPYC"). So
+ * gather wins (measured and llvm-mca numbers:
+ * benchmarks/history/2026-11-24-optim-amd-epyc-search-by-loads.md). So
  * the first AVX2 step of a process times both forms (mf_optim_search_form) and keeps
  * the faster. */
 

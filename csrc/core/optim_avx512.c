@@ -8,6 +8,7 @@
  */
 #include "code_lut_avx512.h"
 #include "optim_cpu.h"
+#include "optim_search_form.h"
 
 #ifdef MF_X86_SIMD
 #include <string.h>

@@ -10,8 +10,6 @@
 #include "cpu_isa.h" /* kernel variants per ISA, picked at run time */
 #include "memfit/optim.h"
 
-#include <stdatomic.h>
-
 #if defined(__GNUC__)
 #define MF_INLINE static inline __attribute__((always_inline))
 #else
@@ -32,7 +30,8 @@ typedef struct {
   int search;                  /* the fused kernels' code search on this CPU: flags below */
 } quant_ctx;
 
-/* quant_ctx.search, as measured on this CPU (mf_optim_search_form); every form gives the
+/* quant_ctx.search, as measured on this CPU (mf_optim_search_form, optim_search_form.c:
+ * the ISA files call it, optim.c does not); every form gives the
  * same bytes. SEARCH_FAST: 8-bit codes by scalar loads (AVX2) or by the arithmetic of
  * code_lut.h (AVX-512), not by gathers. SEARCH_TREE4: 4-bit codes by the threshold
  * tree of code_lut.h, not by the table. */
@@ -171,7 +170,8 @@ MF_TARGET_AVX512 static inline void dequant4_16_avx512(const uint8_t *restrict q
  * Adam) once per 8 elements as a branch: when all 8 are finite they are stored, else the
  * 8 go through mf_optim_update_one, which keeps the old values where it must. The same
  * bits as update_loop; what it saves is the three selects per element, which cost 10-17%
- * of the step on a core with 128-bit vector units such as Zen 1 (benchmarks/RESULTS.md).
+ * of the step on a core with 128-bit vector units such as Zen 1
+ * (benchmarks/history/2026-11-24-optim-amd-epyc-adam-skip-branch.md).
  * GCC does not find this form in the scalar loop. */
 MF_TARGET_AVX2 static inline void update_adam_avx2(mf_optim_kind kind, const mf_optim_consts *c,
                                                    int64_t n, float *restrict p,
@@ -204,7 +204,8 @@ MF_TARGET_AVX2 static inline void update_avx2(mf_optim_kind kind, const mf_optim
 }
 
 /* code[q[0..7]] by eight scalar loads: on AVX2 faster than an 8-lane gather, which is
- * microcoded on AMD Zen (benchmarks/RESULTS.md, "AMD EPYC"; llvm-mca agrees for Intel). */
+ * microcoded on AMD Zen (benchmarks/history/2026-11-24-optim-amd-epyc-search-by-loads.md;
+ * llvm-mca agrees for Intel). */
 MF_TARGET_AVX2 static inline __m256 load_code8(const float *code, const uint8_t *q) {
   uint64_t w;
   memcpy(&w, q, 8);
@@ -225,16 +226,6 @@ typedef fused_kernel *fused_fn;
 fused_kernel mf_optim_fused8_avx512_vbmi, mf_optim_fused4_avx512_vbmi;
 fused_kernel mf_optim_fused8_avx512_gather, mf_optim_fused4_avx512_gather;
 fused_kernel mf_optim_fused8_avx2, mf_optim_fused4_avx2;
-
-/* Which of two forms of a code search is faster on this CPU, 1 or 0, once per process
- * (*cache: -1 before): MEMFIT_OPTIM_KERNEL (a comma-separated list) naming force1 or
- * force0 says, else the
- * faster of 9 alternating timings of run(lut, form, ...) over the same 2048 synthetic
- * states (a few hundred microseconds; optim.c). Racing first calls may both measure;
- * either answer is right, as both forms give the same bytes. */
-typedef void search_run(const mf_code_lut *lut, int form, const float *x, int64_t n, uint8_t *q);
-int mf_optim_search_form(_Atomic int *cache, const char *force1, const char *force0,
-                         const mf_code_lut *lut, search_run *run);
 
 /* quant_ctx.search of the AVX2 (optim_avx2.c) and AVX-512 (optim_avx512.c) fused
  * kernels for codes like `lut`'s, 8-bit or 4-bit (bits). The forms (MEMFIT_OPTIM_KERNEL

@@ -52,14 +52,14 @@
  * divider (a sqrt and a division per element), the code search on table loads, two
  * different units. Written one after the other per group of 64, the instructions that
  * wait on the divider filled the out-of-order window and the loads of the next phase
- * could not start; in halves of 32 they overlap (measured: benchmarks/RESULTS.md,
- * "Fused kernel: design measurements"). */
+ * could not start; in halves of 32 they overlap (measured:
+ * benchmarks/history/2026-11-23-optim-fused-kernel-design.md). */
 #define HALF 32
 
 /* Software prefetch, PREFETCH elements (1-2 KB of each array) ahead of the group being
  * dequantized. The loop is compute-heavy, so the demand misses of its streams (param,
  * grad, the code arrays) come late for the hardware prefetchers (measured gain and the
- * distances tried: benchmarks/RESULTS.md, "Fused kernel: design measurements"). Only
+ * distances tried: benchmarks/history/2026-11-23-optim-fused-kernel-design.md). Only
  * within the work item: prefetches never cross into another thread's. */
 #define PREFETCH 512
 
@@ -109,7 +109,7 @@ MF_INLINE FUSED_TARGET void dequant_group(const int ns, const int bits, const fu
  *
  * The states are dequantized one group ahead of their update (the block's first group
  * before the loop), so the update reads values stored a group earlier instead of
- * waiting on the loads and permutes that make them (measured: RESULTS.md, as above). */
+ * waiting on the loads and permutes that make them (measured: the same file as above). */
 MF_INLINE FUSED_TARGET void fused_round(const mf_optim_kind kind, const int ns, const int bits,
                                         const int f32, const int update, const int quant,
                                         fused_state *s, int64_t j) {

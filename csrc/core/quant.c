@@ -79,7 +79,8 @@ static float block_absmax_cpu(const float *x, int64_t n) {
 
 /* The AVX2 loops avoid gathers: an 8-lane vpgatherdd or vgatherdps is microcoded on
  * Zen 1/2 and costs several times eight scalar loads there (benchmarks/mca_model.py
- * models both forms on each CPU; RESULTS.md has the table). Table lookups are plain
+ * models both forms on each CPU; benchmarks/history/2026-11-23-quant-amd-epyc-avx2.md
+ * has the table). Table lookups are plain
  * loads with the indices in general registers, and the arithmetic around them is
  * vectorised. */
 

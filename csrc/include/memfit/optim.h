@@ -31,7 +31,8 @@
  * (unscaled) gradient is NaN/Inf, or whose update would produce a NaN/Inf state or
  * parameter, is skipped: its parameter keeps its value and its states their old
  * (dequantized) values; the rest of the tensor is updated and the step counts. States
- * therefore never hold NaN or Inf.
+ * therefore never hold NaN or Inf. This covers eps = 0 with a zero gradient and a zero
+ * second moment (0/0, where torch writes NaN): the parameter does not move.
  *
  * Half-precision parameters. float16/bfloat16 parameters are widened to float32, updated
  * in float32 and written back in one of three ways (mf_optim_store_param):
