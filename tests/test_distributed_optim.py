@@ -49,13 +49,15 @@ def _model():
     return torch.nn.Sequential(*layers[:-1])
 
 
-def _shard(model, mesh=None):
+def _shard(model, mesh=None, **fsdp_kwargs):
+    """fully_shard per Linear, then the root; ``fsdp_kwargs`` (offload_policy, ...) go to
+    every fully_shard call."""
     from torch.distributed.fsdp import fully_shard
 
     for m in model:
         if isinstance(m, torch.nn.Linear):
-            fully_shard(m, mesh=mesh)
-    fully_shard(model, mesh=mesh)
+            fully_shard(m, mesh=mesh, **fsdp_kwargs)
+    fully_shard(model, mesh=mesh, **fsdp_kwargs)
     return model
 
 
@@ -317,13 +319,13 @@ SAVE_AT = 2   # steps before the checkpoint
 AFTER = 2     # steps after it
 
 
-def _dcp_model_and_opt(sharded):
+def _dcp_model_and_opt(sharded, name="AdamW8bit", **fsdp_kwargs):
     import memfit
 
     model = _model()
     if sharded:
-        _shard(model)
-    return model, memfit.optim.AdamW8bit(model.parameters(), **OPTIMIZERS["AdamW8bit"])
+        _shard(model, **fsdp_kwargs)
+    return model, getattr(memfit.optim, name)(model.parameters(), **OPTIMIZERS[name])
 
 
 def _dcp_rank(rank, world, ckpt):

@@ -13,6 +13,11 @@ Shard(0) and Replicate placements keep that true; anything else is refused.
 
 ``step`` stays a plain float32 scalar on the local device, as torch's own AdamW keeps it.
 
+The local tensors may live on another device than the mesh's: FSDP2's
+``CPUOffloadPolicy`` keeps the shards of a CUDA mesh on the host, and their states stay
+there with them (see ``_wrap``); only the collectives here (a load's checks, gathers,
+redistributions) go through the mesh's device.
+
 A torch built without torch.distributed has no DTensor: is_dtensor is then always
 False and nothing else here is reached.
 """
@@ -22,9 +27,13 @@ from __future__ import annotations
 import torch
 
 try:  # torch builds without distributed support have no DTensor
-    from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
+    from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 except ImportError:  # pragma: no cover - depends on the torch build
-    DTensor = Partial = Replicate = Shard = distribute_tensor = None
+    DTensor = Partial = Replicate = Shard = None
+try:  # where FSDP2 itself takes it from (torch 2.4 and later); see _wrap
+    from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
+except ImportError:  # pragma: no cover - depends on the torch build
+    DTensorSpec = TensorMeta = None
 
 
 # ``where``, in the functions below: a callable that names a parameter in an error
@@ -72,8 +81,30 @@ def _contiguous_stride(shape) -> tuple:
 
 
 def _wrap(local: torch.Tensor, p, shape, stride):
-    return DTensor.from_local(local, p.device_mesh, p.placements, run_check=False,
-                              shape=torch.Size(shape), stride=tuple(stride))
+    """``local`` as a DTensor of p's mesh and placements, left on its own device.
+
+    Not DTensor.from_local: that moves the local tensor to the mesh's device type, so
+    under FSDP2's CPUOffloadPolicy on a GPU (a CUDA mesh, shards on the host) every state
+    would land on the GPU, next to nothing it is stepped with. FSDP2 builds its offloaded
+    shards this way too (_from_local_no_grad). (A torch without DTensorSpec where FSDP2
+    keeps it gets from_local, right wherever the shards live on the mesh's device.)"""
+    if DTensorSpec is None:  # pragma: no cover - depends on the torch build
+        return DTensor.from_local(local, p.device_mesh, p.placements, run_check=False,
+                                  shape=torch.Size(shape), stride=tuple(stride))
+    spec = DTensorSpec(p.device_mesh, tuple(p.placements),
+                       tensor_meta=TensorMeta(torch.Size(shape), tuple(stride), local.dtype))
+    return DTensor(local, spec, requires_grad=False)
+
+
+def _on_mesh_device(t):
+    """The DTensor ``t`` with its local tensor on its mesh's device, where a collective
+    (gather, redistribute) can move it: a host shard of a CUDA mesh (CPUOffloadPolicy) is
+    copied to the GPU; anything else is returned as it is."""
+    mesh, local = t.device_mesh, t.to_local()
+    if local.device.type == mesh.device_type:
+        return t
+    return DTensor.from_local(local, mesh, t.placements, run_check=False, shape=t.shape,
+                              stride=t.stride())
 
 
 def zeros_state(p, shape: tuple, dtype, where):
@@ -129,7 +160,10 @@ def with_local(value, local: torch.Tensor, stride=None):
 
 def sum_over_mesh(local: torch.Tensor, p) -> torch.Tensor:
     """``local`` summed over the ranks of p's mesh (one all-reduce): what every rank
-    of the mesh needs to agree on, such as whether any rank found a corrupt state."""
+    of the mesh needs to agree on, such as whether any rank found a corrupt state. A
+    1-rank mesh has nothing to add (and no all-reduce to wait for)."""
+    if p.device_mesh.size() == 1:
+        return local
     return DTensor.from_local(local, p.device_mesh, [Partial()] * p.device_mesh.ndim,
                               run_check=False).full_tensor()
 
@@ -195,17 +229,27 @@ def loaded_value(key: str, value: torch.Tensor, p) -> torch.Tensor:
     device = p.to_local().device if is_dtensor(p) else p.device
     if key == "step" or not is_dtensor(p):
         if is_dtensor(value):
-            value = value.full_tensor()
+            value = _on_mesh_device(value).full_tensor()
         return value.to(device=device, copy=True)
     stride = value.stride()
     if is_dtensor(value) and value.device_mesh == p.device_mesh:
         if value.placements != p.placements:
-            value = value.redistribute(p.device_mesh, p.placements)
+            value = _on_mesh_device(value).redistribute(p.device_mesh, p.placements)
         local = value.to_local()
     else:
         # a plain full tensor (saved by one process), or a DTensor of another mesh: every
-        # rank holds the whole value and keeps its own rows, without communication
-        full = value.full_tensor() if is_dtensor(value) else value
-        local = distribute_tensor(full.to(device=device), p.device_mesh, p.placements,
-                                  src_data_rank=None).to_local()
+        # rank holds the whole value and keeps its own rows, without communication (and
+        # without a trip through the mesh's device: a CPU-offloaded shard stays on the host)
+        full = _on_mesh_device(value).full_tensor() if is_dtensor(value) else value
+        local = _own_rows(full, p)
     return _wrap(local.to(device=device, copy=True), p, tuple(value.shape), stride)
+
+
+def _own_rows(full: torch.Tensor, p) -> torch.Tensor:
+    """This rank's rows of ``full``, a whole state of the DTensor parameter ``p`` (every
+    state but step has p's rows): the rows p's own shard holds (torch.chunk's split, as
+    distribute_tensor cuts them)."""
+    if full.dim() == 0 or not any(type(pl) is Shard for pl in p.placements):
+        return full
+    start = first_row(p, lambda q: f"a parameter of shape {tuple(q.shape)}")
+    return full[start:start + p.to_local().shape[0]]

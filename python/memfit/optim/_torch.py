@@ -517,5 +517,8 @@ def _on(t, device):
     if t is None:
         return None
     if t.device != device or t.dtype != torch.float32:
-        t = t.to(device=device, dtype=torch.float32, non_blocking=True)
+        # non_blocking only towards a GPU, where the kernel runs after the copy on the same
+        # stream; a GPU scaler's grad_scale/found_inf read by the CPU kernels (FSDP2's
+        # CPUOffloadPolicy) must have arrived first, or the step reads stale values
+        t = t.to(device=device, dtype=torch.float32, non_blocking=device.type != "cpu")
     return t.reshape(1) if t.dim() != 1 else t
