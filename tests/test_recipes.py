@@ -284,3 +284,23 @@ def test_cli_plot_bad_path_prints_nothing_else(path, msg, capsys, tmp_path):
     assert rc == 2 and out == "" and err.count("\n") == 1
     assert msg.format(tmp=tmp_path) in err
     assert list(tmp_path.iterdir()) == []
+
+
+def test_docs_example_is_the_commands_output(capsys):
+    """The example in the docs (docs/_estimate_offload_section.md, or docs/offload.md once
+    merged there): every line it shows is a line the command prints."""
+    import pathlib
+    import shlex
+
+    docs = pathlib.Path(__file__).resolve().parent.parent / "docs"
+    marker = "$ memfit estimate llama-1b --gpu t4 --host-memory colab"
+    text = next(t for t in (p.read_text() for p in sorted(docs.glob("*.md"))) if marker in t)
+    block = text[text.index(marker):].split("```")[0].splitlines()
+    rc, out, _ = run(capsys, *shlex.split(block[0])[2:])
+    assert rc == 0
+    shown = [line for line in block[1:] if line.strip() and line != "..."]
+    assert len(shown) >= 8 and all(line in out.splitlines() for line in shown)
+    # and the text's claim: with 32 GB of host memory the T4 takes 5.7B offloaded
+    rc, out, _ = run(capsys, *shlex.split(block[0])[2:], "--host-memory", "32GB")
+    t4 = next(line for line in out.splitlines() if line.startswith("t4 "))
+    assert t4.split("|")[4].strip() == "5.68B (89 L)"
