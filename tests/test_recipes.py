@@ -126,7 +126,7 @@ def test_largest_fit_is_the_last_that_fits(model):
     spec = M.PRESETS[model]
     host = R.parse_host_memory("colab")
     previous = {}
-    for gpu, cap in R.gpu_targets("24GB").items():
+    for cap in R.gpu_targets("24GB").values():
         for recipe in R.RECIPES:
             fit = R.largest_fit(spec, SETUP, recipe, cap, host)
             assert fit is not None
@@ -169,6 +169,18 @@ def test_nothing_fits_and_no_layout():
     # a GPU beyond any model: the search stops at the largest size memfit takes
     huge = R.largest_fit(M.PRESETS["gpt2"], M.Setup(batch=1, seq=1), R.RECIPES[0], 2**120, None)
     assert huge.n_layer == M.MAX_SIZE
+
+
+def test_a_host_too_small_for_one_layer():
+    """The host, not the GPU, takes not one layer: a Fit of 0 layers that says so."""
+    host = R.HOST_RUNTIME_BYTES + 1  # the process fits, no states do
+    offload = R.RECIPES[3]
+    fit = R.largest_fit(LLAMA_1B, SETUP, offload, 80 * GIB, host)
+    assert (fit.n_layer, fit.n_params, fit.limit) == (0, 0, "host") and fit.gpu_only_layers > 0
+    assert R.largest_fit(LLAMA_1B, SETUP, R.RECIPES[1], 80 * GIB, host).limit == "gpu"  # nothing on the host
+    text = R.format_largest(LLAMA_1B, R.largest_table(LLAMA_1B, SETUP, {"h100": 80 * GIB}, host), host, "h100")
+    assert "| - (host)" in text
+    assert "8-bit + offload on h100: the host's 2.00 GiB take not one layer; the GPU alone would take" in text
 
 
 def test_host_memory_values():
@@ -260,6 +272,13 @@ def test_cli_recipe_json(capsys, monkeypatch):
     monkeypatch.setenv(ENV_PRECISION, "fp32")  # not measured: the answer does not matter here
     rc, out, _ = run(capsys, "estimate", "gpt2", "--cpu", "--json")
     assert rc == 0 and "recipes" not in json.loads(out)
+    rc, out, err = run(capsys, "estimate", "gpt2", "--cpu", "--plot")
+    assert rc == 2 and out == "" and "plot: --plot draws the recipes of training on a GPU; not with --cpu" in err
+    rc, out, err = run(capsys, "estimate", "gpt2", "--cpu", "--host-memory=0GB")
+    assert rc == 2 and out == "" and "host_memory: the memory size must be" in err
+    # a preset's name in any case is that preset's row, not a GPU of its own
+    rc, out, _ = run(capsys, "estimate", "llama-1b", "--gpu", " T4", "--host-memory", "colab", "--json")
+    assert set(json.loads(out)["largest"]) == set(M.GPUS)
 
 
 def test_cli_plot(capsys, tmp_path):

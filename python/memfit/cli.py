@@ -135,6 +135,7 @@ def _estimate(args) -> int:
     import json
 
     from memfit import memory as M
+    from memfit import recipes as R
 
     try:
         spec = M.resolve_model(args.model)
@@ -150,7 +151,10 @@ def _estimate(args) -> int:
         rows = M.comparison(spec, base, bf16_native=bf16, half=cpu[0] if cpu else None)
         single = M.estimate(spec, base) if args.precision else None
         rec = M.recommend(spec, base, args.gpu) if args.gpu is not None else None
-        recipes = None if args.cpu else _recipes(args, spec, base, capacity)
+        host = R.parse_host_memory(args.host_memory) if args.host_memory is not None else M.host_memory_bytes()
+        if args.cpu and args.plot is not None:
+            raise ValueError("plot: --plot draws the recipes of training on a GPU; not with --cpu")
+        recipes = None if args.cpu else _recipes(args, spec, base, capacity, host)
     except ValueError as err:
         print(f"memfit estimate: error: {err}", file=sys.stderr)
         return 2
@@ -195,15 +199,13 @@ def _estimate(args) -> int:
     return 0
 
 
-def _recipes(args, spec, base, capacity) -> dict:
+def _recipes(args, spec, base, capacity, host) -> dict:
     """The offload and step-in-backward recipes (memfit.recipes) as text and JSON, and
     --plot's chart, drawn before anything is printed: a path that cannot be written
-    stops the command with nothing printed. ValueError for a bad --host-memory or
-    --plot."""
+    stops the command (ValueError) with nothing printed."""
     from memfit import memory as M
     from memfit import recipes as R
 
-    host = R.parse_host_memory(args.host_memory) if args.host_memory is not None else M.host_memory_bytes()
     pls = R.placements(spec, base)
     table = R.largest_table(spec, base, R.gpu_targets(args.gpu), host)
     texts = [R.format_recipes(pls, args.gpu, capacity, host), R.format_largest(spec, table, host, args.gpu)]

@@ -189,8 +189,9 @@ def fits(pl: Placement, gpu_bytes: int, host_bytes: int | None) -> tuple:
 
 @dataclass
 class Fit:
-    """The largest model of a family that fits: its layer count and parameters, what
-    stopped it ("gpu" or "host"), and with "host" the layer count the GPU alone takes."""
+    """The largest model of a family that fits: its layer count and parameters (0 where
+    the host takes not one layer), what stopped it ("gpu" or "host"), and with "host"
+    the layer count the GPU alone takes."""
 
     n_layer: int
     n_params: int
@@ -223,16 +224,16 @@ def largest_fit(spec: memory.ModelSpec, setup: memory.Setup, recipe: Recipe, gpu
                 host_bytes: int | None) -> Fit | None:
     """The largest model of ``spec``'s family (its shape, any number of layers) whose
     ``recipe`` fits ``gpu_bytes`` on the device and ``host_bytes`` on the host (None:
-    the host is not checked); None when not even one layer fits."""
+    the host is not checked); None when the GPU takes not one layer."""
     if spec.params_override is not None:
         raise ValueError("model: a model given by its parameter count has no layers to vary; "
                          "give its shape (a preset or a config.json)")
     gpu_only = _most_layers(spec, setup, recipe, gpu_bytes, None)
     both = gpu_only if host_bytes is None else _most_layers(spec, setup, recipe, gpu_bytes, host_bytes)
-    if both == 0:
+    if gpu_only == 0:
         return None
     host_limited = both < gpu_only
-    return Fit(both, replace(spec, n_layer=both).n_params(), "host" if host_limited else "gpu",
+    return Fit(both, replace(spec, n_layer=both).n_params() if both else 0, "host" if host_limited else "gpu",
                gpu_only if host_limited else None)
 
 
@@ -241,11 +242,16 @@ def parse_host_memory(text: str) -> int:
     return memory.parse_gb(text, "host_memory", HOSTS, "12.7GB")
 
 
+def target_name(gpu: str) -> str:
+    """The name of ``gpu`` in gpu_targets: a preset's own ('T4 ' -> 't4'), else as given."""
+    return gpu.lower().strip() if gpu.lower().strip() in memory.GPUS else gpu
+
+
 def gpu_targets(gpu: str | None) -> dict:
     """Every GPU preset, and ``gpu`` when it is a size of its own: name -> bytes."""
     targets = {name: memory.parse_gpu(name)[0] for name in memory.GPUS}
-    if gpu is not None and gpu.lower().strip() not in targets:
-        targets[gpu] = memory.parse_gpu(gpu)[0]
+    if gpu is not None:
+        targets[target_name(gpu)] = memory.parse_gpu(gpu)[0]
     return targets
 
 
@@ -290,8 +296,7 @@ def format_largest(spec, table: dict, host_bytes: int | None, gpu: str | None = 
     host memory, not the GPU, is the limit, and for ``gpu`` a line says how far the GPU
     alone would go."""
     host = f"{_gib(host_bytes)} GiB host" if host_bytes is not None else "host not checked"
-    lines = [f"Largest {spec.name}-shaped model that fits (d_model {spec.d_model}, as many layers as fit; "
-             f"{host}):"]
+    lines = [f"Largest {spec.name}-shaped model that fits (d_model {spec.d_model}, as many layers as fit; {host}):"]
     width = 20
     lines.append(f"{'GPU (GiB)':<15} | " + " | ".join(f"{r.short:<{width}}" for r in RECIPES))
     host_limited = False
@@ -302,7 +307,7 @@ def format_largest(spec, table: dict, host_bytes: int | None, gpu: str | None = 
             if fit is None:
                 cell = "-"
             else:
-                cell = f"{_params_text(fit.n_params)} ({fit.n_layer} L)"
+                cell = f"{_params_text(fit.n_params)} ({fit.n_layer} L)" if fit.n_layer else "-"
                 if fit.limit == "host":
                     cell += " (host)"
                     host_limited = True
@@ -312,13 +317,15 @@ def format_largest(spec, table: dict, host_bytes: int | None, gpu: str | None = 
     lines.append("L: layers; -: not even one layer fits"
                  + ("; (host): the host memory is the limit, the GPU alone would take more "
                     "(--host-memory)" if host_limited else ""))
-    for r in RECIPES if gpu in table else ():
-        fit = table[gpu][r.key]
+    name = target_name(gpu) if gpu is not None else None
+    for r in RECIPES if name in table else ():
+        fit = table[name][r.key]
         if fit is not None and fit.limit == "host":
             alone = replace(spec, n_layer=fit.gpu_only_layers).n_params()
-            lines.append(f"{r.label} on {gpu}: the host's {_gib(host_bytes)} GiB stop it at "
-                         f"{_params_text(fit.n_params)} ({fit.n_layer} layers); the GPU alone would take "
-                         f"{_params_text(alone)} ({fit.gpu_only_layers} layers)")
+            stop = f"stop it at {_params_text(fit.n_params)} ({fit.n_layer} layers)" if fit.n_layer else \
+                "take not one layer"
+            lines.append(f"{r.label} on {name}: the host's {_gib(host_bytes)} GiB {stop}; the GPU alone would "
+                         f"take {_params_text(alone)} ({fit.gpu_only_layers} layers)")
     return "\n".join(lines)
 
 
