@@ -292,6 +292,15 @@ def test_cli_plot(capsys, tmp_path):
     assert (tmp_path / "fit.svg").read_text().lstrip().startswith("<?xml")
 
 
+def test_cli_plot_without_matplotlib_says_how_to_get_it(capsys, monkeypatch, tmp_path):
+    import sys
+
+    monkeypatch.setitem(sys.modules, "matplotlib.figure", None)  # import fails
+    rc, out, err = run(capsys, "estimate", "gpt2", "--json", "--plot", str(tmp_path / "x.png"))
+    assert rc == 0 and "plot" not in json.loads(out) and "pip install matplotlib" in err
+    assert list(tmp_path.iterdir()) == []
+
+
 @pytest.mark.parametrize("path,msg", [
     ("missing-folder/x.png", "plot: cannot write '{tmp}/missing-folder/x.png' (No such file or directory)"),
     ("x.doc", "plot: cannot write '{tmp}/x.doc': matplotlib writes no 'doc' images (use .png, .svg or .pdf)"),

@@ -210,7 +210,7 @@ def _recipes(args, spec, base, capacity, host) -> dict:
     table = R.largest_table(spec, base, R.gpu_targets(args.gpu), host)
     texts = [R.format_recipes(pls, args.gpu, capacity, host), R.format_largest(spec, table, host, args.gpu)]
     data = {"host_memory": host, "recipes": [pl.as_dict() for pl in pls],
-            "largest": {gpu: {key: fit and fit.as_dict() for key, fit in row.items()} for gpu, row in table.items()}}
+            "largest": {gpu: {key: None if fit is None else fit.as_dict() for key, fit in row.items()} for gpu, row in table.items()}}
     if capacity:
         for pl, d in zip(pls, data["recipes"]):
             d["fits_gpu"], d["fits_host"] = R.fits(pl, capacity, host)
@@ -221,7 +221,7 @@ def _recipes(args, spec, base, capacity, host) -> dict:
             texts.append(f"wrote {args.plot}")
             data["plot"] = args.plot
         except ImportError as e:  # matplotlib missing: say how to get it, print the rest
-            texts.append(str(e))
+            print(e, file=sys.stderr)
         except OSError as e:
             raise ValueError(f"plot: cannot write {M.shown(args.plot, limit=240)} ({e.strerror or e})") from None
         except ValueError as e:  # a format matplotlib cannot write
