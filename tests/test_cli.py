@@ -32,6 +32,8 @@ def check_demo(stdout: str, out, want: str, steps: int):
     assert mf["activation_bytes"] < base["activation_bytes"]  # checkpointing + bf16
     assert len(base["losses"]) == steps and all(l > 0 for l in base["losses"])
     assert (out / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert (out / "recipes.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"  # memfit.recipes, estimated
+    assert "recipes.png (memfit estimate llama-1b --gpu t4 --host-memory colab" in stdout
     return total(mf) / total(base)
 
 

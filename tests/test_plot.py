@@ -71,11 +71,65 @@ def test_profile_memory_chart_names_its_parts_and_units(tmp_path):
     assert png_size(tmp_path / "profile.png") == (800, 450)
 
 
+def test_recipes_chart_pairs_device_and_host(tmp_path):
+    """`memfit estimate --plot`: per recipe a GPU bar and a hatched host bar, stacked by
+    part, totals above them, the GPU's and the host's memory as dashed lines."""
+    from memfit import memory as M
+    from memfit import recipes as R
+
+    pls = R.placements(M.PRESETS["llama-1b"], M.Setup(batch=1, seq=2048, checkpoint="every"))
+    fig = R.chart(pls, tmp_path / "recipes.png", title="llama-1b per recipe", gpu=("t4", 15 * M.GB),
+                  host_bytes=R.parse_host_memory("colab"))
+    t = texts(fig)
+    assert t["title"] == "llama-1b per recipe"
+    assert t["x"] == "recipe (left bar: GPU, hatched right bar: host)" and t["y"] == "memory (GiB, estimated)"
+    assert t["legend"] == ["GPU memory (t4, 15.00 GiB)", "host memory (12.70 GiB)",
+                           "parameters\n(host: master weights)", "gradients\n(host: staging)", "optimizer states",
+                           "activations\n(saved for backward)", "temporary buffers\n(host: the process)"]
+    ax = fig.axes[0]
+    pair = [a for a in ax.artists if a is not ax.get_legend()]
+    assert [[x.get_text() for x in a.get_texts()] for a in pair] == [["GPU: plain bar", "host: hatched bar"]]
+    assert [tick.get_text() for tick in ax.get_xticklabels()] == [
+        "torch AdamW", "memfit 8-bit", "8-bit + step\nin backward", "8-bit +\noffload", "8-bit +\noffload, fp32\nmasters"]
+    assert sorted(line.get_ydata()[0] for line in ax.get_lines()) == pytest.approx([12.7, 15.0])
+    stacks = {}  # bar centre -> (summed height, hatched)
+    for bar in ax.patches:
+        x = round(bar.get_x() + bar.get_width() / 2, 6)
+        total, _ = stacks.get(x, (0.0, None))
+        stacks[x] = (total + bar.get_height(), bool(bar.get_hatch()))
+    assert len(ax.patches) == 2 * len(pls) * len(R.PARTS)
+    for i, pl in enumerate(pls):
+        assert stacks[round(i - 0.19, 6)] == (pytest.approx(pl.device_total / M.GB), False)
+        assert stacks[round(i + 0.19, 6)] == (pytest.approx(pl.host_total / M.GB), True)
+    assert sorted(a.get_text() for a in ax.texts) == sorted(
+        f"{n / M.GB:.1f}" for pl in pls for n in (pl.device_total, pl.host_total))
+    assert png_size(tmp_path / "recipes.png") == (1000, 600)
+
+
+def test_demo_recipes_chart_is_the_estimate_it_names(tmp_path):
+    from memfit import cli, demo
+    from memfit import memory as M
+    from memfit import recipes as R
+
+    fig = demo.recipes_chart(tmp_path / "recipes.png")
+    assert texts(fig)["title"] == "memfit demo: llama-1b on a free Colab T4, per recipe (estimated)"
+    args = cli.build_parser().parse_args(["estimate", *demo.RECIPES_EXAMPLE])
+    pls = R.placements(M.PRESETS["llama-1b"], cli.estimate_setup(args))
+    heights = {}
+    for bar in fig.axes[0].patches:
+        x = round(bar.get_x() + bar.get_width() / 2, 6)
+        heights[x] = heights.get(x, 0.0) + bar.get_height()
+    assert heights[round(3 - 0.19, 6)] == pytest.approx(pls[3].device_total / M.GB)  # 8-bit + offload, on the T4
+    assert pls[3].device_total < 15 * M.GB and args.checkpoint == "every" and args.batch == 1
+
+
 def test_nothing_to_plot():
     with pytest.raises(ValueError, match="nothing to plot"):
         _plot.line_chart({"a": []}, "x.png", title="t", xlabel="x", ylabel="y")
     with pytest.raises(ValueError, match="nothing to plot"):
         _plot.stacked_bars({}, {"a": "a"}, "x.png", title="t", xlabel="x", ylabel="y")
+    with pytest.raises(ValueError, match="nothing to plot"):
+        _plot.paired_stacked_bars({}, {"a": "a"}, "x.png", title="t", xlabel="x", ylabel="y")
 
 
 def test_without_matplotlib_the_demo_says_how_to_get_it(tmp_path, monkeypatch, capsys):

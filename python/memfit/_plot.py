@@ -15,12 +15,30 @@ MISSING = ("no chart: matplotlib is not installed; pip install matplotlib "
            "(or pip install \".[torch]\", which includes it) and run the command again")
 
 
-def _figure():
+def _figure(size=(8, 4.5)):
     try:
         from matplotlib.figure import Figure
     except ImportError:
         raise ImportError(MISSING) from None
-    return Figure(figsize=(8, 4.5), dpi=100, layout="constrained")
+    return Figure(figsize=size, dpi=100, layout="constrained")
+
+
+def save(fig, path):
+    """``fig.savefig(path)`` in the format of the path's suffix (none: PNG). ValueError
+    naming the path for a format matplotlib cannot write; OSError for a path that
+    cannot be written (a NUL byte in it included)."""
+    from pathlib import PurePath
+
+    from memfit.memory import shown
+
+    suffix = PurePath(str(path)).suffix[1:].lower()
+    if suffix and suffix not in fig.canvas.get_supported_filetypes():
+        raise ValueError(f"cannot write {shown(str(path), limit=240)}: matplotlib writes no {suffix!r} images "
+                         "(use .png, .svg or .pdf)")
+    try:
+        fig.savefig(path)
+    except ValueError as e:  # "embedded null byte" from open()
+        raise OSError(str(e)) from None
 
 
 def line_chart(series: dict, path, *, title: str, xlabel: str, ylabel: str):
@@ -37,7 +55,31 @@ def line_chart(series: dict, path, *, title: str, xlabel: str, ylabel: str):
     ax.set_ylabel(ylabel)
     ax.grid(True, alpha=0.3)
     ax.legend()
-    fig.savefig(path)
+    save(fig, path)
+    return fig
+
+
+def _stack(ax, xs, stacks, parts: dict, *, width=0.8, hatch=None, legend=True):
+    """One stacked bar at each x of ``stacks`` ({part: value} each), part i in colour
+    C{i} (the same colour for a part in every call), bottom first, with its total
+    written above it; ``legend``: label the parts for the legend."""
+    bottom = [0.0] * len(xs)
+    for i, (part, label) in enumerate(parts.items()):
+        values = [s.get(part, 0.0) for s in stacks]
+        ax.bar(xs, values, width, bottom=bottom, color=f"C{i}", hatch=hatch, edgecolor="white" if hatch else None,
+               linewidth=0, label=label if legend else None)
+        bottom = [b + v for b, v in zip(bottom, values)]
+    for x, total in zip(xs, bottom):
+        ax.annotate(f"{total:.1f}", (x, total), ha="center", va="bottom", fontsize=9)
+
+
+def _finish(fig, ax, path, title, xlabel, ylabel):
+    ax.set_title(title)
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.margins(y=0.1)
+    ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0))  # beside the bars, never over them
+    save(fig, path)
     return fig
 
 
@@ -49,17 +91,36 @@ def stacked_bars(bars: dict, parts: dict, path, *, title: str, xlabel: str, ylab
     fig = _figure()
     ax = fig.add_subplot()
     names = list(bars)
-    bottom = [0.0] * len(names)
-    for part, label in parts.items():
-        values = [bars[n].get(part, 0.0) for n in names]
-        ax.bar(names, values, bottom=bottom, label=label)
-        bottom = [b + v for b, v in zip(bottom, values)]
-    for x, total in enumerate(bottom):  # the total above each bar
-        ax.annotate(f"{total:.1f}", (x, total), ha="center", va="bottom", fontsize=9)
-    ax.set_title(title)
-    ax.set_xlabel(xlabel)
-    ax.set_ylabel(ylabel)
-    ax.margins(y=0.1)
-    ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0))  # beside the bars, never over them
-    fig.savefig(path)
-    return fig
+    _stack(ax, names, [bars[n] for n in names], parts)
+    return _finish(fig, ax, path, title, xlabel, ylabel)
+
+
+def paired_stacked_bars(groups: dict, parts: dict, path, *, title: str, xlabel: str, ylabel: str,
+                        pair: tuple = ("left", "right"), limits: dict | None = None):
+    """Two stacked bars side by side per ``group name -> ({part: value}, {part: value})``,
+    the right one hatched (``pair`` names the two in the legend); ``limits``: legend
+    label -> value, each drawn as a dashed horizontal line. Writes the file and returns
+    the Figure."""
+    import textwrap
+
+    if not groups:
+        raise ValueError("groups: nothing to plot")
+    from matplotlib.patches import Patch
+
+    fig = _figure((10, 6))
+    ax = fig.add_subplot()
+    names = list(groups)
+    xs = range(len(names))
+    width = 0.38
+    _stack(ax, [x - width / 2 for x in xs], [groups[n][0] for n in names], parts, width=width)
+    _stack(ax, [x + width / 2 for x in xs], [groups[n][1] for n in names], parts, width=width, hatch="//",
+           legend=False)
+    for i, (label, value) in enumerate((limits or {}).items()):
+        ax.axhline(value, color="black" if i == 0 else "0.45", linestyle="--" if i == 0 else ":",
+                   linewidth=1.2, label=label)
+    ax.set_xticks(list(xs), [textwrap.fill(n, 13) for n in names])
+    ax.add_artist(ax.legend(handles=[Patch(facecolor="0.6", label=f"{pair[0]}: plain bar"),
+                                     Patch(facecolor="0.6", hatch="//", edgecolor="white",
+                                           label=f"{pair[1]}: hatched bar")],
+                            loc="lower left", bbox_to_anchor=(1.01, 0.0)))
+    return _finish(fig, ax, path, title, xlabel, ylabel)

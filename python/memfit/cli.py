@@ -112,20 +112,34 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--cpu", action="store_true",
                    help="training on the CPU (no CUDA context; autocast only where this CPU computes "
                         "bf16 natively or measurably faster, else fp32)")
+    e.add_argument("--host-memory", default=None, metavar="SIZE",
+                   help="the host memory the offload recipes may fill: colab (12.7 GB, a free Colab) or a "
+                        "size like 64GB (default: this machine's physical memory)")
+    e.add_argument("--plot", nargs="?", const="memfit-estimate.png", default=None, metavar="PATH",
+                   help="draw each recipe's GPU and host bytes as stacked bars into PATH "
+                        "(default memfit-estimate.png; needs matplotlib)")
     e.add_argument("--json", action="store_true", help="print JSON instead of tables")
     return p
+
+
+def estimate_setup(args):
+    """The memory.Setup that `memfit estimate`'s options describe (not yet validated)."""
+    from memfit import memory as M
+
+    return M.Setup(batch=args.batch, seq=args.seq, precision=args.precision or "fp32",
+                   optimizer=args.optimizer, checkpoint=args.checkpoint, micro_batch=args.micro_batch,
+                   attention=args.attention, gpu=not args.cpu, kahan=args.kahan)
 
 
 def _estimate(args) -> int:
     import json
 
     from memfit import memory as M
+    from memfit import recipes as R
 
     try:
         spec = M.resolve_model(args.model)
-        base = M.Setup(batch=args.batch, seq=args.seq, precision=args.precision or "fp32",
-                       optimizer=args.optimizer, checkpoint=args.checkpoint, micro_batch=args.micro_batch,
-                       attention=args.attention, gpu=not args.cpu, kahan=args.kahan)
+        base = estimate_setup(args)
         M.validate(base)
         # "--gpu ''" is a GPU name too, and refused, not taken for "no --gpu"
         capacity, bf16 = M.parse_gpu(args.gpu) if args.gpu is not None else (None, True)
@@ -137,6 +151,10 @@ def _estimate(args) -> int:
         rows = M.comparison(spec, base, bf16_native=bf16, half=cpu[0] if cpu else None)
         single = M.estimate(spec, base) if args.precision else None
         rec = M.recommend(spec, base, args.gpu) if args.gpu is not None else None
+        host = R.parse_host_memory(args.host_memory) if args.host_memory is not None else M.host_memory_bytes()
+        if args.cpu and args.plot is not None:
+            raise ValueError("plot: --plot draws the recipes of training on a GPU; not with --cpu")
+        recipes = None if args.cpu else _recipes(args, spec, base, capacity, host)
     except ValueError as err:
         print(f"memfit estimate: error: {err}", file=sys.stderr)
         return 2
@@ -151,6 +169,8 @@ def _estimate(args) -> int:
             out["gpu"] = {"name": args.gpu, "bytes": capacity}
             out["recommendation"] = None if rec is None else {
                 "setup": M.asdict(rec[0]), "total": rec[1].total, "expected_slowdown": rec[2]}
+        if recipes:
+            out.update(recipes["json"])
         print(json.dumps(out, indent=2, default=str))
         return 0
     g = M.fmt_gb
@@ -174,7 +194,39 @@ def _estimate(args) -> int:
             print(f"\nFits {args.gpu} ({g(capacity)} GiB) with: precision {s.precision}, optimizer {s.optimizer}, "
                   f"checkpoint {s.checkpoint}, micro-batch {s.micro} (x{base.batch // s.micro} accumulation) "
                   f"-> {g(est.total)} GiB, expected slowdown about {slow:.0%}")
+    if recipes:
+        print("\n" + recipes["text"])
     return 0
+
+
+def _recipes(args, spec, base, capacity, host) -> dict:
+    """The offload and step-in-backward recipes (memfit.recipes) as text and JSON, and
+    --plot's chart, drawn before anything is printed: a path that cannot be written
+    stops the command (ValueError) with nothing printed."""
+    from memfit import memory as M
+    from memfit import recipes as R
+
+    pls = R.placements(spec, base)
+    table = R.largest_table(spec, base, R.gpu_targets(args.gpu), host)
+    texts = [R.format_recipes(pls, args.gpu, capacity, host), R.format_largest(spec, table, host, args.gpu)]
+    data = {"host_memory": host, "recipes": [pl.as_dict() for pl in pls],
+            "largest": {gpu: {key: None if fit is None else fit.as_dict() for key, fit in row.items()} for gpu, row in table.items()}}
+    if capacity:
+        for pl, d in zip(pls, data["recipes"]):
+            d["fits_gpu"], d["fits_host"] = R.fits(pl, capacity, host)
+    if args.plot is not None:
+        title = f"memfit estimate: {spec.name}, batch {base.batch} x seq {base.seq}, per recipe"
+        try:
+            R.chart(pls, args.plot, title=title, gpu=(args.gpu, capacity) if capacity else None, host_bytes=host)
+            texts.append(f"wrote {args.plot}")
+            data["plot"] = args.plot
+        except ImportError as e:  # matplotlib missing: say how to get it, print the rest
+            print(e, file=sys.stderr)
+        except OSError as e:
+            raise ValueError(f"plot: cannot write {M.shown(args.plot, limit=240)} ({e.strerror or e})") from None
+        except ValueError as e:  # a format matplotlib cannot write
+            raise ValueError(f"plot: {e}") from None
+    return {"text": "\n\n".join(texts), "json": data}
 
 
 def _torch_missing(command: str) -> bool:

@@ -12,7 +12,9 @@ Everything in the table is measured in this run: bytes of parameters, gradients 
 optimizer states from the tensors, activation bytes from saved-tensor hooks (what
 autograd keeps for backward, checkpoint boundaries included), peak CUDA memory on a
 GPU, the median step time, and the validation loss at the end. A PNG of both loss
-curves and a JSON of everything go to the output folder.
+curves and a JSON of everything go to the output folder, with a chart of what the
+recipes past one GPU's memory (step in backward, offload: memfit.recipes) would take
+for a 1B model on a free Colab T4: RECIPES_EXAMPLE, the `memfit estimate` it draws.
 """
 
 from __future__ import annotations
@@ -26,6 +28,12 @@ SIZES = {  # device -> (GPT config kwargs, batch, seq, default steps)
     "cpu": (dict(n_layer=6, d_model=128, n_head=4), 16, 128, 200),
     "cuda": (dict(n_layer=8, d_model=384, n_head=6), 32, 256, 300),
 }
+
+
+# The recipes chart's case: a 1B model on a free Colab (T4, 12.7 GB host), one sequence
+# of 2048 tokens per step, every layer checkpointed; the same as this command line.
+RECIPES_EXAMPLE = ["llama-1b", "--gpu", "t4", "--host-memory", "colab", "--batch", "1", "--seq", "2048",
+                   "--checkpoint", "every"]
 
 
 def stdlib_corpus(max_bytes: int = 2_000_000) -> bytes:
@@ -113,6 +121,19 @@ def plot(rows, path):
                       xlabel="training step", ylabel="training loss (nats per byte, 10-step mean)")
 
 
+def recipes_chart(path):
+    """The bytes of each recipe (device and host) for RECIPES_EXAMPLE, as `memfit estimate
+    ... --plot` counts them; returns the matplotlib Figure."""
+    from memfit import cli, memory, recipes
+
+    args = cli.build_parser().parse_args(["estimate", *RECIPES_EXAMPLE])
+    spec, setup = memory.resolve_model(args.model), cli.estimate_setup(args)
+    return recipes.chart(recipes.placements(spec, setup), path,
+                         title=f"memfit demo: {spec.name} on a free Colab {args.gpu.upper()}, per recipe (estimated)",
+                         gpu=(args.gpu, memory.parse_gpu(args.gpu)[0]),
+                         host_bytes=recipes.parse_host_memory(args.host_memory))
+
+
 def main(steps: int | None = None, device: str = "auto", out: str = "memfit-demo", seed: int = 0) -> int:
     import torch
 
@@ -148,7 +169,8 @@ def main(steps: int | None = None, device: str = "auto", out: str = "memfit-demo
     outdir.mkdir(parents=True, exist_ok=True)
     try:
         plot(rows, outdir / "loss.png")
-        chart = f"{outdir / 'loss.png'} and "
+        recipes_chart(outdir / "recipes.png")
+        chart = f"{outdir / 'loss.png'}, {outdir / 'recipes.png'} (memfit estimate {' '.join(RECIPES_EXAMPLE)} --plot) and "
     except ImportError as e:  # matplotlib missing: say how to get it, write the rest
         print(e)
         chart = ""

@@ -131,6 +131,19 @@ class ModelSpec:
         per_layer = 2 * norm + ((2 * h + 2 * kv) + (f + h) if self.bias else 0)
         return self.n_layer * per_layer + norm
 
+    def tensor_numels(self) -> dict | None:
+        """Elements of the largest parameter tensor of each kind: token embedding, position
+        embedding, untied output head, one layer's attention input projection (Q, K and V
+        counted as one fused tensor, as GPT-2's c_attn is: an upper bound for separate
+        ones) and one MLP matrix. None for a model given by its parameter count."""
+        if self.params_override is not None:
+            return None
+        h = self.d_model
+        kv = h * self.kv_heads // self.n_head
+        return {"embedding": self.vocab * h, "positions": self.max_pos * h,
+                "head": 0 if self.tied_embeddings else self.vocab * h,
+                "qkv": h * (h + 2 * kv), "mlp": h * self.ff}
+
     def n_params(self) -> int:
         if self.params_override is not None:
             return self.params_override
@@ -166,15 +179,16 @@ PRESETS = {
 MAX_SIZE = 2**48
 
 
-def shown(v) -> str:
+def shown(v, limit: int = 60) -> str:
     """v for an error message: its repr, but a count of digits for a huge int (whose
-    repr may even be refused past 4300 digits) and a shortened long string."""
+    repr may even be refused past 4300 digits) and a string longer than ``limit``
+    shortened."""
     if isinstance(v, int) and not isinstance(v, bool) and abs(v) > 10**30:
         digits = int(math.log10(abs(v))) + 1
         digits -= 10 ** (digits - 1) > abs(v)  # log10 rounds 10**400 - 1 up to 400.0
         return f"a {'negative ' if v < 0 else ''}number with {digits} digits"
     text = repr(v)
-    return text if len(text) <= 60 else text[:40] + f"... ({len(text)} characters)"
+    return text if len(text) <= limit else text[:limit - 20] + f"... ({len(text)} characters)"
 
 
 def _integral(v) -> bool:
@@ -323,6 +337,12 @@ class Estimate:
         return d
 
 
+def param_bytes(precision: str) -> int:
+    """Bytes of each weight (and each gradient) element: 2 for pure 16-bit training
+    ("bf16-pure"; fp16 weights count the same), else 4 (float32 weights, autocast or not)."""
+    return 2 if precision == "bf16-pure" else 4
+
+
 def validate(setup: Setup):
     """Raises ValueError naming the first bad field of a Setup."""
     if setup.precision not in ("fp32", "fp16", "bf16", "bf16-pure"):
@@ -396,8 +416,7 @@ def estimate(spec: ModelSpec, setup: Setup) -> Estimate:
     validate(setup)
     p = spec.n_params()
     pure = setup.precision == "bf16-pure"
-    weights = p * (2 if pure else 4)
-    grads = p * (2 if pure else 4)
+    weights = grads = p * param_bytes(setup.precision)
     v = spec.vector_params()
     opt = (int((p - v) * OPTIMIZER_BYTES[setup.optimizer]
                + v * VECTOR_OPTIMIZER_BYTES.get(setup.optimizer, OPTIMIZER_BYTES[setup.optimizer]))
@@ -421,12 +440,13 @@ SLOWDOWN = {  # rough step-time cost of each technique, relative to the same pre
 }
 
 
-def parse_gpu(gpu: str) -> tuple:
-    """'t4' / 'a100-80' / '24GB' -> (bytes, native bf16)."""
-    g = gpu.lower().strip()
-    if g in GPUS:
-        mem, bf16 = GPUS[g]
-        return int(mem * GB), bf16
+def parse_gb(text: str, name: str, presets: dict, example: str) -> int:
+    """A memory size: a name in ``presets`` (name -> GiB) or a size like '24GB' (GB means
+    GiB here, as in every table memfit prints) -> bytes; else ValueError naming ``name``.
+    The one parser of --gpu and --host-memory."""
+    g = text.lower().strip()
+    if g in presets:
+        return int(presets[g] * GB)
     if g.endswith("gb"):
         try:
             size = float(g[:-2])
@@ -434,9 +454,25 @@ def parse_gpu(gpu: str) -> tuple:
             size = None
         if size is not None:
             if not (math.isfinite(size) and size * GB >= 1 and math.isfinite(size * GB)):
-                raise ValueError(f"gpu: the memory size must be a finite number of GB > 0, got {gpu!r}")
-            return int(size * GB), True
-    raise ValueError(f"gpu: expected one of {', '.join(GPUS)} or a size like 24GB, got {gpu!r}")
+                raise ValueError(f"{name}: the memory size must be a finite number of GB > 0, got {shown(text)}")
+            return int(size * GB)
+    raise ValueError(f"{name}: expected one of {', '.join(presets)} or a size like {example}, got {shown(text)}")
+
+
+def parse_gpu(gpu: str) -> tuple:
+    """'t4' / 'a100-80' / '24GB' -> (bytes, native bf16; a size is taken to have it)."""
+    capacity = parse_gb(gpu, "gpu", {name: mem for name, (mem, _) in GPUS.items()}, "24GB")
+    return capacity, GPUS.get(gpu.lower().strip(), (0, True))[1]
+
+
+def host_memory_bytes() -> int | None:
+    """This machine's physical memory in bytes (None where the system does not say)."""
+    import os
+
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (AttributeError, ValueError, OSError):  # no sysconf (Windows)
+        return None
 
 
 def candidate_setups(base: Setup, bf16_native: bool):

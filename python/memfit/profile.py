@@ -10,7 +10,6 @@ parameters excluded), peak CUDA memory on a GPU, and the median step time.
 from __future__ import annotations
 
 import math
-import os
 import statistics
 import sys
 import time
@@ -291,10 +290,9 @@ def machine_bytes(device: torch.device) -> int | None:
     physical memory (None where the system does not say)."""
     if device.type == "cuda":
         return torch.cuda.get_device_properties(device).total_memory
-    try:
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (AttributeError, ValueError, OSError):  # no sysconf (Windows)
-        return None
+    from memfit.memory import host_memory_bytes
+
+    return host_memory_bytes()
 
 
 def check_fits(spec, configs: list, batch: int, seq: int, device: torch.device) -> None:
