@@ -260,10 +260,11 @@ def test_next_forward_sees_the_update(step_in_backward, monkeypatch):
 
     monkeypatch.setattr(opt.optimizer, "step", slow_step)
     x = batch(0, torch.float32)
-    for m, o in ((model, opt), (ref_model, ref)):
+    for m, o in ((ref_model, ref), (model, opt)):
         loss_of(m, x).backward()
         o.step()
-    out, expected = model(x), ref_model(x)  # right after step(): no wait in between
+    out = model(x)  # right after the offloader's step(): no wait in between
+    expected = ref_model(x)
     assert torch.equal(out, expected)
     assert calls and set(calls) == {"memfit-offload"}  # the host step ran on the worker
 
