@@ -30,12 +30,11 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import torch  # noqa: E402
-
-import _common  # noqa: E402
-import memfit.optim as mo  # noqa: E402
-from memfit.checkpoint import checkpoint  # noqa: E402
-from memfit.models import GPT, GPTConfig  # noqa: E402
+import _common
+import memfit.optim as mo
+import torch
+from memfit.checkpoint import checkpoint
+from memfit.models import GPT, GPTConfig
 
 SIZES = {  # (n_layer, d_model, n_head, vocab, seq, batch)
     "tiny": (2, 64, 4, 256, 32, 4),
@@ -73,7 +72,9 @@ def make_optimizer(recipe, params, lr):
     if recipe == "offload+sib":
         return mo.CPUOffloadOptimizer(params, mo.AdamW8bit, offload_gradients=True,
                                       step_in_backward=True, lr=lr)
-    from torchao.optim import CPUOffloadOptimizer  # raises ImportError where it is missing
+    from torchao.optim import (
+        CPUOffloadOptimizer,  # raises ImportError where it is missing
+    )
     return CPUOffloadOptimizer(params, torch.optim.AdamW, offload_gradients=True, lr=lr)
 
 
@@ -151,7 +152,7 @@ def main(argv=None):
                                       all(torch.equal(a, b) for a, b in zip(ref, final)))
         rows.append(row)
     base = next((r for r in rows if r["recipe"] == "device"), None)
-    gb = lambda b: "-" if b is None else f"{b / 1e9:.2f}"  # noqa: E731
+    gb = lambda b: "-" if b is None else f"{b / 1e9:.2f}"
     print(f"\nGPT {args.size}, bf16, checkpointed blocks, {device}, "
           f"{rows[0]['params'] / 1e6:.1f}M parameters" if rows else "no recipe ran")
     print("| recipe | s/step | x device | tokens/s | peak device GB | host GB | bit-exact |")

@@ -6,11 +6,10 @@ import copy
 import threading
 import time
 
-import pytest
-import torch
-
 import memfit
 import memfit.optim as mo
+import pytest
+import torch
 from memfit.optim.offload import CPUOffloadOptimizer
 
 OPTIMIZERS = [
@@ -86,7 +85,7 @@ def assert_same(model, ref_model, opt, ref, skip=("params",)):
         for key, v in rsd["state"][k].items():
             assert torch.equal(sd["state"][k][key], v), (k, key)
             assert sd["state"][k][key].device.type == "cpu"
-    strip = lambda gs: [{k: v for k, v in g.items() if k not in skip} for g in gs]  # noqa: E731
+    strip = lambda gs: [{k: v for k, v in g.items() if k not in skip} for g in gs]
     assert strip(sd["param_groups"]) == strip(rsd["param_groups"])
 
 

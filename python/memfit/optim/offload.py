@@ -116,7 +116,7 @@ class _Slot:
     """One parameter: the model's tensor (``dev``), its host copy (``host``; ``dev``
     itself without offload) and where it is in the current step."""
 
-    __slots__ = ("dev", "host", "where", "landed", "stepped", "h2d_done")
+    __slots__ = ("dev", "h2d_done", "host", "landed", "stepped", "where")
 
     def __init__(self, dev, host, where):
         self.dev, self.host, self.where = dev, host, where
