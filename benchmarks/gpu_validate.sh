@@ -7,6 +7,7 @@
 #   bash benchmarks/gpu_validate.sh build tests       # first call: the CUDA tests
 #   bash benchmarks/gpu_validate.sh build sanitize    # compute-sanitizer memcheck, racecheck
 #   bash benchmarks/gpu_validate.sh build bench demo  # bench_optim, bench_gemm, bench_quant, demo
+#   bash benchmarks/gpu_validate.sh build offload     # the offloading optimizer on a 1B GPT
 #
 # build: installs this checkout with CUDA for the GPU in hand only (MEMFIT_CUDA_ARCHS,
 #        default its compute capability, e.g. 90 on an H100: a fraction of the default
@@ -18,6 +19,10 @@
 # bench: bench_optim (1B parameters against a device-to-device copy, torch fused AdamW
 #        and bitsandbytes when importable), bench_gemm and bench_quant on the GPU.
 # demo:  memfit demo on the GPU (memory, step time, loss).
+# offload: bench_offload --size 1b: a GPT of about 1B parameters in bf16 with checkpointed
+#        blocks; peak device memory, s/step, tokens/s on the device and offloaded,
+#        bit-exactness against the device step, torchao's CPUOffloadOptimizer beside it
+#        where it imports (issue 32 §5; targets in benchmarks/RESULTS.md).
 #
 # Peers the device machine lacks travel as wheels (the device README: download them
 # here into .whl/, carry .whl, and start the command with its pip install line); this
@@ -90,18 +95,23 @@ stage_bench() {
   step "bench_quant --device cuda" bench.log $PY benchmarks/bench_quant.py --device cuda
 }
 
+stage_offload() {
+  step "bench_offload --size 1b" offload.log $PY benchmarks/bench_offload.py --size 1b \
+    --steps 3 --out "$OUT/bench_offload.json"
+}
+
 stage_demo() {
   step "memfit demo --device cuda" demo.log $PY -m memfit demo --device cuda --out "$OUT/demo"
 }
 
 if [ $# -eq 0 ]; then
-  sed -n '2,24p' "$0"
+  sed -n '2,29p' "$0"
   exit 2
 fi
 for stage in "$@"; do
   case $stage in
-    build | tests | sanitize | bench | demo) ;;
-    *) echo "unknown stage: $stage (build, tests, sanitize, bench, demo)" >&2; exit 2 ;;
+    build | tests | sanitize | bench | demo | offload) ;;
+    *) echo "unknown stage: $stage (build, tests, sanitize, bench, demo, offload)" >&2; exit 2 ;;
   esac
 done
 for stage in "$@"; do

@@ -157,6 +157,28 @@ assert type(st["state1"]) is torch.Tensor and st["state1"].shape == (37, 300)
 assert len(ref["grads"]) == 4 and int(st["step"]) == 8
 """
 
+def outputs_07(nb, cwd):
+    plan = printed(nb, "mm.estimate(mm.PRESETS[name], setup)")
+    # "a 24 GB card ... trains the 7B one" offloaded, which does not fit it plain
+    assert "llama-7b" in plan and plan.count("24 GB card: plain does not fit, offloaded fits") >= 1, plan
+    train = printed(nb, "CPUOffloadOptimizer(model.parameters()")
+    losses = numbers(r"loss ([0-9.]+)", train)
+    assert len(losses) == 4 and losses[-1] < losses[0] < 6.0, train  # it learns
+    assert "no gradient left on the device after backward: True" in train, train
+    assert "parameters identical to AdamW8bit stepping itself: True" in train, train
+    host = printed(nb, "def nbytes(ts)")
+    (device,) = numbers(r"device: ([0-9.]+) bytes", host)
+    (master,), (states,) = numbers(r"master ([0-9.]+)", host), numbers(r"states ([0-9.]+)", host)
+    assert device == 2.0 and master == 2.0 and 2.0 <= states < 3.5, host  # "2 bytes, plus ..."
+    assert "gradients left after backward: 0" in printed(nb, "sib_model = copy.deepcopy"), nb
+
+
+CHECK_07 = """
+assert same and no_grad_on_device
+assert type(opt.optimizer).__name__ == "AdamW8bit" and opt.optimizer.state
+assert all(p.grad is None for p in sib_model.parameters())
+"""
+
 CHECKS = {
     "00_quantization.ipynb": (CHECK_00, outputs_00),
     "01_quickstart.ipynb": (CHECK_01, outputs_01),
@@ -165,6 +187,7 @@ CHECKS = {
     "04_amp_loop.ipynb": (CHECK_04, outputs_04),
     "05_8bit_optimizers.ipynb": (CHECK_05, outputs_05),
     "06_distributed.ipynb": (CHECK_06, outputs_06),
+    "07_offload.ipynb": (CHECK_07, outputs_07),
 }
 
 

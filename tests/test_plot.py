@@ -90,7 +90,7 @@ def test_recipes_chart_pairs_device_and_host(tmp_path):
     pair = [a for a in ax.artists if a is not ax.get_legend()]
     assert [[x.get_text() for x in a.get_texts()] for a in pair] == [["GPU: plain bar", "host: hatched bar"]]
     assert [tick.get_text() for tick in ax.get_xticklabels()] == [
-        "torch AdamW", "memfit 8-bit", "8-bit + step\nin backward", "8-bit +\noffload", "8-bit +\noffload, fp32\nmasters"]
+        "torch AdamW", "memfit 8-bit", "8-bit + step\nin backward", "8-bit +\noffload", "8-bit +\noffload,\ngradients\nkept"]
     assert sorted(line.get_ydata()[0] for line in ax.get_lines()) == pytest.approx([12.7, 15.0])
     stacks = {}  # bar centre -> (summed height, hatched)
     for bar in ax.patches:

@@ -95,6 +95,15 @@ def check_switch_optimizers(ns, shown):
 
 # Each block is recognised by a line it must contain, so a block added to the README
 # without a check here fails test_every_block_is_checked.
+def check_offload(ns, shown):
+    # "each gradient leaves the device": the model holds no gradient; the host stepped
+    opt, model = ns["opt"], ns["model"]
+    assert all(p.grad is None for p in model.parameters())
+    assert type(opt.optimizer).__name__ == "AdamW8bit" and opt.optimizer.state
+    host = {p.data_ptr() for g in opt.optimizer.param_groups for p in g["params"]}
+    assert host.isdisjoint(p.data_ptr() for p in model.parameters())
+
+
 CHECKS = {
     "plan = memfit.checkpoint.auto(": check_quickstart,
     "state = q.quantize_blockwise(x, block_size=256)": check_quant,
@@ -102,6 +111,7 @@ CHECKS = {
     'layer = memfit.nn.Linear(768, 3072, activation="gelu")': check_linear,
     "info = memfit.nn.gemm_backend()": check_gemm_backend,
     "opt.load_state_dict(torch_adamw.state_dict())": check_switch_optimizers,
+    "opt = memfit.optim.CPUOffloadOptimizer(": check_offload,
 }
 
 

@@ -15,39 +15,42 @@ memfit 8-bit                   2 weights + 2 gradients +       -
 8-bit + step in backward       2 + 2.03 = 4.03, and the        -
                                gradients alive (below)
 8-bit + offload                2, and a gradient staging       2.03 states + 2 master weights
-                               (below)                         (the parameter's dtype, updated
+(step in backward)             (below)                         (the parameter's dtype, updated
                                                                with stochastic rounding) = 4.03,
                                                                and staging
-8-bit + offload, fp32 masters  as above                        2.03 + 4 (float32 masters) = 6.03,
-                                                               and staging
+8-bit + offload, gradients     as above                        2.03 + 2 masters + 2 gradients
+kept for the step                                              = 6.03, and staging
 =============================  ==============================  ================================
 
 - 8-bit states: 2 B (two 8-bit moments) + 2 float32 absmax per 256 values (0.03 B);
   1-D tensors (biases, norms) keep float32 states, 8 B (memfit.memory.OPTIMIZER_BYTES
   and estimate(): the one definition). ``kahan=True`` adds its 2 B buffer to the
-  states of 16-bit weights, on the device or on the host, but not beside fp32 masters
-  (which need none).
+  states of 16-bit weights, on the device or on the host.
 - Step in backward (torchtune's recipe): each tensor steps as soon as its gradient is
   accumulated, and the gradient is freed, so at most the largest gradient is alive; with
   tied embeddings the shared matrix's gradient waits from the output head (start of
   backward) to the embedding (its end), so the largest other gradient comes on top.
   With gradient accumulation (micro-batch < batch) nothing can step before the last
   micro-batch: every gradient is kept, as in "memfit 8-bit".
-- Offload (``offload_gradients=True``): the device keeps the 16-bit parameters and
-  nothing of the optimizer; each gradient leaves the device as soon as it is
-  accumulated. Staging is bounded: ``STAGING_SLOTS`` gradients of the largest tensor's
-  size in flight on the device, and as many pinned host buffers (a slot takes a
-  gradient down, then the updated 16-bit parameter up). With gradient accumulation the
-  host also sums the gradients across micro-batches, in their dtype (2 B/param), as
-  p.grad would on the device.
+- Offload (memfit.optim.CPUOffloadOptimizer with ``offload_gradients=True``): the
+  device keeps the 16-bit parameters and nothing of the optimizer; each gradient leaves
+  the device as soon as it is accumulated. With ``step_in_backward=True`` each tensor
+  steps on the host as its gradient lands, so staging is bounded: ``STAGING_SLOTS``
+  gradients of the largest tensor's size in flight on the device, and as many on the
+  host. A GradScaler or global clipping needs every gradient before any step: the host
+  then keeps the gradients until the step, in their dtype (2 B/param), as p.grad would
+  on the device ("gradients kept for the step"); so does gradient accumulation, which
+  sums them across micro-batches.
 - Activations and temporary buffers (the logits' gradient, the CUDA context): on the
   device, as memfit.memory.estimate counts them for the recipe's precision ("bf16"
   autocast for torch AdamW, "bf16-pure" for the 16-bit recipes). On the host every
   recipe also needs the process itself: ``HOST_RUNTIME_BYTES``.
 
-Issue 32's host targets, 6 B/param with fp32 masters and 4 without, are these counts
-but for the absmax (0.03 B/param) and the float32 states of 1-D tensors (under 0.1 % of
-a transformer's parameters).
+Issue 32's host target of 4 B/param without fp32 masters is the step-in-backward
+offload's count but for the absmax (0.03 B/param) and the float32 states of 1-D tensors
+(under 0.1 % of a transformer's parameters). The offloader keeps master weights in the
+parameter's dtype (float32 masters only for float32 parameters), so there is no
+16-bit recipe with float32 masters.
 
 The largest model of a family keeps the model's shape (width, heads, vocabulary) and
 searches its number of layers: the most layers whose device bytes fit the GPU and whose
@@ -81,7 +84,9 @@ class Recipe:
     short: str  # a column heading of at most 20 characters
     precision: str  # memory.Setup precision: "bf16" (autocast, float32 weights) or "bf16-pure" (16-bit)
     optimizer: str  # memory.OPTIMIZER_BYTES key
-    gradients: str  # "all" (kept until the step), "backward" (freed as made), "offload" (leave as made)
+    # "all" (kept until the step), "backward" (freed as made), "offload" (leave as made and
+    # step as they land), "offload-keep" (leave as made, kept on the host until the step)
+    gradients: str
     master_bytes: int = 0  # host master weights per parameter; 0: states stay on the device
 
 
@@ -90,8 +95,8 @@ RECIPES = (
     Recipe("8bit", "memfit 8-bit", "memfit 8-bit", "bf16-pure", "adamw8bit", "all"),
     Recipe("8bit-backward", "8-bit + step in backward", "step in backward", "bf16-pure", "adamw8bit", "backward"),
     Recipe("8bit-offload", "8-bit + offload", "offload", "bf16-pure", "adamw8bit", "offload", master_bytes=2),
-    Recipe("8bit-offload-fp32", "8-bit + offload, fp32 masters", "offload fp32 masters", "bf16-pure", "adamw8bit", "offload",
-           master_bytes=4),
+    Recipe("8bit-offload-keep", "8-bit + offload, gradients kept", "offload, grads kept", "bf16-pure", "adamw8bit",
+           "offload-keep", master_bytes=2),
 )
 
 PARTS = ("parameters", "gradients", "states", "activations", "temporary")
@@ -151,8 +156,7 @@ def gradients_alive(spec: memory.ModelSpec) -> int:
 def place(spec: memory.ModelSpec, setup: memory.Setup, recipe: Recipe) -> Placement:
     """Device and host bytes of training ``spec`` with ``recipe``; batch, sequence,
     micro-batch, checkpointing, attention, kahan and gpu come from ``setup``."""
-    s = replace(setup, precision=recipe.precision, optimizer=recipe.optimizer,
-                kahan=setup.kahan and recipe.master_bytes != 4)
+    s = replace(setup, precision=recipe.precision, optimizer=recipe.optimizer)
     est = memory.estimate(spec, s)
     p, elem = est.n_params, memory.param_bytes(recipe.precision)
     accumulating = s.micro < s.batch
@@ -168,8 +172,11 @@ def place(spec: memory.ModelSpec, setup: memory.Setup, recipe: Recipe) -> Placem
         device["gradients"] = bounded["device"] = gradients_alive(spec) * elem
     else:  # offload: whole gradients in flight on the device, as many slots on the host
         staging = STAGING_SLOTS * (max(sizes.values()) if sizes else p) * elem
-        device["gradients"] = bounded["device"] = bounded["host"] = staging
-        host["gradients"] = staging + (p * elem if accumulating else 0)
+        device["gradients"] = bounded["device"] = staging
+        if recipe.gradients == "offload-keep" or accumulating:
+            host["gradients"] = p * elem  # every gradient, until the step
+        else:
+            host["gradients"] = bounded["host"] = staging
     if recipe.master_bytes:
         host["parameters"] = p * recipe.master_bytes
         host["states"] = est.optimizer
@@ -298,7 +305,7 @@ def format_largest(spec, table: dict, host_bytes: int | None, gpu: str | None = 
     host = f"{_gib(host_bytes)} GiB host" if host_bytes is not None else "host not checked"
     lines = [f"Largest {spec.name}-shaped model that fits (d_model {spec.d_model}, as many layers as fit; {host}):"]
     width = 20
-    lines.append(f"{'GPU (GiB)':<15} | " + " | ".join(f"{r.short:<{width}}" for r in RECIPES))
+    lines.append((f"{'GPU (GiB)':<15} | " + " | ".join(f"{r.short:<{width}}" for r in RECIPES)).rstrip())
     host_limited = False
     for name, row in table.items():
         cells = []

@@ -11,6 +11,9 @@ parameter and requantizes, block by block. See docs/optim.md.
 :func:`to_torch_state_dict` exports the states for torch.optim, and ``load_state_dict``
 also takes torch.optim's and bitsandbytes' state dicts (:mod:`memfit.optim.convert`).
 
+Training a model larger than the GPU: :class:`CPUOffloadOptimizer` keeps the states and
+master weights on the host and steps them there (torchao's signature; docs/offload.md).
+
 Coming from bitsandbytes: ``import memfit.optim.bnb as bnb`` gives its classes, names and
 signatures on these optimizers (:mod:`memfit.optim.bnb`).
 
@@ -24,6 +27,7 @@ __all__ = [
     "AdamW",
     "AdamW4bit",
     "AdamW8bit",
+    "CPUOffloadOptimizer",
     "Lion8bit",
     "RMSprop8bit",
     "SGD8bit",
@@ -39,7 +43,7 @@ _TORCH_NAMES = {
     "Adam": "optimizers", "Adam8bit": "optimizers", "AdamW": "optimizers",
     "AdamW4bit": "optimizers", "AdamW8bit": "optimizers", "Lion8bit": "optimizers",
     "RMSprop8bit": "optimizers", "SGD8bit": "optimizers", "dequantized_state": "_format",
-    "to_torch_state_dict": "convert",
+    "to_torch_state_dict": "convert", "CPUOffloadOptimizer": "offload",
 }
 
 

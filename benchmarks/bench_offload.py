@@ -1,0 +1,174 @@
+"""The offloading optimizer against the same optimizer on the device (issue 32 §5).
+
+A GPT (memfit.models) in bfloat16 with activation checkpointing per block is trained
+for a few steps by each recipe, from the same weights on the same batches:
+
+    device     memfit AdamW8bit on the device (states, gradients, parameters there)
+    offload    CPUOffloadOptimizer(AdamW8bit, offload_gradients=True): states and
+               master weights on the host, stepped there
+    offload+sib  the same with step_in_backward=True (each tensor steps during backward)
+    torchao    torchao's CPUOffloadOptimizer(torch.optim.AdamW, offload_gradients=True),
+               where torchao imports
+
+Printed and written to benchmarks/out/bench_offload.json: peak device memory, seconds
+per step (median), tokens/s, the host bytes the optimizer holds, and whether the final
+parameters equal the device recipe's bit for bit (offload must; offload+sib draws other
+stochastic-rounding bits for bfloat16, docs/offload.md).
+
+    python benchmarks/bench_offload.py                 # the CPU, a tiny GPT (seconds)
+    python benchmarks/bench_offload.py --size 1b       # a lent GPU: about 1B parameters
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import _common
+import memfit.optim as mo
+import torch
+from memfit.checkpoint import checkpoint
+from memfit.models import GPT, GPTConfig
+
+SIZES = {  # (n_layer, d_model, n_head, vocab, seq, batch)
+    "tiny": (2, 64, 4, 256, 32, 4),
+    "small": (4, 256, 4, 1024, 128, 4),
+    "1b": (20, 2048, 16, 32768, 1024, 4),
+}
+
+
+class CheckpointedGPT(GPT):
+    """memfit.models.GPT with each block recomputed in backward."""
+
+    def forward(self, idx, targets):
+        b, s = idx.shape
+        x = self.wte(idx) + self.wpe(torch.arange(s, device=idx.device))
+        for block in self.blocks:
+            x = checkpoint(block, x)
+        logits = torch.nn.functional.linear(self.ln_f(x), self.wte.weight)
+        return torch.nn.functional.cross_entropy(logits.float().view(-1, logits.size(-1)),
+                                                 targets.reshape(-1))
+
+
+def storage_bytes(tensors) -> int:
+    seen = {}
+    for t in tensors:
+        if torch.is_tensor(t):
+            seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+    return sum(seen.values())
+
+
+def make_optimizer(recipe, params, lr):
+    if recipe == "device":
+        return mo.AdamW8bit(params, lr=lr)
+    if recipe == "offload":
+        return mo.CPUOffloadOptimizer(params, mo.AdamW8bit, offload_gradients=True, lr=lr)
+    if recipe == "offload+sib":
+        return mo.CPUOffloadOptimizer(params, mo.AdamW8bit, offload_gradients=True,
+                                      step_in_backward=True, lr=lr)
+    from torchao.optim import (
+        CPUOffloadOptimizer,  # raises ImportError where it is missing
+    )
+    return CPUOffloadOptimizer(params, torch.optim.AdamW, offload_gradients=True, lr=lr)
+
+
+def host_bytes(recipe, opt) -> int | None:
+    """Bytes of the host tensors the optimizer keeps (copies, gradients, states)."""
+    if recipe == "device":
+        return 0
+    if recipe == "torchao":
+        return None
+    inner = opt.optimizer
+    params = [p for g in inner.param_groups for p in g["params"]]
+    return storage_bytes([*params, *(p.grad for p in params),
+                          *(v for st in inner.state.values() for v in st.values())])
+
+
+def run(recipe, cfg, args, device, batches):
+    torch.manual_seed(0)
+    model = CheckpointedGPT(cfg).to(device=device, dtype=torch.bfloat16)
+    opt = make_optimizer(recipe, model.parameters(), args.lr)
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    times = []
+    for i, (x, y) in enumerate(batches):
+        sync()
+        t0 = time.perf_counter()
+        model(x, y).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        sync()
+        if i >= args.warmup:  # the first step allocates the states
+            times.append(time.perf_counter() - t0)
+    peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
+    final = [p.detach().to("cpu", copy=True) for p in model.parameters()]
+    row = {"recipe": recipe, "params": sum(p.numel() for p in model.parameters()),
+           "s_per_step": statistics.median(times),
+           "tokens_per_s": x.numel() / statistics.median(times),
+           "peak_device_bytes": peak, "host_bytes": host_bytes(recipe, opt)}
+    del model, opt
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return row, final
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--size", choices=sorted(SIZES), default="tiny")
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--steps", type=int, default=4, help="timed steps")
+    ap.add_argument("--warmup", type=int, default=2, help="untimed steps first (states made)")
+    ap.add_argument("--lr", type=float, default=1e-4)
+    ap.add_argument("--recipes", default="device,offload,offload+sib,torchao")
+    ap.add_argument("--out", default=str(_common.OUT_DIR / "bench_offload.json"))
+    args = ap.parse_args(argv)
+    device = torch.device(args.device)
+    n_layer, d_model, n_head, vocab, seq, batch = SIZES[args.size]
+    cfg = GPTConfig(n_layer=n_layer, d_model=d_model, n_head=n_head, vocab=vocab, max_pos=seq)
+    g = torch.Generator().manual_seed(1)
+    batches = [tuple(torch.randint(vocab, (batch, seq), generator=g).to(device) for _ in "xy")
+               for _ in range(args.steps + args.warmup)]
+    rows, ref = [], None
+    recipes = args.recipes.split(",")
+    # untimed: the first run of a process pays for lazy initialisation (kernels, threads)
+    run(recipes[0], cfg, argparse.Namespace(**{**vars(args), "warmup": 0}), device,
+        batches[:1])
+    for recipe in recipes:
+        try:
+            row, final = run(recipe, cfg, args, device, batches)
+        except ImportError as e:
+            print(f"{recipe}: skipped ({e})")
+            continue
+        if recipe == "device":
+            ref = final
+        row["bit_exact_vs_device"] = (None if ref is None or recipe == "device" else
+                                      all(torch.equal(a, b) for a, b in zip(ref, final)))
+        rows.append(row)
+    base = next((r for r in rows if r["recipe"] == "device"), None)
+    gb = lambda b: "-" if b is None else f"{b / 1e9:.2f}"
+    print(f"\nGPT {args.size}, bf16, checkpointed blocks, {device}, "
+          f"{rows[0]['params'] / 1e6:.1f}M parameters" if rows else "no recipe ran")
+    print("| recipe | s/step | x device | tokens/s | peak device GB | host GB | bit-exact |")
+    print("|---|---|---|---|---|---|---|")
+    for r in rows:
+        ratio = f"{r['s_per_step'] / base['s_per_step']:.2f}" if base else "-"
+        exact = {None: "-", True: "yes", False: "no"}[r["bit_exact_vs_device"]]
+        print(f"| {r['recipe']} | {r['s_per_step']:.3f} | {ratio} | {r['tokens_per_s']:.0f} | "
+              f"{gb(r['peak_device_bytes'])} | {gb(r['host_bytes'])} | {exact} |")
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"meta": _common.metadata(str(device)), "size": args.size,
+                               "rows": rows}, indent=1))
+    print(f"wrote {out}")
+    return rows
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,387 @@
+"""memfit.optim.CPUOffloadOptimizer on the CPU (the "device" is the CPU: real host copies,
+a real worker thread and staging buffers, streams as no-ops): bit for bit against the
+wrapped optimizer stepping the model's parameters itself."""
+
+import copy
+import threading
+import time
+
+import memfit
+import memfit.optim as mo
+import pytest
+import torch
+from memfit.optim.offload import CPUOffloadOptimizer
+
+OPTIMIZERS = [
+    (mo.AdamW8bit, dict(lr=1e-2, weight_decay=0.1)),
+    (mo.Adam8bit, dict(lr=1e-2)),
+    (mo.AdamW4bit, dict(lr=1e-2)),
+    (mo.AdamW, dict(lr=1e-2)),
+    (mo.Lion8bit, dict(lr=1e-3)),
+    (mo.SGD8bit, dict(lr=1e-2, momentum=0.9)),
+    (mo.RMSprop8bit, dict(lr=1e-3)),
+]
+IDS = [c.__name__ for c, _ in OPTIMIZERS]
+
+
+def make_model(dtype=torch.float32, seed=0):
+    """Two weights big enough for quantized states (>= 4096 elements), 1-D biases
+    (float32 states), and a weight shared by two layers."""
+    torch.manual_seed(seed)
+    m = torch.nn.Sequential(torch.nn.Linear(64, 96), torch.nn.GELU(), torch.nn.Linear(96, 48),
+                            torch.nn.GELU(), torch.nn.Linear(48, 64))
+    return m.to(dtype)
+
+
+def groups(model):
+    """Two param groups with different lrs: weights, then biases."""
+    ps = list(model.named_parameters())
+    return [{"params": [p for n, p in ps if n.endswith("weight")]},
+            {"params": [p for n, p in ps if n.endswith("bias")], "lr": 3e-3}]
+
+
+def batch(i, dtype):
+    g = torch.Generator().manual_seed(100 + i)
+    return torch.randn(8, 64, generator=g).to(dtype)
+
+
+def loss_of(model, x):
+    return (model(x).float() - 0.5).square().mean()
+
+
+def train(model, opt, steps=5, accum=2, dtype=torch.float32, clip=None, scheduler=None,
+          inf_at=None, scaler=None):
+    """steps optimizer steps of accum backwards each; returns the clip norms."""
+    norms = []
+    for s in range(steps):
+        for a in range(accum):
+            x = batch(s * accum + a, dtype)
+            if s == inf_at and a == 0:
+                x[0, 0] = float("inf")
+            loss = loss_of(model, x)
+            (scaler.scale(loss) if scaler else loss).backward()
+        if clip is not None:
+            if scaler:
+                scaler.unscale_(opt)
+            norms.append(clip(model, opt))
+        if scaler:
+            scaler.step(opt)
+            scaler.update()
+        else:
+            opt.step()
+        if scheduler is not None:
+            scheduler.step()
+        opt.zero_grad(set_to_none=True)
+    return norms
+
+
+def assert_same(model, ref_model, opt, ref, skip=("params",)):
+    for (n, p), q in zip(model.named_parameters(), ref_model.parameters()):
+        assert p.dtype == q.dtype and torch.equal(p, q), n
+    sd, rsd = opt.state_dict(), ref.state_dict()
+    assert sd["state"].keys() == rsd["state"].keys() and sd["state"]
+    for k in rsd["state"]:
+        assert sd["state"][k].keys() == rsd["state"][k].keys()
+        for key, v in rsd["state"][k].items():
+            assert torch.equal(sd["state"][k][key], v), (k, key)
+            assert sd["state"][k][key].device.type == "cpu"
+    strip = lambda gs: [{k: v for k, v in g.items() if k not in skip} for g in gs]
+    assert strip(sd["param_groups"]) == strip(rsd["param_groups"])
+
+
+def pair(cls, kw, dtype=torch.float32, **okw):
+    model, ref_model = make_model(dtype), make_model(dtype)
+    opt = CPUOffloadOptimizer(groups(model), cls, **okw, **kw)
+    ref = cls(groups(ref_model), **kw)
+    return model, ref_model, opt, ref
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("offload_gradients", [False, True], ids=["grads-dev", "grads-host"])
+@pytest.mark.parametrize("cls,kw", OPTIMIZERS, ids=IDS)
+def test_bit_identical_to_the_wrapped_optimizer(cls, kw, offload_gradients, dtype):
+    """5 steps of 2 accumulated backwards, two param groups and a scheduler; bfloat16
+    parameters are written with stochastic rounding (the default) on the host copy."""
+    model, ref_model, opt, ref = pair(cls, kw, dtype, offload_gradients=offload_gradients)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
+    rsched = torch.optim.lr_scheduler.StepLR(ref, step_size=2, gamma=0.5)
+    train(model, opt, dtype=dtype, scheduler=sched)
+    train(ref_model, ref, dtype=dtype, scheduler=rsched)
+    assert opt.param_groups[0]["lr"] == ref.param_groups[0]["lr"] == kw["lr"] * 0.25
+    assert opt.optimizer.param_groups[1]["lr"] == 3e-3 * 0.25  # the host step's lr
+    assert_same(model, ref_model, opt, ref)
+    # the states live on the host copies, not on the model's parameters
+    host = {id(p) for g in opt.optimizer.param_groups for p in g["params"]}
+    assert host.isdisjoint(id(p) for p in model.parameters())
+    assert set(map(id, opt.optimizer.state)) == host
+
+
+@pytest.mark.parametrize("offload_gradients", [False, True])
+def test_clipping(offload_gradients):
+    model, ref_model, opt, ref = pair(mo.AdamW8bit, dict(lr=1e-2),
+                                      offload_gradients=offload_gradients)
+    clip = ((lambda m, o: o.clip_grad_norm_(0.05)) if offload_gradients
+            else (lambda m, o: torch.nn.utils.clip_grad_norm_(
+                [p for g in groups(m) for p in g["params"]], 0.05)))
+    norms = train(model, opt, clip=clip)
+    # the norm of the same gradients, summed in param_groups order as the optimizer's is
+    ref_norms = train(ref_model, ref, clip=lambda m, o: torch.nn.utils.clip_grad_norm_(
+        [p for g in o.param_groups for p in g["params"]], 0.05))
+    assert all(torch.equal(a, b) for a, b in zip(norms, ref_norms)) and min(norms) > 0.05
+    assert_same(model, ref_model, opt, ref)
+
+
+@pytest.mark.filterwarnings("ignore:.*already NaN/Inf before backward")
+@pytest.mark.parametrize("kind", ["torch", "memfit"])
+@pytest.mark.parametrize("offload_gradients", [False, True])
+def test_scaler_skips_a_step_with_inf_gradients(kind, offload_gradients):
+    """The step with an inf gradient changes nothing (parameters, states, step counts);
+    with offload_gradients=True the scaler reads the host gradients, unscale_ and the
+    optimizer's clip_grad_norm_ included."""
+    make = ((lambda: torch.amp.GradScaler("cpu", init_scale=2.0**10)) if kind == "torch"
+            else (lambda: memfit.amp.GradScaler("cpu", init_scale=2.0**10)))
+    model, ref_model, opt, ref = pair(mo.AdamW8bit, dict(lr=1e-2),
+                                      offload_gradients=offload_gradients)
+
+    def clip(m, o):
+        return (o.clip_grad_norm_(1.0) if offload_gradients
+                else torch.nn.utils.clip_grad_norm_(m.parameters(), 1.0))
+
+    scaler, rscaler = make(), make()
+    train(model, opt, steps=2, scaler=scaler, clip=clip)
+    train(ref_model, ref, steps=2, scaler=rscaler,
+          clip=lambda m, o: torch.nn.utils.clip_grad_norm_(m.parameters(), 1.0))
+    before = ([p.detach().clone() for p in model.parameters()],
+              copy.deepcopy(opt.state_dict()["state"]))
+    train(model, opt, steps=1, inf_at=0, scaler=scaler, clip=clip)
+    train(ref_model, ref, steps=1, inf_at=0, scaler=rscaler,
+          clip=lambda m, o: torch.nn.utils.clip_grad_norm_(m.parameters(), 1.0))
+    assert scaler.get_scale() == rscaler.get_scale() == 2.0**9  # backed off
+    assert all(torch.equal(a, b) for a, b in zip(before[0], model.parameters()))
+    for k, st in opt.state_dict()["state"].items():
+        assert all(torch.equal(v, before[1][k][key]) for key, v in st.items())
+    train(model, opt, steps=2, scaler=scaler, clip=clip)
+    train(ref_model, ref, steps=2, scaler=rscaler,
+          clip=lambda m, o: torch.nn.utils.clip_grad_norm_(m.parameters(), 1.0))
+    assert_same(model, ref_model, opt, ref)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("direction", ["plain-to-offloaded", "offloaded-to-plain"])
+def test_resume_across_offloaded_and_not(direction, dtype):
+    """A checkpoint of the wrapped optimizer's format: 3 steps on one side, save model
+    and optimizer, load them into the other side, 2 more steps: as 5 steps without
+    interruption."""
+    kw = dict(lr=1e-2)
+    model, ref_model, opt, ref = pair(mo.AdamW8bit, kw, dtype, offload_gradients=True)
+    train(ref_model, ref, dtype=dtype)  # 5 steps, uninterrupted
+    first_model = make_model(dtype)
+    first = (mo.AdamW8bit(groups(first_model), **kw) if direction == "plain-to-offloaded"
+             else CPUOffloadOptimizer(groups(first_model), mo.AdamW8bit, **kw))
+    train(first_model, first, steps=3, dtype=dtype)
+    saved_model = copy.deepcopy(first_model.state_dict())
+    saved = copy.deepcopy(first.state_dict())
+    second_model = make_model(dtype, seed=1)  # other weights: the load must replace them
+    second = (CPUOffloadOptimizer(groups(second_model), mo.AdamW8bit, **kw)
+              if direction == "plain-to-offloaded" else mo.AdamW8bit(groups(second_model), **kw))
+    second_model.load_state_dict(saved_model)
+    second.load_state_dict(saved)  # the offloader re-reads its host copies here
+    for s in range(3, 5):  # steps 4 and 5, on the same batches as the reference
+        for a in range(2):
+            loss_of(second_model, batch(s * 2 + a, dtype)).backward()
+        second.step()
+        second.zero_grad()
+    both = (second, ref) if direction == "plain-to-offloaded" else (ref, second)
+    assert_same(second_model, ref_model, *both) if direction == "plain-to-offloaded" else \
+        assert_same(ref_model, second_model, *both)
+
+
+def test_no_gradient_stays_on_the_device():
+    model = make_model()
+    opt = CPUOffloadOptimizer(model.parameters(), offload_gradients=True, lr=1e-2)
+    loss_of(model, batch(0, torch.float32)).backward()
+    assert all(p.grad is None for p in model.parameters())
+    hosts = opt.param_groups[0]["params"]
+    assert all(h.grad is not None and h.grad.shape == p.shape
+               for h, p in zip(hosts, model.parameters()))
+    ref = make_model()
+    loss_of(ref, batch(0, torch.float32)).backward()
+    assert all(torch.equal(h.grad, p.grad) for h, p in zip(hosts, ref.parameters()))
+    opt.zero_grad()
+    assert all(h.grad is None for h in hosts)
+
+
+def storages(tensors) -> int:
+    """Bytes of the distinct storages behind ``tensors``."""
+    seen = {}
+    for t in tensors:
+        if t is not None:
+            seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+    return sum(seen.values())
+
+
+@pytest.mark.parametrize("dtype,master", [(torch.float32, 4), (torch.bfloat16, 2)],
+                         ids=["fp32", "bf16"])
+def test_bytes_per_parameter_as_documented(dtype, master):
+    """docs/offload.md: the device holds the parameters only; the host holds the master
+    copy (parameter dtype), the gradient (parameter dtype, until zero_grad) and AdamW8bit's
+    states (2 bytes + one float32 absmax per 256 per state, and a step counter)."""
+    torch.manual_seed(0)
+    w = torch.nn.Parameter(torch.randn(512, 1024).to(dtype))
+    opt = CPUOffloadOptimizer([w], mo.AdamW8bit, offload_gradients=True, lr=1e-3)
+    (w.float().square().sum()).backward()
+    opt.step()
+    n = w.numel()
+    device = storages([w, w.grad])
+    assert device == n * master  # the gradient is gone
+    (h,) = opt.param_groups[0]["params"]
+    state = opt.optimizer.state[h]
+    host = storages([h, h.grad, *state.values()])
+    absmax = 2 * 512 * (1024 // 256) * 4
+    assert host == n * master + n * master + 2 * n + absmax + 4
+    opt.zero_grad()
+    assert storages([h, h.grad, *state.values()]) == n * master + 2 * n + absmax + 4
+
+
+@pytest.mark.parametrize("step_in_backward", [False, True])
+def test_next_forward_sees_the_update(step_in_backward, monkeypatch):
+    """A slow worker (its step sleeps first): the forward right after step() reads the
+    updated parameters, never the old ones."""
+    model, ref_model, opt, ref = pair(mo.AdamW8bit, dict(lr=1e-2), offload_gradients=True,
+                                      step_in_backward=step_in_backward)
+    inner_step = opt.optimizer.step
+    calls = []
+
+    def slow_step(*a, **k):
+        time.sleep(0.05)
+        calls.append(threading.current_thread().name)
+        return inner_step(*a, **k)
+
+    monkeypatch.setattr(opt.optimizer, "step", slow_step)
+    x = batch(0, torch.float32)
+    for m, o in ((ref_model, ref), (model, opt)):
+        loss_of(m, x).backward()
+        o.step()
+    out = model(x)  # right after the offloader's step(): no wait in between
+    expected = ref_model(x)
+    assert torch.equal(out, expected)
+    assert calls and set(calls) == {"memfit-offload"}  # the host step ran on the worker
+
+
+@pytest.mark.parametrize("cls,kw", OPTIMIZERS, ids=IDS)
+@pytest.mark.parametrize("offload", [True, False], ids=["host", "device"])
+def test_step_in_backward(offload, cls, kw):
+    """Each tensor steps as its gradient is ready and the gradient is freed; the same
+    bits as the wrapped optimizer's step for float32 parameters."""
+    model, ref_model, opt, ref = pair(cls, kw, offload=offload, offload_gradients=offload,
+                                      step_in_backward=True)
+    for s in range(5):
+        x = batch(s, torch.float32)
+        loss_of(model, x).backward()
+        assert all(p.grad is None for p in model.parameters())
+        opt.step()
+        opt.zero_grad()
+        loss_of(ref_model, x).backward()
+        ref.step()
+        ref.zero_grad()
+    # sr_step counts the wrapped optimizer's step calls: one per tensor in backward
+    assert_same(model, ref_model, opt, ref, skip=("params", "sr_step"))
+
+
+@pytest.mark.parametrize("offload", [True, False], ids=["host", "device"])
+def test_step_in_backward_bf16_nearest_rounding(offload):
+    kw = dict(lr=1e-2, bf16_stochastic_round=False)
+    model, ref_model, opt, ref = pair(mo.AdamW8bit, kw, torch.bfloat16, offload=offload,
+                                      offload_gradients=offload, step_in_backward=True)
+    for s in range(3):
+        for m, o in ((model, opt), (ref_model, ref)):
+            loss_of(m, batch(s, torch.bfloat16)).backward()
+            o.step()
+            o.zero_grad()
+    assert_same(model, ref_model, opt, ref, skip=("params", "sr_step"))
+
+
+@pytest.mark.parametrize("offload", [True, False], ids=["host", "device"])
+def test_step_in_backward_refuses_what_needs_all_gradients(offload):
+    model = make_model()
+    opt = CPUOffloadOptimizer(model.parameters(), offload=offload, offload_gradients=offload,
+                              step_in_backward=True, lr=1e-2)
+    loss_of(model, batch(0, torch.float32)).backward()
+    with pytest.raises(RuntimeError, match="middle of a step"):
+        opt.zero_grad()
+    with pytest.raises(RuntimeError, match="no global norm"):
+        opt.clip_grad_norm_(1.0)
+    with pytest.raises(RuntimeError, match="second gradient before step"):
+        loss_of(model, batch(1, torch.float32)).backward()
+    opt.step()  # the first backward's steps landed; the refused second one changed nothing
+    assert all(p.grad is None for p in model.parameters())
+    once = make_model()
+    once_opt = CPUOffloadOptimizer(once.parameters(), offload=offload, offload_gradients=offload,
+                                   step_in_backward=True, lr=1e-2)
+    loss_of(once, batch(0, torch.float32)).backward()
+    once_opt.step()
+    assert_same(model, once, opt, once_opt)
+    loss_of(model, batch(2, torch.float32)).backward()
+    opt.grad_scale = torch.tensor(2.0)
+    with pytest.raises(RuntimeError, match="GradScaler"):
+        opt.step()
+
+
+def test_bad_use_is_refused_and_changes_nothing():
+    model = make_model()
+    params = list(model.parameters())
+    with pytest.raises(TypeError, match="optimizer_class: expected a memfit.optim optimizer"):
+        CPUOffloadOptimizer(params, torch.optim.AdamW)
+    with pytest.raises(ValueError, match=r"param_groups\[0\]\['params'\]\[1\]: is on meta"):
+        CPUOffloadOptimizer([params[0], torch.nn.Parameter(torch.zeros(3, device="meta"))])
+    with pytest.raises(ValueError, match="lr"):
+        CPUOffloadOptimizer(params, mo.AdamW8bit, offload_gradients=True, lr=-1.0)
+    assert all(not p._post_accumulate_grad_hooks for p in params)  # no hook left behind
+    with pytest.raises(ValueError, match="needs offload_gradients=True"):
+        CPUOffloadOptimizer(params, step_in_backward=True)
+    with pytest.raises(ValueError, match="more than once"):
+        CPUOffloadOptimizer([params[0], params[0]])
+    opt = CPUOffloadOptimizer(params, mo.AdamW8bit, lr=1e-2)
+    with pytest.raises(ValueError, match="cannot be added after construction"):
+        opt.add_param_group({"params": [torch.nn.Parameter(torch.zeros(3))]})
+    assert len(opt.param_groups) == 1 and len(opt.param_groups[0]["params"]) == len(params)
+
+
+def test_zero_grad_during_the_step_is_refused(monkeypatch):
+    model = make_model()
+    opt = CPUOffloadOptimizer(model.parameters(), mo.AdamW8bit, lr=1e-2)
+    seen = []
+    inner_step = opt.optimizer.step
+
+    def step_that_calls_zero_grad(*a, **k):
+        try:
+            opt.zero_grad()
+        except RuntimeError as e:
+            seen.append(str(e))
+        return inner_step(*a, **k)
+
+    monkeypatch.setattr(opt.optimizer, "step", step_that_calls_zero_grad)
+    loss_of(model, batch(0, torch.float32)).backward()
+    grads = [p.grad.clone() for p in model.parameters()]
+    opt.step()
+    assert seen and "middle of a step" in seen[0]
+    assert all(torch.equal(g, p.grad) for g, p in zip(grads, model.parameters()))
+
+
+def test_a_refused_step_changes_nothing():
+    """A state the wrapped step refuses (another dtype): its error from step(), nothing
+    stepped (parameters, other states), no host gradient left behind."""
+    model = make_model()
+    opt = CPUOffloadOptimizer(model.parameters(), mo.AdamW8bit, lr=1e-2)
+    loss_of(model, batch(0, torch.float32)).backward()
+    opt.step()
+    hosts = opt.optimizer.param_groups[0]["params"]
+    opt.optimizer.state[hosts[-1]]["state1"] = opt.optimizer.state[hosts[-1]]["state1"].double()
+    before = [p.detach().clone() for p in model.parameters()]
+    steps = [opt.optimizer.state[h]["step"].item() for h in hosts]
+    loss_of(model, batch(1, torch.float32)).backward()
+    with pytest.raises(TypeError, match="state 'state1' is torch.float64"):
+        opt.step()
+    assert all(torch.equal(a, p) for a, p in zip(before, model.parameters()))
+    assert steps == [opt.optimizer.state[h]["step"].item() for h in hosts]
+    assert all(h.grad is None for h in hosts)
