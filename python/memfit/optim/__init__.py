@@ -25,12 +25,15 @@ __all__ = [
     "AdamW4bit",
     "AdamW8bit",
     "Lion8bit",
+    "Muon",
+    "Muon8bit",
     "RMSprop8bit",
     "SGD8bit",
     "bnb",
     "convert",
     "dequantized_state",
     "functional",
+    "muon_param_groups",
     "to_torch_state_dict",
 ]
 
@@ -39,6 +42,7 @@ _TORCH_NAMES = {
     "Adam": "optimizers", "Adam8bit": "optimizers", "AdamW": "optimizers",
     "AdamW4bit": "optimizers", "AdamW8bit": "optimizers", "Lion8bit": "optimizers",
     "RMSprop8bit": "optimizers", "SGD8bit": "optimizers", "dequantized_state": "_format",
+    "Muon": "muon", "Muon8bit": "muon", "muon_param_groups": "muon",
     "to_torch_state_dict": "convert",
 }
 
