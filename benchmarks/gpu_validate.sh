@@ -7,6 +7,7 @@
 #   bash benchmarks/gpu_validate.sh build tests       # first call: the CUDA tests
 #   bash benchmarks/gpu_validate.sh build sanitize    # compute-sanitizer memcheck, racecheck
 #   bash benchmarks/gpu_validate.sh build bench demo  # bench_optim, bench_gemm, bench_quant, demo
+#   bash benchmarks/gpu_validate.sh build muon        # Muon on the GPU
 #
 # build: installs this checkout with CUDA for the GPU in hand only (MEMFIT_CUDA_ARCHS,
 #        default its compute capability, e.g. 90 on an H100: a fraction of the default
@@ -18,6 +19,9 @@
 # bench: bench_optim (1B parameters against a device-to-device copy, torch fused AdamW
 #        and bitsandbytes when importable), bench_gemm and bench_quant on the GPU.
 # demo:  memfit demo on the GPU (memory, step time, loss).
+# muon:  memfit.optim.Muon against torch.optim.Muon on CUDA (3 steps, bit for bit: the
+#        momentum pass's fmaf against torch's lerp on the GPU), then bench_muon on the
+#        GPU (Muon8bit, Muon, torch.optim.Muon; CUDA events; a 4096-wide block's matrices).
 #
 # Peers the device machine lacks travel as wheels (the device README: download them
 # here into .whl/, carry .whl, and start the command with its pip install line); this
@@ -90,6 +94,26 @@ stage_bench() {
   step "bench_quant --device cuda" bench.log $PY benchmarks/bench_quant.py --device cuda
 }
 
+stage_muon() {
+  step "Muon vs torch.optim.Muon on cuda" muon.log $PY -c '
+import torch, memfit.optim as mo
+torch.manual_seed(0)
+a = [torch.randn(1024, 4096, device="cuda", requires_grad=True)]
+b = [a[0].detach().clone().requires_grad_()]
+ta, mb = torch.optim.Muon(a, lr=0.02), mo.Muon(b, lr=0.02)
+for _ in range(3):
+    g = torch.randn(1024, 4096, device="cuda")
+    a[0].grad, b[0].grad = g.clone(), g.clone()
+    ta.step(); mb.step()
+d = (a[0] - b[0]).abs().max().item()
+print("max |torch - memfit| after 3 steps:", d)
+assert d == 0.0, d
+' &&
+  step "bench_muon --device cuda" muon.log $PY benchmarks/bench_muon.py --device cuda --reps 11 \
+    --shapes 4096x12288,4096x4096,4096x16384,16384x4096 &&
+    cp benchmarks/out/bench_muon.json "$OUT/"
+}
+
 stage_demo() {
   step "memfit demo --device cuda" demo.log $PY -m memfit demo --device cuda --out "$OUT/demo"
 }
@@ -100,8 +124,8 @@ if [ $# -eq 0 ]; then
 fi
 for stage in "$@"; do
   case $stage in
-    build | tests | sanitize | bench | demo) ;;
-    *) echo "unknown stage: $stage (build, tests, sanitize, bench, demo)" >&2; exit 2 ;;
+    build | tests | sanitize | bench | demo | muon) ;;
+    *) echo "unknown stage: $stage (build, tests, sanitize, bench, demo, muon)" >&2; exit 2 ;;
   esac
 done
 for stage in "$@"; do
