@@ -8,6 +8,7 @@
 #   bash benchmarks/gpu_validate.sh build sanitize    # compute-sanitizer memcheck, racecheck
 #   bash benchmarks/gpu_validate.sh build bench demo  # bench_optim, bench_gemm, bench_quant, demo
 #   bash benchmarks/gpu_validate.sh build offload     # the offloading optimizer on a 1B GPT
+#   bash benchmarks/gpu_validate.sh build muon        # Muon on the GPU
 #
 # build: installs this checkout with CUDA for the GPU in hand only (MEMFIT_CUDA_ARCHS,
 #        default its compute capability, e.g. 90 on an H100: a fraction of the default
@@ -23,6 +24,9 @@
 #        blocks; peak device memory, s/step, tokens/s on the device and offloaded,
 #        bit-exactness against the device step, torchao's CPUOffloadOptimizer beside it
 #        where it imports (issue 32 §5; targets in benchmarks/RESULTS.md).
+# muon:  memfit.optim.Muon against torch.optim.Muon on CUDA (3 steps, bit for bit: the
+#        momentum pass's fmaf against torch's lerp on the GPU), then bench_muon on the
+#        GPU (Muon8bit, Muon, torch.optim.Muon; CUDA events; a 4096-wide block's matrices).
 #
 # Peers the device machine lacks travel as wheels (the device README: download them
 # here into .whl/, carry .whl, and start the command with its pip install line); this
@@ -100,18 +104,38 @@ stage_offload() {
     --steps 3 --out "$OUT/bench_offload.json"
 }
 
+stage_muon() {
+  step "Muon vs torch.optim.Muon on cuda" muon.log $PY -c '
+import torch, memfit.optim as mo
+torch.manual_seed(0)
+a = [torch.randn(1024, 4096, device="cuda", requires_grad=True)]
+b = [a[0].detach().clone().requires_grad_()]
+ta, mb = torch.optim.Muon(a, lr=0.02), mo.Muon(b, lr=0.02)
+for _ in range(3):
+    g = torch.randn(1024, 4096, device="cuda")
+    a[0].grad, b[0].grad = g.clone(), g.clone()
+    ta.step(); mb.step()
+d = (a[0] - b[0]).abs().max().item()
+print("max |torch - memfit| after 3 steps:", d)
+assert d == 0.0, d
+' &&
+  step "bench_muon --device cuda" muon.log $PY benchmarks/bench_muon.py --device cuda --reps 11 \
+    --shapes 4096x12288,4096x4096,4096x16384,16384x4096 &&
+    cp benchmarks/out/bench_muon.json "$OUT/"
+}
+
 stage_demo() {
   step "memfit demo --device cuda" demo.log $PY -m memfit demo --device cuda --out "$OUT/demo"
 }
 
 if [ $# -eq 0 ]; then
-  sed -n '2,29p' "$0"
+  awk 'NR > 1 && /^#/ { print; next } NR > 1 { exit }' "$0"  # the header above
   exit 2
 fi
 for stage in "$@"; do
   case $stage in
-    build | tests | sanitize | bench | demo | offload) ;;
-    *) echo "unknown stage: $stage (build, tests, sanitize, bench, demo, offload)" >&2; exit 2 ;;
+    build | tests | sanitize | bench | demo | offload | muon) ;;
+    *) echo "unknown stage: $stage (build, tests, sanitize, bench, demo, offload, muon)" >&2; exit 2 ;;
   esac
 done
 for stage in "$@"; do

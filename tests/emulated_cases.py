@@ -178,13 +178,22 @@ OPTIM_SETUPS = [
     ("rmsprop", 8, 0.9, dict(lr=1e-3, alpha=0.99, eps=1e-8, momentum=0.9)),
     ("rmsprop", 4, 0.9, dict(lr=1e-3, alpha=0.99, eps=1e-8, momentum=0.9)),
     ("adam", 32, 0.0, dict(lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8)),
+    # Muon's momentum pass: `params` is its output (the update), never read
+    ("muon", 8, 0.95, dict(lr=0.02, weight_decay=0.1, momentum=0.95, nesterov=True)),
+    ("muon", 4, 0.95, dict(lr=0.02, momentum=0.95, nesterov=False)),
+    ("muon", 32, 0.3, dict(lr=0.02, momentum=0.3, nesterov=True)),
 ]
+MUON_SETUPS = OPTIM_SETUPS[-3:]
+# functional.init has no "muon" (its step writes no parameter): Muon's states are laid
+# out as SGD's with momentum (one signed state), which init makes
+_INIT_KIND = {"muon": "sgd"}
+_KINDS = dict(functional._KINDS, muon=_core.MUON)
 
 STATE_KEYS = ("state1", "absmax1", "state2", "absmax2", "step", "kahan_comp")
 
 
 def _optim_call(kind, bits, bs, hp, params, grads, states, w, grad_scale=None, found_inf=None):
-    k = functional._KINDS[kind]
+    k = _KINDS[kind]
     code1, code2 = _core.codes_for(k, bits, hp, np.zeros(1, np.float32))
     comps = [s["kahan_comp"] for s in states]
     _C.optim_step(k, bits, bs, hp, [w(p) for p in params], [w(g) for g in grads],
@@ -205,7 +214,7 @@ def optim_case(r: Report, rng, case, kind, bits, bs, momentum, hp_kw, shapes, dt
     def one():
         hp = _core.hparams(**hp_kw, sr_seed=977 if sr else 0)
         params = [_data(rng, int(np.prod(s)), dtype).reshape(s) for s in shapes]
-        states = [functional.init(kind, p, bits=bits, block_size=bs, momentum=momentum, kahan=kahan)
+        states = [functional.init(_INIT_KIND.get(kind, kind), p, bits=bits, block_size=bs, momentum=momentum, kahan=kahan)
                   for p in params]
         side = {name: ([p.copy() for p in params], [{k: (v.copy() if isinstance(v, np.ndarray) else v)
                                                      for k, v in s.items()} for s in states])
@@ -248,6 +257,9 @@ def group_optim(r: Report, rng, full=True):
         optim_case(r, rng, f"optim {kind}{bits} 40 tensors", kind, bits, 256 if bits == 8 else 128,
                    momentum, hp, many, f32)
     for dtype in (np.dtype(np.float16), BF16):
+        for kind, bits, momentum, hp in MUON_SETUPS:  # an update in the gradient's dtype
+            optim_case(r, rng, f"optim {kind}{bits} {dtype.name}", kind, bits,
+                       256 if bits == 8 else 128, momentum, hp, shapes, dtype)
         for kind, bits, momentum, hp in (OPTIM_SETUPS[0], OPTIM_SETUPS[2], OPTIM_SETUPS[3], OPTIM_SETUPS[6]):
             base = f"optim {kind}{bits} {dtype.name}"
             bs = 256 if bits == 8 else 128
@@ -255,7 +267,7 @@ def group_optim(r: Report, rng, full=True):
             optim_case(r, rng, base + " kahan", kind, bits, bs, momentum, hp, shapes, dtype, kahan=True)
             optim_case(r, rng, base + " stochastic rounding", kind, bits, bs, momentum, hp, shapes, dtype,
                        sr=True)
-    for kind, bits, momentum, hp in (OPTIM_SETUPS[0], OPTIM_SETUPS[2], OPTIM_SETUPS[3]):
+    for kind, bits, momentum, hp in (OPTIM_SETUPS[0], OPTIM_SETUPS[2], OPTIM_SETUPS[3], *MUON_SETUPS):
         bs = 256 if bits == 8 else 128
         optim_case(r, rng, f"optim {kind}{bits} grad_scale/found_inf", kind, bits, bs, momentum, hp,
                    shapes, f32, steps=3, scaled=True)

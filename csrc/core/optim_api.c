@@ -45,7 +45,7 @@ mf_status mf_optim_state_layout(const mf_optim_hparams *h, mf_state_format fmt,
                                 int64_t block_size, int64_t n, int64_t rows,
                                 mf_optim_layout *out) {
   mf_status st;
-  if (h->kind < MF_OPT_ADAMW || h->kind > MF_OPT_RMSPROP)
+  if (h->kind < MF_OPT_ADAMW || h->kind > MF_OPT_LAST)
     return mf_error(MF_ERR_VALUE, "kind: unknown optimizer %d", (int)h->kind);
   if ((st = check_format(fmt, block_size))) return st;
   if (n < 0) return mf_error(MF_ERR_VALUE, "numel: must be >= 0, got %lld", (long long)n);
@@ -64,6 +64,7 @@ static const char *kind_name(mf_optim_kind k) {
     case MF_OPT_LION: return "Lion";
     case MF_OPT_SGD: return "SGD";
     case MF_OPT_RMSPROP: return "RMSprop";
+    case MF_OPT_MUON: return "Muon";
   }
   return "unknown";
 }
@@ -71,7 +72,7 @@ static const char *kind_name(mf_optim_kind k) {
 static int bad_num(double x) { return !(x == x) || x > 1e300 || x < -1e300; }
 
 mf_status mf_optim_check_hparams(const mf_optim_hparams *h) {
-  if (h->kind < MF_OPT_ADAMW || h->kind > MF_OPT_RMSPROP)
+  if (h->kind < MF_OPT_ADAMW || h->kind > MF_OPT_LAST)
     return mf_error(MF_ERR_VALUE, "kind: unknown optimizer %d", (int)h->kind);
   const char *k = kind_name(h->kind);
   if (bad_num(h->lr) || h->lr < 0.0)
@@ -107,6 +108,14 @@ mf_status mf_optim_check_hparams(const mf_optim_hparams *h) {
         return mf_error(MF_ERR_VALUE, "eps: invalid epsilon value %g (must be >= 0)", h->eps);
       if (bad_num(h->momentum) || h->momentum < 0.0)
         return mf_error(MF_ERR_VALUE, "momentum: invalid value %g (must be >= 0)", h->momentum);
+      break;
+    case MF_OPT_MUON: /* torch.optim.Muon's check */
+      if (bad_num(h->momentum) || h->momentum < 0.0)
+        return mf_error(MF_ERR_VALUE, "momentum: invalid value %g for Muon (must be >= 0)",
+                        h->momentum);
+      if (h->stochastic_round)
+        return mf_error(MF_ERR_VALUE, "sr_seed: Muon's pass writes the update rounded to "
+                        "nearest (torch's .bfloat16() of it), not a parameter; pass sr_seed=0");
       break;
   }
   return MF_OK;
@@ -191,6 +200,10 @@ static mf_status check_call(const mf_optim_hparams *h, mf_state_format fmt, int6
     }
     if ((st = check_one(&t->step, "steps", i, MF_FLOAT32, 1, dev))) return st;
     if (has(&t->comp)) {
+      if (h->kind == MF_OPT_MUON)
+        return mf_error(MF_ERR_VALUE, "comps[%lld]: Muon's pass writes an update into "
+                        "params[%lld], not a parameter: it takes no Kahan buffer",
+                        (long long)i, (long long)i);
       if (t->param.dtype != MF_FLOAT16 && t->param.dtype != MF_BFLOAT16)
         return mf_error(MF_ERR_VALUE,
                         "comps[%lld]: a Kahan compensation buffer is only for float16/bfloat16 "

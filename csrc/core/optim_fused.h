@@ -201,6 +201,7 @@ FUSED_TARGET void FUSED8_ENTRY(const mf_optim_hparams *h, const mf_optim_consts 
       if (ns == 2) FUSED(MF_OPT_RMSPROP, 2);
       else FUSED(MF_OPT_RMSPROP, 1);
       break;
+    case MF_OPT_MUON: FUSED(MF_OPT_MUON, 1); break;
   }
 #undef FUSED
 }

@@ -245,10 +245,10 @@ static PyObject *py_optim_state_layout(PyObject *self, PyObject *args, PyObject 
 static PyObject *py_optim_constants(PyObject *self, PyObject *noargs) {
   (void)self;
   (void)noargs;
-  return Py_BuildValue("{s:{s:i,s:i,s:i,s:i,s:i},s:(iii),s:{i:i,i:i,i:i}}", "kinds", "AdamW",
-                       MF_OPT_ADAMW, "Adam", MF_OPT_ADAM, "Lion", MF_OPT_LION, "SGD", MF_OPT_SGD,
-                       "RMSprop", MF_OPT_RMSPROP, "formats", MF_STATE_8BIT, MF_STATE_4BIT,
-                       MF_STATE_FP32, "default_block_size", MF_STATE_8BIT, MF_OPTIM_BLOCK_8BIT,
+  return Py_BuildValue("{s:{s:i,s:i,s:i,s:i,s:i,s:i},s:(iii),s:{i:i,i:i,i:i}}", "kinds",
+                       "AdamW", MF_OPT_ADAMW, "Adam", MF_OPT_ADAM, "Lion", MF_OPT_LION, "SGD",
+                       MF_OPT_SGD, "RMSprop", MF_OPT_RMSPROP, "Muon", MF_OPT_MUON, "formats",
+                       MF_STATE_8BIT, MF_STATE_4BIT, MF_STATE_FP32, "default_block_size", MF_STATE_8BIT, MF_OPTIM_BLOCK_8BIT,
                        MF_STATE_4BIT, MF_OPTIM_BLOCK_4BIT, MF_STATE_FP32, MF_OPTIM_BLOCK_8BIT);
 }
 

@@ -367,6 +367,90 @@ static void test_step_matches_reference(const float *dense, const float *u8, con
   CHECK(bad == 0, "%s: %d values differ from the scalar reference", what, bad);
 }
 
+/* Muon's momentum pass (MF_OPT_MUON): with 8-bit momentum, the step (the fused kernel of
+ * this CPU for whole blocks, the block kernel for the partial last one) must be the
+ * scalar reference's bit for bit (dequantize, mf_optim_update_one, absmax, binary
+ * search), and the element math torch's: buf = fma(1 - m, g - buf, buf) and the update
+ * grad.lerp(buf, m) = fma(m - 1, buf - g, buf) (m >= 0.5), or buf without nesterov,
+ * written into the output (float32, or bfloat16 rounded to nearest), never read. A
+ * non-finite gradient keeps the element's momentum and writes an update of 0. */
+static void test_muon_step(const float *code, int nesterov, mf_dtype out_dt) {
+  enum { N = 1000, BS = 256, NB = (N + BS - 1) / BS };
+  static float g[N], out[N], ref_out[N];
+  static uint16_t out16[N];
+  static uint8_t q[N], ref_q[N];
+  float a[NB], ref_a[NB], step = 4.0f;
+  uint32_t r = 777u;
+  for (int i = 0; i < N; i++) {
+    r = r * 1664525u + 1013904223u;
+    g[i] = (float)(r >> 8) / 16777216.0f - 0.5f;
+    q[i] = ref_q[i] = (uint8_t)(r >> 16);
+    out[i] = NAN; /* an output is never read */
+    out16[i] = 0x7fc0u;
+  }
+  g[5] = NAN;
+  g[300] = INFINITY;
+  static uint16_t g16[N]; /* a bfloat16 output takes a bfloat16 gradient: the reference reads it */
+  for (int i = 0; out_dt != MF_FLOAT32 && i < N; i++) {
+    g16[i] = mf_f32_to_bf16(g[i]);
+    g[i] = mf_bf16_to_f32(g16[i]);
+  }
+  for (int b = 0; b < NB; b++) a[b] = ref_a[b] = 0.02f * (float)(b + 1);
+  mf_optim_hparams h = {.kind = MF_OPT_MUON, .lr = 0.02, .weight_decay = 0.1, .momentum = 0.95,
+                        .nesterov = nesterov};
+  const mf_optim_consts c = mf_optim_prepare(&h, step + 1.0f, 1.0f);
+  CHECK(c.omb1 == (float)(1.0 - 0.95) && c.b1 == 0.95f, "Muon's lerp weights");
+  for (int b = 0; b < NB; b++) {
+    float s[BS], zero = 0.0f;
+    uint32_t m = 0;
+    const int len = N - b * BS < BS ? N - b * BS : BS;
+    for (int i = 0; i < len; i++) {
+      const int e = b * BS + i;
+      const float buf = code[ref_q[e]] * ref_a[b];
+      s[i] = buf;
+      ref_out[e] = -1.0f;
+      const int ok = mf_optim_update_one(MF_OPT_MUON, &c, 1, &ref_out[e], g[e], &s[i], &zero);
+      /* torch's arithmetic, spelled out */
+      const float nb = fmaf(c.omb1, g[e] - buf, buf);
+      const float upd = nesterov ? fmaf(c.b1 - 1.0f, nb - g[e], nb) : nb;
+      if (ok)
+        CHECK(mf_f32_bits(s[i]) == mf_f32_bits(nb) && mf_f32_bits(ref_out[e]) == mf_f32_bits(upd),
+              "Muon element %d: torch's lerp", e);
+      else
+        CHECK(e == 5 || e == 300, "Muon element %d skipped", e);
+      if (!ok) CHECK(s[i] == buf && ref_out[e] == 0.0f, "a skipped Muon element: old momentum, 0");
+      const uint32_t u = mf_f32_bits(s[i]) & 0x7fffffffu;
+      m = u > m ? u : m;
+    }
+    ref_a[b] = mf_f32_from_bits(m);
+    const mf_block_scale sc = mf_absmax_scale(ref_a[b]);
+    for (int i = 0; i < len; i++)
+      ref_q[b * BS + i] = mf_optim_quantize(code, 256, mf_block_normalize(s[i], sc), 0);
+  }
+  void *o = out_dt == MF_FLOAT32 ? (void *)out : (void *)out16;
+  mf_optim_tensor t = step_tensor(o, g, out_dt, q, NULL, MF_UINT8, N, &step);
+  t.state2 = mf_cpu_tensor(NULL, 0, MF_UINT8);
+  t.absmax1 = mf_cpu_tensor(a, NB, MF_FLOAT32);
+  if (out_dt != MF_FLOAT32) t.grad = mf_cpu_tensor(g16, N, MF_BFLOAT16);
+  mf_tensor c1 = mf_cpu_tensor((void *)code, 256, MF_FLOAT32);
+  CHECK(mf_optim_step(&h, MF_STATE_8BIT, BS, &c1, NULL, &t, 1, NULL, NULL, NULL) == MF_OK, "%s",
+        mf_last_error());
+  int bad = 0;
+  for (int i = 0; i < N; i++) {
+    const float v = out_dt == MF_FLOAT32 ? out[i] : mf_bf16_to_f32(out16[i]);
+    const float want = out_dt == MF_FLOAT32 ? ref_out[i] : mf_bf16_to_f32(mf_f32_to_bf16(ref_out[i]));
+    bad += mf_f32_bits(v) != mf_f32_bits(want) || q[i] != ref_q[i];
+  }
+  for (int b = 0; b < NB; b++) bad += mf_f32_bits(a[b]) != mf_f32_bits(ref_a[b]);
+  CHECK(bad == 0, "Muon 8-bit step (nesterov %d, %s output): %d values differ from the reference",
+        nesterov, mf_dtype_name(out_dt), bad);
+  CHECK(step == 5.0f, "the step counts");
+  /* refused: stochastic rounding and a Kahan buffer (the output is no parameter) */
+  h.stochastic_round = 1;
+  CHECK(mf_optim_step(&h, MF_STATE_8BIT, BS, &c1, NULL, &t, 1, NULL, NULL, NULL) == MF_ERR_VALUE &&
+        strstr(mf_last_error(), "sr_seed"), "Muon refuses stochastic rounding: %s", mf_last_error());
+}
+
 int main(void) {
   float s8[256], u8[256], s4[16], u4[16];
   CHECK(mf_dynamic_map(s8, 256, 1, 8, 7) == MF_OK, "map");
@@ -384,6 +468,9 @@ int main(void) {
   test_code(dense, 256, "a code with entries 1e-4 apart");
   test_step_matches_reference(s8, u8, "8-bit step, dynamic maps");
   test_step_matches_reference(dense, u8, "8-bit step, a dense code");
+  test_muon_step(s8, 1, MF_FLOAT32);
+  test_muon_step(s8, 0, MF_FLOAT32);
+  test_muon_step(s8, 1, MF_BFLOAT16);
   test_skip_nonfinite();
   test_adam_skip_test_is_the_contract();
   test_kahan_split();

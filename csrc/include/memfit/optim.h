@@ -1,6 +1,6 @@
 /*
- * memfit core: optimizer updates (AdamW/Adam, Lion, SGD with momentum, RMSprop) with
- * fp32 or blockwise-quantized (8-bit, 4-bit) states.
+ * memfit core: optimizer updates (AdamW/Adam, Lion, SGD with momentum, RMSprop, and
+ * Muon's momentum pass) with fp32 or blockwise-quantized (8-bit, 4-bit) states.
  *
  * The element math is written once here (MF_HD) and used by the CPU loops in
  * csrc/core/optim.c and the CUDA kernels in cuda/optim.cu. All of it is plain IEEE
@@ -14,6 +14,7 @@
  *   LION       exp_avg (signed)           -
  *   SGD        momentum_buffer (signed)   -                 (none when momentum = 0)
  *   RMSPROP    square_avg (unsigned)      momentum_buffer (signed, only if momentum > 0)
+ *   MUON       momentum_buffer (signed)   -
  * A state is stored as float32 (MF_STATE_FP32) or blockwise quantized: one code index
  * per element (MF_STATE_8BIT: uint8, 256-entry code; MF_STATE_4BIT: two indices per
  * byte, element 2j in the low nibble and 2j+1 in the high nibble, 16-entry code) plus
@@ -33,6 +34,18 @@
  * (dequantized) values; the rest of the tensor is updated and the step counts. States
  * therefore never hold NaN or Inf. This covers eps = 0 with a zero gradient and a zero
  * second moment (0/0, where torch writes NaN): the parameter does not move.
+ *
+ * Muon (MF_OPT_MUON) is the one kind that does not update the parameter: its pass
+ * updates the momentum exactly as torch.optim.Muon does (buf.lerp_(grad, 1 - momentum))
+ * and writes the update that Newton-Schulz then orthogonalizes (grad.lerp(buf,
+ * momentum) with nesterov, else buf) into the tensor in the `param` slot, which is an
+ * output here: it is never read, and is rounded to nearest-even when float16/bfloat16
+ * (torch's .bfloat16() of the update, the first step of Newton-Schulz). Newton-Schulz
+ * needs the whole matrix and torch's matmul, so it, the weight decay and the parameter
+ * update are the caller's (memfit.optim.muon). A skipped element (above) keeps its
+ * momentum and writes an update of 0. torch's lerp is one fused multiply-add
+ * (a + w * (b - a), or b + (w - 1) * (b - a) for |w| >= 0.5: mf_lerp_f32); fmaf is
+ * correctly rounded on every CPU and GPU, so this too is the same bits everywhere.
  *
  * Half-precision parameters. float16/bfloat16 parameters are widened to float32, updated
  * in float32 and written back in one of three ways (mf_optim_store_param):
@@ -79,8 +92,12 @@ typedef enum {
   MF_OPT_ADAM = 1,    /* Adam with L2 weight decay added to the gradient (torch.optim.Adam) */
   MF_OPT_LION = 2,    /* Lion (Chen et al. 2023), decoupled weight decay */
   MF_OPT_SGD = 3,     /* SGD with (Nesterov) momentum, L2 weight decay (torch.optim.SGD) */
-  MF_OPT_RMSPROP = 4  /* RMSprop, not centered, optional momentum (torch.optim.RMSprop) */
+  MF_OPT_RMSPROP = 4, /* RMSprop, not centered, optional momentum (torch.optim.RMSprop) */
+  MF_OPT_MUON = 5     /* Muon's momentum pass: writes the update, not the parameter (above) */
 } mf_optim_kind;
+
+/* The last kind: every kind lies in [MF_OPT_ADAMW, MF_OPT_LAST]. */
+#define MF_OPT_LAST MF_OPT_MUON
 
 typedef enum { MF_STATE_FP32 = 32, MF_STATE_8BIT = 8, MF_STATE_4BIT = 4 } mf_state_format;
 
@@ -89,6 +106,8 @@ typedef enum { MF_STATE_FP32 = 32, MF_STATE_8BIT = 8, MF_STATE_4BIT = 4 } mf_sta
  *   LION:       lr, beta1, beta2, weight_decay
  *   SGD:        lr, momentum, dampening, nesterov, weight_decay
  *   RMSPROP:    lr, alpha, eps, momentum, weight_decay
+ *   MUON:       momentum, nesterov (lr and weight_decay are checked, and applied by
+ *               the caller after Newton-Schulz)
  * and maximize for all. */
 typedef struct {
   mf_optim_kind kind;
@@ -114,6 +133,7 @@ static inline MF_HD int mf_optim_num_states(const mf_optim_hparams *h) {
     case MF_OPT_LION: return 1;
     case MF_OPT_SGD: return h->momentum != 0.0 ? 1 : 0;
     case MF_OPT_RMSPROP: return h->momentum != 0.0 ? 2 : 1;
+    case MF_OPT_MUON: return 1;
   }
   return 0;
 }
@@ -196,11 +216,23 @@ static inline MF_HD mf_optim_consts mf_optim_prepare(const mf_optim_hparams *h, 
       c.b2 = (float)h->alpha;
       c.omb2 = (float)(1.0 - h->alpha);
       break;
+    case MF_OPT_MUON: /* torch's lerp weights, rounded to float as torch rounds them */
+      c.b1 = (float)h->momentum;
+      c.omb1 = (float)(1.0 - h->momentum);
+      c.b2 = 0.0f;
+      c.omb2 = 0.0f;
+      break;
   }
   return c;
 }
 
 /* ---- element math -------------------------------------------------------------- */
+
+/* torch's lerp(a, b, w) for float (ATen's lerp_vec and its scalar form, as GCC and nvcc
+ * contract it): one fused multiply-add from the nearer end. */
+static inline MF_HD float mf_lerp_f32(float a, float b, float w) {
+  return fabsf(w) < 0.5f ? fmaf(w, b - a, a) : fmaf(w - 1.0f, b - a, b);
+}
 
 
 /* Adam's and AdamW's arithmetic, written once for one element (T = float: the update
@@ -223,7 +255,8 @@ static inline MF_HD mf_optim_consts mf_optim_prepare(const mf_optim_hparams *h, 
 static inline MF_HD int mf_optim_update_one(mf_optim_kind kind, const mf_optim_consts *c,
                                             int nstates, float *p, float g, float *s1,
                                             float *s2) {
-  const float p0 = *p, a = *s1, b = *s2;
+  /* (Muon's `p` is its output: never read) */
+  const float p0 = kind == MF_OPT_MUON ? 0.0f : *p, a = *s1, b = *s2;
   float pn = p0, an = a, bn = b;
   g = g * c->gmul;
   switch (kind) {
@@ -259,6 +292,10 @@ static inline MF_HD int mf_optim_update_one(mf_optim_kind kind, const mf_optim_c
       pn = p0 - c->lr * d;
       break;
     }
+    case MF_OPT_MUON:
+      an = mf_lerp_f32(a, g, c->omb1);                 /* buf.lerp_(grad, 1 - momentum) */
+      pn = c->nesterov ? mf_lerp_f32(g, an, c->b1) : an; /* grad.lerp(buf, momentum) */
+      break;
   }
   int ok;
   if (kind == MF_OPT_ADAMW || kind == MF_OPT_ADAM) {

@@ -29,12 +29,15 @@ __all__ = [
     "AdamW8bit",
     "CPUOffloadOptimizer",
     "Lion8bit",
+    "Muon",
+    "Muon8bit",
     "RMSprop8bit",
     "SGD8bit",
     "bnb",
     "convert",
     "dequantized_state",
     "functional",
+    "muon_param_groups",
     "to_torch_state_dict",
 ]
 
@@ -43,6 +46,7 @@ _TORCH_NAMES = {
     "Adam": "optimizers", "Adam8bit": "optimizers", "AdamW": "optimizers",
     "AdamW4bit": "optimizers", "AdamW8bit": "optimizers", "Lion8bit": "optimizers",
     "RMSprop8bit": "optimizers", "SGD8bit": "optimizers", "dequantized_state": "_format",
+    "Muon": "muon", "Muon8bit": "muon", "muon_param_groups": "muon",
     "to_torch_state_dict": "convert", "CPUOffloadOptimizer": "offload",
 }
 

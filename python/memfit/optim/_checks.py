@@ -248,7 +248,7 @@ def check_group(optimizer, group, where) -> dict:
                              f"stochastic rounding), got {sr_step!r}")
         check_torch_flags(group)
         hp = optimizer._hparams(group)
-        _core.check(optimizer._kind, hp)
+        _core.check(optimizer._group_kind(group), hp)
     except (TypeError, ValueError, RuntimeError) as e:
         if str(e).startswith(where):
             raise
@@ -297,7 +297,7 @@ def check_values(optimizer, where, group, p, loaded) -> None:
     second moments. One host sync per parameter, at load only; for a DTensor p one
     all-reduce over its mesh, so that every rank checks its own rows and all refuse
     together."""
-    signed = _core.state_layout(optimizer._kind, group["bits"], group["block_size"], 0,
+    signed = _core.state_layout(optimizer._group_kind(group), group["bits"], group["block_size"], 0,
                                 optimizer._hparams(group)["momentum"])["signed"]
     checks = []  # (key, what is wrong, a 0-d bool tensor: True where it is)
     for key, value in loaded.items():

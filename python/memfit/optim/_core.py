@@ -17,7 +17,8 @@ _CONSTANTS = _C.optim_constants()
 
 # Kinds, as numbered in csrc/include/memfit/optim.h (mf_optim_kind).
 _KIND = _CONSTANTS["kinds"]
-ADAMW, ADAM, LION, SGD, RMSPROP = (_KIND[k] for k in ("AdamW", "Adam", "Lion", "SGD", "RMSprop"))
+ADAMW, ADAM, LION, SGD, RMSPROP, MUON = (_KIND[k] for k in ("AdamW", "Adam", "Lion", "SGD",
+                                                            "RMSprop", "Muon"))
 KIND_NAMES = {number: name for name, number in _KIND.items()}
 
 # torch's names for state1 / state2 of each kind (what dequantized_state returns).
@@ -27,6 +28,7 @@ STATE_NAMES = {
     LION: ("exp_avg",),
     SGD: ("momentum_buffer",),
     RMSPROP: ("square_avg", "momentum_buffer"),
+    MUON: ("momentum_buffer",),  # its step writes the update into `params` (optim.h)
 }
 
 # {bits: default block size} (MF_OPTIM_BLOCK_8BIT/4BIT) and the block sizes the kernels take.

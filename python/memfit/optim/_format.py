@@ -23,9 +23,14 @@ GROUP_FORMAT_KEY = "memfit_format"
 
 
 class MemfitOptimizerBase:
-    """Marks memfit's torch optimizers (the base of ``_torch._MemfitOptimizer``); no
-    behaviour of its own. Subclasses have ``_kind``, ``_hparams(group)`` and
-    ``_expected_state(group, p)``."""
+    """Marks memfit's torch optimizers (the base of ``_torch._MemfitOptimizer``).
+    Subclasses have ``_kind``, ``_hparams(group)`` and ``_expected_state(group, p)``."""
+
+    def _group_kind(self, group) -> int:
+        """The optimizer kind (mf_optim_kind) that steps ``group``: the class's
+        ``_kind``, unless one optimizer steps groups of two kinds (memfit.optim.Muon8bit:
+        Muon groups and ``use_muon=False`` AdamW groups)."""
+        return self._kind
 
 
 def check_optimizer(optimizer) -> None:
@@ -54,14 +59,14 @@ def saved_format(state_dict) -> tuple:
 
 
 def state_codes(optimizer, group) -> list:
-    """[(torch's name, code table or None)] of state1, state2, ... of ``optimizer``'s
-    kind: the code each quantized state uses in ``group`` (None for 32-bit groups)."""
-    bits = group["bits"]
-    signed = (_core.state_layout(optimizer._kind, bits, group["block_size"], 0,
+    """[(torch's name, code table or None)] of state1, state2, ... of the kind that
+    steps ``group``: the code each quantized state uses in ``group`` (None for 32-bit groups)."""
+    bits, kind = group["bits"], optimizer._group_kind(group)
+    signed = (_core.state_layout(kind, bits, group["block_size"], 0,
                                  optimizer._hparams(group)["momentum"])["signed"]
               if bits != 32 else None)
     return [(nm, _core.code_table(bits, signed[k]) if signed else None)
-            for k, nm in enumerate(_core.STATE_NAMES[optimizer._kind])]
+            for k, nm in enumerate(_core.STATE_NAMES[kind])]
 
 
 def dequantize_states(optimizer, group, state, param, rows=None) -> dict:

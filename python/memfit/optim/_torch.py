@@ -133,7 +133,7 @@ class _MemfitOptimizer(torch.optim.Optimizer, _format.MemfitOptimizerBase):
         quantized state is p.shape[0]."""
         fmt = self._format(group, p)
         rows = state_rows(p) if fmt != 32 else 1
-        layout = _core.state_layout(self._kind, fmt, group["block_size"], p.numel(),
+        layout = _core.state_layout(self._group_kind(group), fmt, group["block_size"], p.numel(),
                                     self._hparams(group)["momentum"], rows)
         out = {"step": ((), torch.float32)}
         shape = (rows, layout["state_row_numel"]) if fmt == 4 else tuple(p.shape)
@@ -333,7 +333,7 @@ class _MemfitOptimizer(torch.optim.Optimizer, _format.MemfitOptimizerBase):
         gs = _on(grad_scale, device)
         fi = _on(found_inf, device)
         stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
-        _core.step(self._kind, fmt, group["block_size"], hp, params, grads, s1, a1, s2, a2,
+        _core.step(self._group_kind(group), fmt, group["block_size"], hp, params, grads, s1, a1, s2, a2,
                    steps, gs, fi, stream, comps, rows=rows, index_base=bases if any(bases) else None)
 
     # -- state dict ------------------------------------------------------------------------

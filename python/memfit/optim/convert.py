@@ -50,10 +50,10 @@ __all__ = ["from_bitsandbytes", "from_torch", "to_current", "to_torch_state_dict
 # param-group keys that only memfit has: never exported, and kept from the optimizer
 # when a foreign state dict is loaded
 _MEMFIT_GROUP_KEYS = ("bits", "block_size", "min_8bit_size", "bf16_stochastic_round", "kahan",
-                      "sr_seed", "sr_step", _format.GROUP_FORMAT_KEY)
+                      "sr_seed", "sr_step", "use_muon", _format.GROUP_FORMAT_KEY)
 # hyperparameters taken over from a foreign state dict where both name them
 _SHARED_HYPER = ("lr", "betas", "eps", "weight_decay", "maximize", "momentum", "dampening",
-                 "nesterov", "alpha")
+                 "nesterov", "alpha", "ns_coefficients", "ns_steps", "adjust_lr_fn")
 # torch.optim's own group keys for each kind, with the values memfit's behaviour matches
 _TORCH_GROUP_DEFAULTS = {
     _core.ADAMW: dict(amsgrad=False, foreach=None, capturable=False, differentiable=False,
@@ -63,10 +63,11 @@ _TORCH_GROUP_DEFAULTS = {
     _core.SGD: dict(foreach=None, differentiable=False, fused=None),
     _core.RMSPROP: dict(centered=False, capturable=False, foreach=None, differentiable=False),
     _core.LION: {},
+    _core.MUON: {},
 }
 # a group key that tells which kind of torch optimizer saved it
 _KIND_MARKER = {_core.ADAMW: "eps", _core.ADAM: "eps", _core.LION: "betas",
-                _core.SGD: "momentum", _core.RMSPROP: "alpha"}
+                _core.SGD: "momentum", _core.RMSPROP: "alpha", _core.MUON: "ns_steps"}
 _TORCH_STATE_NAMES = {"exp_avg", "exp_avg_sq", "max_exp_avg_sq", "momentum_buffer",
                       "square_avg", "grad_avg", "step"}
 _BNB_STATE_KEYS = {"state1", "state2", "absmax1", "absmax2", "qmap1", "qmap2", "step",
@@ -81,7 +82,7 @@ _BNB_GROUP_KEYS = ("lr", "betas", "eps", "weight_decay")
 _BNB_ADEMAMIX_KEYS = ("alpha", "t_alpha", "t_beta3")
 # the math of each kind, in the words of the refusals
 _KIND_MATH = {_core.ADAMW: "AdamW (decoupled weight decay)", _core.ADAM: "Adam (L2 weight decay)",
-              _core.LION: "Lion", _core.SGD: "SGD", _core.RMSPROP: "RMSprop"}
+              _core.LION: "Lion", _core.SGD: "SGD", _core.RMSPROP: "RMSprop", _core.MUON: "Muon"}
 
 
 def _name(optimizer) -> str:
@@ -109,8 +110,10 @@ def _saver_classes() -> dict:
     """{recorded name: class} of every class that can have saved a memfit state dict:
     memfit.optim's, and memfit.optim.bnb's under their record_name and, for dicts they
     saved before it was recorded, under their bare name where memfit.optim has none."""
-    from memfit.optim import bnb, optimizers  # here: both import _torch, which imports this module
+    # here: these import _torch, which imports this module
+    from memfit.optim import bnb, muon, optimizers
     out = {n: getattr(optimizers, n) for n in optimizers.__all__}
+    out.update((n, getattr(muon, n)) for n in ("Muon", "Muon8bit"))
     for n in bnb.__all__:
         cls = getattr(bnb, n)
         if isinstance(cls, type) and issubclass(cls, _format.MemfitOptimizerBase):
@@ -701,6 +704,13 @@ def to_torch_state_dict(optimizer) -> dict:
     >>> t.load_state_dict(memfit.optim.to_torch_state_dict(opt))  # doctest: +SKIP
     """
     _check_optimizer(optimizer)
+    for gi, g in enumerate(optimizer.param_groups):
+        if optimizer._group_kind(g) != optimizer._kind:
+            raise MemfitValueError(
+                f"to_torch_state_dict: param_groups[{gi}] of {_name(optimizer)} is stepped by "
+                f"{_KIND_MATH[optimizer._group_kind(g)]} (use_muon=False), and one torch "
+                f"optimizer ({_KIND_MATH[optimizer._kind]}) cannot hold it; export an optimizer "
+                "of Muon groups only")
     index, groups, state = {}, [], {}
     for g in optimizer.param_groups:
         tg = {k: v for k, v in g.items() if k != "params" and k not in _MEMFIT_GROUP_KEYS}
@@ -715,8 +725,8 @@ def to_torch_state_dict(optimizer) -> dict:
                 continue
             floats = _format.dequantized_state(optimizer, p)
             floats.pop("kahan_comp", None)
-            # torch's SGD keeps no step count
-            state[pid] = ({} if optimizer._kind == _core.SGD
+            # torch's SGD and Muon keep no step count
+            state[pid] = ({} if optimizer._kind in (_core.SGD, _core.MUON)
                           else {"step": st["step"].detach().clone()})
             state[pid].update(floats)
         tg["params"] = ids

@@ -1,0 +1,298 @@
+"""memfit.optim.Muon / Muon8bit against torch.optim.Muon (torch 2.14), AdamW8bit for
+use_muon=False groups, the contract every memfit optimizer keeps (checks before any
+write, the scaler's skip, bit-exact resume, torch state dicts in and out), and the
+state bytes per parameter."""
+
+import copy
+
+import pytest
+import torch
+
+import memfit.optim as mo
+from memfit._C import MemfitTypeError, MemfitValueError
+from memfit.optim import _blocks, _core
+from memfit.optim.muon import zeropower_via_newtonschulz
+
+SHAPES = [(64, 96), (128, 64)]  # wide and tall (Newton-Schulz transposes a tall one)
+
+
+def _params(seed, shapes=SHAPES, dtype=torch.float32):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(s, generator=g).to(dtype) for s in shapes]
+
+
+def _run(opt, params, grads):
+    for p, g in zip(params, grads):
+        p.grad = g.clone().to(p.dtype)
+    opt.step()
+
+
+def _grads(seed, params, steps):
+    g = torch.Generator().manual_seed(seed)
+    return [[torch.randn(p.shape, generator=g) for p in params] for _ in range(steps)]
+
+
+def _leaves(values):
+    return [v.clone().requires_grad_() for v in values]
+
+
+@pytest.mark.parametrize("nesterov", [True, False])
+@pytest.mark.parametrize("adjust_lr_fn", [None, "original", "match_rms_adamw", "spectral_unclamped"])
+def test_muon_equals_torch_muon(nesterov, adjust_lr_fn):
+    """Same parameters and momentum, bit for bit, over several steps: the fused pass is
+    torch's lerp (one FMA), Newton-Schulz and the parameter ops are torch's."""
+    init = _params(0)
+    a, b = _leaves(init), _leaves(init)
+    kw = dict(lr=0.02, weight_decay=0.1, nesterov=nesterov, adjust_lr_fn=adjust_lr_fn)
+    ref, opt = torch.optim.Muon(a, **kw), mo.Muon(b, **kw)
+    for gs in _grads(1, init, 4):
+        _run(ref, a, gs)
+        _run(opt, b, gs)
+    for x, y in zip(a, b):
+        assert not torch.equal(x, init[0]) if x.shape == init[0].shape else True
+        assert torch.equal(x, y)
+        assert torch.equal(ref.state[x]["momentum_buffer"], opt.state[y]["state1"])
+        assert float(opt.state[y]["step"]) == 4.0
+
+
+def test_conv_filters_are_flattened():
+    """A 4-D conv filter steps as torch.optim.Muon steps its (out, in*kh*kw) matrix."""
+    w = _params(2, [(16, 4, 3, 3)])[0]
+    a, b = _leaves([w.reshape(16, -1)]), _leaves([w])
+    ref, opt = torch.optim.Muon(a, lr=0.01), mo.Muon(b, lr=0.01)
+    for (g,) in _grads(3, [w], 3):
+        _run(ref, a, [g.reshape(16, -1)])
+        _run(opt, b, [g])
+    assert torch.equal(a[0].reshape(w.shape), b[0])
+
+
+def _dequantized_momentum(opt, p):
+    return mo.dequantized_state(opt, p)["momentum_buffer"]
+
+
+def test_muon8bit_momentum_is_the_fp32_momentum_quantized_per_block():
+    """Each step's 8-bit momentum is torch's update of the previous (dequantized)
+    momentum, quantized per block of 256 by the signed dynamic map: the same codes and
+    absmax as quantizing that float32 value; and the parameters stay close to the 32-bit
+    optimizer's, as that quantization explains."""
+    init = _params(4, [(96, 128), (128, 64)])  # >= min_8bit_size: 8-bit momentum
+    a, b = _leaves(init), _leaves(init)
+    o32, o8 = mo.Muon(a, lr=0.02), mo.Muon8bit(b, lr=0.02)
+    code = _core.code_table(8, True)
+    for step, gs in enumerate(_grads(5, init, 4)):
+        prev = [_dequantized_momentum(o8, p) if step else torch.zeros_like(p) for p in b]
+        _run(o32, a, gs)
+        _run(o8, b, gs)
+        for p, m, g in zip(b, prev, gs):
+            want = m.lerp(g, 1 - 0.95)
+            codes, absmax = _blocks.quantize_state(want, 8, code, 256, _blocks.state_rows(p))
+            assert torch.equal(o8.state[p]["state1"], codes)
+            assert torch.equal(o8.state[p]["absmax1"], absmax.reshape(o8.state[p]["absmax1"].shape))
+    for x, y, p0 in zip(a, b, init):
+        m32, m8 = o32.state[x]["state1"], _dequantized_momentum(o8, y)
+        # the dynamic map's steps are at most 1/64 of the block's absmax near it
+        assert (m8 - m32).abs().max() <= m32.abs().max() / 16
+        rel = (y - x).norm() / (x - p0).norm()
+        assert 0 < rel < 0.05, rel
+
+
+def test_state_bytes_per_parameter():
+    """About 1 byte per Muon parameter (codes + one float32 absmax per 256) against 4."""
+    def nbytes(opt, p):
+        return sum(t.numel() * t.element_size() for k, t in opt.state[p].items() if k != "step")
+    p8, p32 = _leaves(_params(6, [(256, 1024)])), _leaves(_params(6, [(256, 1024)]))
+    o8, o32 = mo.Muon8bit(p8), mo.Muon(p32)
+    _run(o8, p8, _grads(7, p8, 1)[0])
+    _run(o32, p32, _grads(7, p32, 1)[0])
+    n = p8[0].numel()
+    assert nbytes(o8, p8[0]) == n + 4 * n // 256  # 1.015625 B/param
+    assert nbytes(o32, p32[0]) == 4 * n
+
+
+def _mixed(cls, mats, others, **kw):
+    return cls([{"params": mats}, {"params": others, "use_muon": False, "lr": 1e-3,
+                                   "betas": (0.9, 0.99), "eps": 1e-8, "weight_decay": 0.01}], **kw)
+
+
+def test_use_muon_false_groups_are_adamw8bit_bit_for_bit():
+    mats = _params(8, [(96, 128)])
+    others = _params(9, [(1000, 64), (64,)])  # an embedding (8-bit states) and a bias
+    a_m, a_o = _leaves(mats), _leaves(others)
+    b_m, b_o = _leaves(mats), _leaves(others)
+    opt = _mixed(mo.Muon8bit, a_m, a_o, lr=0.02)
+    adamw = mo.AdamW8bit(b_o, lr=1e-3, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.01)
+    muon = mo.Muon8bit(b_m, lr=0.02)
+    for gs in _grads(10, mats + others, 3):
+        _run(opt, a_m + a_o, gs)
+        _run(adamw, b_o, gs[1:])
+        _run(muon, b_m, gs[:1])
+    for x, y in zip(a_m + a_o, b_m + b_o):
+        assert torch.equal(x, y)
+    for x, y in zip(a_o, b_o):
+        for k, v in adamw.state[y].items():
+            assert torch.equal(opt.state[x][k], v)
+    assert set(opt.state[a_o[0]]) == {"step", "state1", "absmax1", "state2", "absmax2"}
+
+
+def test_defaults_of_adamw_groups_and_muon_param_groups():
+    from memfit.models import GPT, GPTConfig
+
+    model = GPT(GPTConfig(vocab=50, d_model=32, n_layer=1, n_head=2, max_pos=16))
+    groups = mo.muon_param_groups(model, lr=3e-4)
+    names = {id(p): n for n, p in model.named_parameters()}
+    muon = sorted(names[id(p)] for p in groups[0]["params"])
+    assert muon == ["blocks.0.c_attn.weight", "blocks.0.c_fc.weight", "blocks.0.c_proj.weight",
+                    "blocks.0.mlp_proj.weight"]
+    assert groups[1]["use_muon"] is False and groups[1]["lr"] == 3e-4
+    assert len(groups[0]["params"]) + len(groups[1]["params"]) == len(list(model.parameters()))
+    opt = mo.Muon8bit(groups, lr=0.02, adamw_eps=1e-10)
+    g0, g1 = opt.param_groups
+    assert (g0["lr"], g0["eps"], g0["momentum"], g0["ns_steps"]) == (0.02, 1e-7, 0.95, 5)
+    assert (g1["lr"], g1["eps"], g1["betas"], g1["weight_decay"]) == (3e-4, 1e-10, (0.9, 0.95), 0.1)
+    loss = model(torch.randint(0, 50, (2, 8)), torch.randint(0, 50, (2, 8)))[1]
+    loss.backward()
+    opt.step()
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+
+
+@pytest.mark.parametrize("shape", [(64,), (4, 8, 8)])
+def test_non_matrix_in_a_muon_group_is_refused(shape):
+    with pytest.raises(MemfitValueError, match=r"param_groups\[0\]\['params'\]\[0\].*use_muon=False"):
+        mo.Muon8bit([torch.zeros(shape, requires_grad=True)])
+
+
+def test_bad_values_are_refused_naming_them():
+    p = torch.zeros(8, 8, requires_grad=True)
+    with pytest.raises(MemfitTypeError, match="float64"):
+        mo.Muon8bit([torch.zeros(8, 8, dtype=torch.float64, requires_grad=True)])
+    for kw, what in ((dict(momentum=-0.1), "momentum"), (dict(lr=-1.0), "lr"),
+                     (dict(adjust_lr_fn="x"), "adjust_lr_fn"), (dict(ns_steps=100), "ns_steps"),
+                     (dict(ns_coefficients=(1, 2)), "ns_coefficients")):
+        with pytest.raises(ValueError, match=what):
+            mo.Muon8bit([p], **kw)
+
+
+def test_refused_step_changes_nothing():
+    """A bad value in group 1 (a schedule's negative lr) is found before group 0 (Muon)
+    is stepped; a non-matrix slipped into a Muon group after construction too."""
+    mats, others = _leaves(_params(11, [(96, 128)])), _leaves(_params(12, [(64,)]))
+    opt = _mixed(mo.Muon8bit, mats, others)
+    _run(opt, mats + others, _grads(13, mats + others, 1)[0])
+    before = ({p: {k: v.clone() for k, v in opt.state[p].items()} for p in mats + others},
+              [p.detach().clone() for p in mats + others])
+    mats[0].grad = torch.randn(96, 128)
+    others[0].grad = torch.randn(64)
+    opt.param_groups[1]["lr"] = -1.0
+    with pytest.raises(ValueError, match=r"param_groups\[1\]: lr"):
+        opt.step()
+    opt.param_groups[1]["lr"] = 1e-3
+    opt.param_groups[0]["params"].append(torch.zeros(5, requires_grad=True))
+    opt.param_groups[0]["params"][-1].grad = torch.ones(5)
+    with pytest.raises(MemfitValueError, match=r"param_groups\[0\]\['params'\]\[1\]"):
+        opt.step()
+    for p, st in before[0].items():
+        assert set(opt.state[p]) == set(st)
+        assert all(torch.equal(opt.state[p][k], v) for k, v in st.items())
+    assert all(torch.equal(p, q) for p, q in zip(mats + others, before[1]))
+
+
+def test_scaler_skip_and_unscale():
+    """found_inf set: nothing moves, the step does not count; grad_scale unscales."""
+    init = _params(14, [(96, 128)])
+    a, b = _leaves(init), _leaves(init)
+    opt, ref = mo.Muon8bit(a), mo.Muon8bit(b)
+    (g,) = _grads(15, init, 1)[0]
+    _run(ref, b, [g])
+    opt.grad_scale, opt.found_inf = torch.tensor(1024.0), torch.tensor(1.0)
+    _run(opt, a, [g * 1024])
+    assert torch.equal(a[0], init[0]) and not opt.state[a[0]]["step"]
+    assert not opt.state[a[0]]["state1"].any()
+    opt.found_inf = torch.tensor(0.0)
+    _run(opt, a, [g * 1024])
+    assert torch.equal(a[0], b[0])
+    assert torch.equal(opt.state[a[0]]["state1"], ref.state[b[0]]["state1"])
+
+
+def test_non_finite_gradient_element_keeps_its_momentum():
+    a = _leaves(_params(16, [(96, 128)]))
+    opt = mo.Muon(a)
+    _run(opt, a, _grads(17, a, 1)[0])
+    m = opt.state[a[0]]["state1"].clone()
+    g = torch.randn(96, 128)
+    g[3, 5] = float("nan")
+    _run(opt, a, [g])
+    assert opt.state[a[0]]["state1"][3, 5] == m[3, 5]
+    assert not torch.equal(opt.state[a[0]]["state1"], m)
+    assert torch.isfinite(a[0]).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_resume_from_state_dict_is_bit_exact(dtype):
+    """Also for bfloat16 parameters written with stochastic rounding (the group's
+    sr_step travels in the state dict) and an AdamW group."""
+    mats, others = _params(18, [(96, 128)], dtype), _params(19, [(300, 20)], dtype)
+    grads = _grads(20, mats + others, 4)
+    a_m, a_o = _leaves(mats), _leaves(others)
+    opt = _mixed(mo.Muon8bit, a_m, a_o)
+    for gs in grads[:2]:
+        _run(opt, a_m + a_o, gs)
+    sd = copy.deepcopy(opt.state_dict())
+    b_m, b_o = _leaves([p.detach() for p in a_m]), _leaves([p.detach() for p in a_o])
+    for gs in grads[2:]:
+        _run(opt, a_m + a_o, gs)
+    opt2 = _mixed(mo.Muon8bit, b_m, b_o)
+    opt2.load_state_dict(sd)
+    for gs in grads[2:]:
+        _run(opt2, b_m + b_o, gs)
+    for x, y in zip(a_m + a_o, b_m + b_o):
+        assert x.dtype == dtype and torch.equal(x, y)
+
+
+def test_torch_muon_state_dict_in_and_out():
+    init = _params(21)
+    grads = _grads(22, init, 4)
+    t, m = _leaves(init), _leaves(init)
+    ref = torch.optim.Muon(t, lr=0.02, nesterov=False)
+    for gs in grads[:2]:
+        _run(ref, t, gs)
+    opt = mo.Muon(m, lr=0.5)  # the loaded groups' hyperparameters are taken over
+    with torch.no_grad():
+        for x, y in zip(m, t):
+            x.copy_(y)
+    opt.load_state_dict(ref.state_dict())
+    assert opt.param_groups[0]["lr"] == 0.02 and opt.param_groups[0]["nesterov"] is False
+    for gs in grads[2:]:
+        _run(ref, t, gs)
+        _run(opt, m, gs)
+    assert all(torch.equal(x, y) for x, y in zip(t, m))
+    # back: torch.optim.Muon goes on from memfit's momentum
+    back = _leaves([p.detach() for p in m])
+    tb = torch.optim.Muon(back)
+    tb.load_state_dict(mo.to_torch_state_dict(opt))
+    g = _grads(23, init, 1)[0]
+    _run(tb, back, g)
+    _run(opt, m, g)
+    assert all(torch.equal(x, y) for x, y in zip(back, m))
+    # into 8-bit: the momentum quantized
+    q = _leaves(init)
+    o8 = mo.Muon8bit(q)
+    o8.load_state_dict(ref.state_dict())
+    for x, y in zip(q, t):
+        want = ref.state[y]["momentum_buffer"]
+        assert (_dequantized_momentum(o8, x) - want).abs().max() <= want.abs().max() / 16
+
+
+def test_to_torch_refuses_adamw_groups():
+    mats, others = _leaves(_params(24, [(8, 8)])), _leaves(_params(25, [(8,)]))
+    opt = _mixed(mo.Muon, mats, others)
+    with pytest.raises(MemfitValueError, match=r"param_groups\[1\].*use_muon=False"):
+        mo.to_torch_state_dict(opt)
+
+
+def test_newton_schulz_matches_torch():
+    from torch.optim._muon import _zeropower_via_newtonschulz
+
+    for shape in SHAPES:
+        g = torch.randn(shape)
+        ours = zeropower_via_newtonschulz(g, (3.4445, -4.7750, 2.0315), 5, 1e-7)
+        assert torch.equal(ours, _zeropower_via_newtonschulz(g, (3.4445, -4.7750, 2.0315), 5, 1e-7))
