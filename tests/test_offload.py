@@ -491,3 +491,21 @@ def test_stream_seeds_are_never_zero():
     assert _core.sr_seed(12345, 7, 2) == 0x48B4E3F94D0334D3
     with pytest.raises(ValueError, match="position"):
         _core.stream_seed(1, 2**31)
+
+
+def test_step_params_refuses_stale_places():
+    """_step_params with places made before a group's state format changed (min_8bit_size
+    edited in the middle of a step): refused, nothing updated."""
+    model = make_model(torch.bfloat16)
+    inner = mo.AdamW8bit(groups(model), lr=1e-2)
+    places = inner._sr_positions({id(p) for p in model.parameters()})
+    inner.param_groups[0]["min_8bit_size"] = 10**9  # the weights' states would be float32
+    loss_of(model, batch(0, torch.bfloat16)).backward()
+    before = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(RuntimeError, match=r"param_groups\[0\]: a parameter's state format"):
+        inner._step_params(list(model.parameters()), places)
+    assert all(torch.equal(a, p) for a, p in zip(before, model.parameters()))
+    assert not inner.state and all(g.get("sr_step", 0) == 0 for g in inner.param_groups)
+    inner._step_params(list(model.parameters()),
+                       inner._sr_positions({id(p) for p in model.parameters()}))
+    assert not any(torch.equal(a, p) for a, p in zip(before, model.parameters()))

@@ -291,9 +291,11 @@ class _MemfitOptimizer(torch.optim.Optimizer, _format.MemfitOptimizerBase):
                 _, _, bucket, b, k = positions[id(p)]
                 numbers.setdefault(bucket, []).append((b, k))
             if {k: len(v) for k, v in numbers.items()} != {k: len(v) for k, v in buckets.items()}:
-                raise RuntimeError(f"{type(self).__name__}: param_groups[{gi}] changed its "
-                                   "state format or device since _sr_positions; nothing was "
-                                   "updated")
+                raise RuntimeError(
+                    f"{type(self).__name__}: param_groups[{gi}]: a parameter's state format or "
+                    "device changed in the middle of a step (between the first gradient of a "
+                    "backward and step(): bits, min_8bit_size or a parameter moved); change "
+                    "them between steps; nothing was updated")
             base, sr_step = group.get("sr_seed", 0), group.get("sr_step", 0)
             for (device, fmt), items in buckets.items():
                 for item, (b, k) in zip(items, numbers[(device, fmt)]):
