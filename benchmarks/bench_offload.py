@@ -12,8 +12,8 @@ for a few steps by each recipe, from the same weights on the same batches:
 
 Printed and written to benchmarks/out/bench_offload.json: peak device memory, seconds
 per step (median), tokens/s, the host bytes the optimizer holds, and whether the final
-parameters equal the device recipe's bit for bit (offload must; offload+sib draws other
-stochastic-rounding bits for bfloat16, docs/offload.md).
+parameters equal the device recipe's bit for bit (offload and offload+sib must,
+docs/offload.md).
 
     python benchmarks/bench_offload.py                 # the CPU, a tiny GPT (seconds)
     python benchmarks/bench_offload.py --size 1b       # a lent GPU: about 1B parameters

@@ -249,7 +249,9 @@ def test_next_forward_sees_the_update(step_in_backward, monkeypatch):
     updated parameters, never the old ones."""
     model, ref_model, opt, ref = pair(mo.AdamW8bit, dict(lr=1e-2), offload_gradients=True,
                                       step_in_backward=step_in_backward)
-    inner_step = opt.optimizer.step
+    # the host step: the wrapped step(), or in backward its step of one tensor
+    name = "_step_params" if step_in_backward else "step"
+    inner_step = getattr(opt.optimizer, name)
     calls = []
 
     def slow_step(*a, **k):
@@ -257,7 +259,7 @@ def test_next_forward_sees_the_update(step_in_backward, monkeypatch):
         calls.append(threading.current_thread().name)
         return inner_step(*a, **k)
 
-    monkeypatch.setattr(opt.optimizer, "step", slow_step)
+    monkeypatch.setattr(opt.optimizer, name, slow_step)
     x = batch(0, torch.float32)
     for m, o in ((ref_model, ref), (model, opt)):
         loss_of(m, x).backward()
@@ -268,15 +270,19 @@ def test_next_forward_sees_the_update(step_in_backward, monkeypatch):
     assert calls and set(calls) == {"memfit-offload"}  # the host step ran on the worker
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16],
+                         ids=["fp32", "bf16", "fp16"])
 @pytest.mark.parametrize("cls,kw", OPTIMIZERS, ids=IDS)
 @pytest.mark.parametrize("offload", [True, False], ids=["host", "device"])
-def test_step_in_backward(offload, cls, kw):
-    """Each tensor steps as its gradient is ready and the gradient is freed; the same
-    bits as the wrapped optimizer's step for float32 parameters."""
-    model, ref_model, opt, ref = pair(cls, kw, offload=offload, offload_gradients=offload,
-                                      step_in_backward=True)
-    for s in range(5):
-        x = batch(s, torch.float32)
+def test_step_in_backward(offload, cls, kw, dtype):
+    """Each tensor steps as its gradient is ready and the gradient is freed, with the
+    wrapped optimizer's bits: bfloat16/float16 parameters written with stochastic
+    rounding (the default) draw the random bits of the whole step (each tensor keeps
+    its bucket and its place in it; sr_step counts optimizer steps, not tensors)."""
+    model, ref_model, opt, ref = pair(cls, kw, dtype, offload=offload,
+                                      offload_gradients=offload, step_in_backward=True)
+    for s in range(4):
+        x = batch(s, dtype)
         loss_of(model, x).backward()
         assert all(p.grad is None for p in model.parameters())
         opt.step()
@@ -284,8 +290,79 @@ def test_step_in_backward(offload, cls, kw):
         loss_of(ref_model, x).backward()
         ref.step()
         ref.zero_grad()
-    # sr_step counts the wrapped optimizer's step calls: one per tensor in backward
-    assert_same(model, ref_model, opt, ref, skip=("params", "sr_step"))
+    assert opt.optimizer.param_groups[1]["sr_step"] == ref.param_groups[1]["sr_step"] == 4
+    assert_same(model, ref_model, opt, ref)
+    if dtype != torch.float32:  # rounding made a difference: nearest-even lands elsewhere
+        near_model = make_model(dtype)
+        near = cls(groups(near_model), bf16_stochastic_round=False, **kw)
+        for s in range(4):
+            loss_of(near_model, batch(s, dtype)).backward()
+            near.step()
+            near.zero_grad()
+        assert not all(torch.equal(p, q) for p, q in zip(model.parameters(),
+                                                         near_model.parameters()))
+
+
+@pytest.mark.parametrize("offload", [True, False], ids=["host", "device"])
+def test_step_in_backward_a_parameter_without_gradient(offload):
+    """The rule (docs/offload.md): every parameter with requires_grad keeps the place it
+    has in a step where all of them have gradients. One that gets no gradient in a
+    backward does not step (as in torch); the others get the bits of that full step."""
+    model, ref_model, opt, ref = pair(mo.AdamW8bit, dict(lr=1e-2), torch.bfloat16,
+                                      offload=offload, offload_gradients=offload,
+                                      step_in_backward=True)
+    before = [p.detach().clone() for p in model[0].parameters()]
+    # model[0] gets no gradient: model[2].weight is second in its bucket of the full step
+    h = torch.randn(8, 96, generator=torch.Generator().manual_seed(5)).to(torch.bfloat16)
+    (model[2:](h).float().square().mean()).backward()
+    opt.step()
+    (ref_model[2:](h).float().square().mean()).backward()
+    for p in ref_model[0].parameters():
+        p.grad = torch.ones_like(p)  # the full step: every parameter has a gradient
+    ref.step()
+    assert all(torch.equal(a, p) for a, p in zip(before, model[0].parameters()))
+    for p, q in zip(list(model.parameters())[2:], list(ref_model.parameters())[2:]):
+        assert torch.equal(p, q)
+    state = opt.optimizer.state
+    assert [len(state[h]) > 0 for h in opt.optimizer.param_groups[0]["params"]] == [False, True,
+                                                                                  True]
+
+
+@pytest.mark.parametrize("offload", [True, False], ids=["host", "device"])
+def test_step_in_backward_plans_each_parameter_once(offload, monkeypatch):
+    """A backward over n tensors costs O(n): each parameter list of the wrapped optimizer
+    is read once per backward (for the tensors' places), each tensor is planned alone,
+    not all n again for each of the n tensors."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(16, 16) for _ in range(24)])
+    n = len(list(model.parameters()))
+    opt = CPUOffloadOptimizer(model.parameters(), mo.AdamW8bit, offload=offload,
+                              offload_gradients=offload, step_in_backward=True, lr=1e-3)
+    reads = [0]
+
+    class CountingList(list):
+        def __iter__(self):
+            for p in super().__iter__():
+                reads[0] += 1
+                yield p
+
+    for g in opt.optimizer.param_groups:
+        g["params"] = CountingList(g["params"])
+    planned = []
+    plan = type(opt.optimizer)._plan_step
+
+    def counting_plan(self, members=None):
+        planned.append(None if members is None else sum(map(len, members.values())))
+        return plan(self, members)
+
+    monkeypatch.setattr(type(opt.optimizer), "_plan_step", counting_plan)
+    for s in range(3):
+        reads[0] = 0
+        planned.clear()
+        model(torch.randn(4, 16)).square().mean().backward()
+        opt.step()
+        assert planned == [1] * n  # one plan per tensor, of that tensor alone
+        assert reads[0] == n  # the places: one pass over the parameters per backward
 
 
 @pytest.mark.parametrize("offload", [True, False], ids=["host", "device"])
@@ -298,7 +375,7 @@ def test_step_in_backward_bf16_nearest_rounding(offload):
             loss_of(m, batch(s, torch.bfloat16)).backward()
             o.step()
             o.zero_grad()
-    assert_same(model, ref_model, opt, ref, skip=("params", "sr_step"))
+    assert_same(model, ref_model, opt, ref)
 
 
 @pytest.mark.parametrize("offload", [True, False], ids=["host", "device"])
@@ -385,3 +462,50 @@ def test_a_refused_step_changes_nothing():
     assert all(torch.equal(a, p) for a, p in zip(before, model.parameters()))
     assert steps == [opt.optimizer.state[h]["step"].item() for h in hosts]
     assert all(h.grad is None for h in hosts)
+
+
+def test_stream_seeds_are_never_zero():
+    """The step in backward seeds each tensor with _core.stream_seed(bucket seed, its
+    place k) = seed + 0x9e3779b97f4a7c15 * k (mod 2**64), and a seed of 0 would turn its
+    stochastic rounding off: sr_seed never returns a seed for which a place a call can
+    have (k < 2**31) gives 0. Bucket numbers are made here whose mix lands on such a seed
+    (the mix is invertible); other seeds are the bits they always were."""
+    from memfit.optim import _core
+    mask, golden = (1 << 64) - 1, 0x9E3779B97F4A7C15
+
+    def unshift(x, r):  # the inverse of x ^ (x >> r)
+        y = x
+        for _ in range(64 // r + 1):
+            y = x ^ (y >> r)
+        return y & mask
+
+    for k in (1, 3, 2**20 + 1, 2**31 - 1):  # a seed's zero place is odd (seeds are odd)
+        bad = -golden * k & mask  # bad + golden * k == 0
+        z = unshift(unshift(bad, 31) * pow(0x94D049BB133111EB, -1, 1 << 64) & mask, 30)
+        seed = _core.sr_seed(0, 0, z - 1)  # its mix is `bad`
+        assert seed != bad and seed % 2 == 1
+        assert _core.stream_seed(seed, k) != 0
+        assert (-seed * pow(golden, -1, 1 << 64)) & mask >= 2**31  # no place gives 0
+        assert _core.stream_seed(bad, k) == 0  # what the shift avoids
+    assert _core.sr_seed(0, 0, 0) == 0x94D049BA3A91829D  # unchanged for other seeds
+    assert _core.sr_seed(12345, 7, 2) == 0x48B4E3F94D0334D3
+    with pytest.raises(ValueError, match="position"):
+        _core.stream_seed(1, 2**31)
+
+
+def test_step_params_refuses_stale_places():
+    """_step_params with places made before a group's state format changed (min_8bit_size
+    edited in the middle of a step): refused, nothing updated."""
+    model = make_model(torch.bfloat16)
+    inner = mo.AdamW8bit(groups(model), lr=1e-2)
+    places = inner._sr_positions({id(p) for p in model.parameters()})
+    inner.param_groups[0]["min_8bit_size"] = 10**9  # the weights' states would be float32
+    loss_of(model, batch(0, torch.bfloat16)).backward()
+    before = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(RuntimeError, match=r"param_groups\[0\]: a parameter's state format"):
+        inner._step_params(list(model.parameters()), places)
+    assert all(torch.equal(a, p) for a, p in zip(before, model.parameters()))
+    assert not inner.state and all(g.get("sr_step", 0) == 0 for g in inner.param_groups)
+    inner._step_params(list(model.parameters()),
+                       inner._sr_positions({id(p) for p in model.parameters()}))
+    assert not any(torch.equal(a, p) for a, p in zip(before, model.parameters()))

@@ -105,12 +105,39 @@ def _real(name: str, value) -> float:
             f"{name}: expected a real number (or a one-element tensor), got {got}") from None
 
 
+_MASK64 = (1 << 64) - 1
+# mf_optim_store_param hashes tensor number `stream` of a step call with the seed
+# sr_seed + _GOLDEN * (stream + 1) (csrc/include/memfit/optim.h; the binding numbers
+# the tensors of one call 0, 1, ... as int32, so a call has fewer than 2**31)
+_GOLDEN = 0x9E3779B97F4A7C15
+_MAX_STREAMS = 1 << 31
+# _GOLDEN's inverse mod 2**64: the position k at which sr_seed + _GOLDEN * k is 0
+_GOLDEN_INV = pow(_GOLDEN, -1, 1 << 64)
+
+
 def sr_seed(base: int, step: int, bucket: int) -> int:
     """The stochastic-rounding seed of one step call: a mix of the group's base seed,
-    its step counter and the bucket (device, state format) being stepped; never 0."""
-    z = (int(base) * 0x9E3779B97F4A7C15 + int(step) * 0xBF58476D1CE4E5B9 + int(bucket) + 1) & ((1 << 64) - 1)
-    z = ((z ^ (z >> 30)) * 0x94D049BB133111EB) & ((1 << 64) - 1)
-    return (z ^ (z >> 31)) | 1
+    its step counter and the bucket (device, state format) being stepped. Never 0, nor
+    is any :func:`stream_seed` of it (0 means "no stochastic rounding" to the core)."""
+    z = (int(base) * _GOLDEN + int(step) * 0xBF58476D1CE4E5B9 + int(bucket) + 1) & _MASK64
+    z = ((z ^ (z >> 30)) * 0x94D049BB133111EB) & _MASK64
+    seed = (z ^ (z >> 31)) | 1
+    if (-seed * _GOLDEN_INV) & _MASK64 < _MAX_STREAMS:
+        # seed + _GOLDEN * k == 0 for a position k a call can have (once in 2**33 seeds):
+        # this shift moves that k to 2**64 - 2**32 + k, out of reach, and keeps seed odd
+        seed = (seed + _GOLDEN * (1 << 32)) & _MASK64
+    return seed
+
+
+def stream_seed(seed: int, position: int) -> int:
+    """The seed that makes a call's first tensor (stream 0) draw the stochastic-rounding
+    bits that tensor number ``position`` of a call seeded ``seed`` draws: one tensor of
+    a bucket stepped on its own gets the bits of the whole bucket's call. Not 0 for a
+    ``seed`` from :func:`sr_seed`."""
+    if not 0 <= position < _MAX_STREAMS:
+        raise ValueError(f"position: expected 0 <= position < 2**31 (a tensor's place in one "
+                         f"step call), got {position}")
+    return (int(seed) + _GOLDEN * position) & _MASK64
 
 
 def check(kind: int, hp: dict) -> None:

@@ -211,6 +211,25 @@ class _MemfitOptimizer(torch.optim.Optimizer, _format.MemfitOptimizerBase):
         grad_scale = _dtensor.plain(getattr(self, "grad_scale", None))
         found_inf = _dtensor.plain(getattr(self, "found_inf", None))
         plan, new = self._plan_step()  # raises here, before anything changes
+        self._add_states(new)
+        for group, hp, rounding, buckets, halves in plan:
+            sr_step = group.get("sr_step", 0)
+            for b, ((device, fmt), items) in enumerate(buckets.items()):
+                bhp = hp
+                if rounding == "stochastic" and (device, fmt) in halves:
+                    bhp = dict(hp, sr_seed=_core.sr_seed(group.get("sr_seed", 0), sr_step, b))
+                self._step_bucket(group, bhp, device, fmt, items, grad_scale, found_inf)
+        self._advance_sr_step()
+        return loss
+
+    def _advance_sr_step(self) -> None:
+        """Once per optimizer step, in every group: the next step draws new random bits."""
+        for group in self.param_groups:
+            group["sr_step"] = group.get("sr_step", 0) + 1
+
+    def _add_states(self, new) -> None:
+        """Makes the states _plan_step found missing (``new``) and records the layouts
+        it checked."""
         checked, state_of = self._state_checked, self.state
         for p, added, drop, seen in new:
             state = state_of[p]
@@ -220,19 +239,85 @@ class _MemfitOptimizer(torch.optim.Optimizer, _format.MemfitOptimizerBase):
                 # value of p + kahan_comp, so the buffer is simply dropped
                 del state["kahan_comp"]
             checked[id(p)] = seen
-        for group, hp, rounding, buckets, halves in plan:
-            sr_step = group.get("sr_step", 0)
-            for b, ((device, fmt), items) in enumerate(buckets.items()):
-                bhp = hp
-                if rounding == "stochastic" and (device, fmt) in halves:
-                    bhp = dict(hp, sr_seed=_core.sr_seed(group.get("sr_seed", 0), sr_step, b))
-                self._step_bucket(group, bhp, device, fmt, items, grad_scale, found_inf)
-            group["sr_step"] = sr_step + 1
-        return loss
 
-    def _plan_step(self) -> tuple:
+    # -- the step of a subset (memfit.optim.offload's step in backward) -------------------
+    #
+    # step() numbers its core calls per group by bucket (in the order of each bucket's
+    # first parameter with a gradient) and the tensors of a call by their place in it;
+    # stochastic rounding draws by both numbers. A step of some parameters at a time
+    # (each as autograd finishes its gradient) gets step()'s bits when each parameter
+    # keeps the numbers step() would give it: _sr_positions computes them once per step
+    # (O(parameters)), _step_params steps a few parameters in O(those few).
+
+    def _sr_positions(self, stepping) -> dict:
+        """{id(p): (group index, index in the group, bucket, bucket index, position in
+        the bucket)} for each parameter p whose id is in ``stepping``: the numbers step()
+        gives p when exactly these parameters have gradients. Changes nothing."""
+        out = {}
+        for gi, group in enumerate(self.param_groups):
+            counts = {}  # bucket -> [its index, parameters so far]
+            for i, p in enumerate(group["params"]):
+                if id(p) in stepping:
+                    bucket = self._bucket(group, p)
+                    at = counts.get(bucket)
+                    if at is None:
+                        at = counts[bucket] = [len(counts), 0]
+                    out[id(p)] = (gi, i, bucket, at[0], at[1])
+                    at[1] += 1
+        return out
+
+    @torch.compiler.disable
+    @torch.no_grad()
+    def _step_params(self, params, positions) -> None:
+        """Internal (memfit.optim.offload's step in backward): steps the parameters of
+        ``params`` that have a gradient, in O(len(params)), as step() steps them: the
+        same checks of them all before any write, and the random bits step() draws for
+        them when the parameters of ``positions`` (from :meth:`_sr_positions`, computed
+        once per step) have gradients. Each is its own call into the core. Does not
+        advance ``sr_step``: call :meth:`_advance_sr_step` once per optimizer step. No
+        GradScaler (nothing here sees every gradient)."""
+        members = {}  # group index -> [(index in the group, p)], as _plan_step takes them
+        for p in params:
+            if p.grad is not None:
+                gi, i, *_ = positions[id(p)]
+                members.setdefault(gi, []).append((i, p))
+        members = dict(sorted(members.items()))  # _plan_step's order: by group
+        plan, new = self._plan_step(members)  # raises here, before anything changes
+        calls = []
+        for (gi, entries), (group, hp, rounding, buckets, halves) in zip(members.items(), plan):
+            # the items of each bucket, in the order of `entries` (_plan_step keeps it)
+            numbers = {}
+            for _, p in entries:
+                _, _, bucket, b, k = positions[id(p)]
+                numbers.setdefault(bucket, []).append((b, k))
+            if {k: len(v) for k, v in numbers.items()} != {k: len(v) for k, v in buckets.items()}:
+                raise RuntimeError(
+                    f"{type(self).__name__}: param_groups[{gi}]: a parameter's state format or "
+                    "device changed in the middle of a step (between the first gradient of a "
+                    "backward and step(): bits, min_8bit_size or a parameter moved); change "
+                    "them between steps; nothing was updated")
+            base, sr_step = group.get("sr_seed", 0), group.get("sr_step", 0)
+            for (device, fmt), items in buckets.items():
+                for item, (b, k) in zip(items, numbers[(device, fmt)]):
+                    bhp = hp
+                    if rounding == "stochastic" and item[3][5]:  # a float16/bfloat16 p
+                        seed = _core.sr_seed(base, sr_step, b)
+                        bhp = dict(hp, sr_seed=_core.stream_seed(seed, k))
+                    calls.append((group, bhp, device, fmt, [item]))
+        self._add_states(new)
+        for call in calls:
+            self._step_bucket(*call, None, None)
+
+    def _bucket(self, group, p) -> tuple:
+        """The bucket p steps in within its group: one core call per (device, state
+        format)."""
+        return p.device, self._format(group, p)
+
+    def _plan_step(self, members=None) -> tuple:
         """Checks every parameter that has a gradient and sorts them into buckets (one
-        call into the core per device and state format); changes nothing.
+        call into the core per device and state format); changes nothing. ``members``:
+        None, or only these parameters, as {group index: [(index in the group, p)]}
+        (:meth:`_step_params`).
 
         Returns (plan, new): plan is [(group, hparams, rounding, {(device, format):
         [(param, grad, states, seen)]}, {the (device, format) of buckets with float16 or
@@ -257,6 +342,8 @@ class _MemfitOptimizer(torch.optim.Optimizer, _format.MemfitOptimizerBase):
         name = type(self).__name__
         plan, new = [], []
         for gi, group in enumerate(self.param_groups):
+            if members is not None and gi not in members:
+                continue
             # a group's values can change at any time (a schedule, a hand edit)
             hp = _checks.check_group(self, group, f"{name}.step: param_groups[{gi}]")
             rounding = self._rounding(group)
@@ -264,7 +351,7 @@ class _MemfitOptimizer(torch.optim.Optimizer, _format.MemfitOptimizerBase):
                       hp["momentum"])
             buckets = {}  # (device, format) -> [(p, grad, states, seen)], in first-seen order
             halves = set()
-            for i, p in enumerate(group["params"]):
+            for i, p in (enumerate(group["params"]) if members is None else members[gi]):
                 g = p.grad
                 if g is None:
                     continue
@@ -299,9 +386,10 @@ class _MemfitOptimizer(torch.optim.Optimizer, _format.MemfitOptimizerBase):
                         del merged["kahan_comp"]
                     states = tuple(map(merged.get, _STATE_KEYS))
                     local = p.to_local() if _dtensor.is_dtensor(p) else p
-                    seen = (key, self._format(group, p), state_rows(local),
+                    bucket = self._bucket(group, p)
+                    seen = (key, bucket[1], state_rows(local),
                             _dtensor.index_base(p, self._where), states, dtype != torch.float32,
-                            (device, self._format(group, p)), _storage_marks(states))
+                            bucket, _storage_marks(states))
                     new.append((p, added, drop, seen))
                 if dtensor_type is not None and isinstance(p, dtensor_type):
                     # FSDP2 & co.: the kernels step the local rows, in place

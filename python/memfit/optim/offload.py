@@ -261,6 +261,12 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
             for s in slots:
                 if s.dev.requires_grad:
                     self._hooks.append(s.dev.register_post_accumulate_grad_hook(self._grad_ready))
+        # step_in_backward: the wrapped optimizer's parameters that step in each backward
+        # (those with a hook), and the numbers its step() would give them
+        # (_MemfitOptimizer._sr_positions: the same random bits), made at the first
+        # gradient of each backward
+        self._in_step_set = {id(s.host) for s in slots if s.dev.requires_grad}
+        self._positions = None
 
     # -- what torch's Optimizer API exposes ---------------------------------------------
 
@@ -301,9 +307,13 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
                 "step_in_backward=True every backward steps the parameters, so call step() "
                 "after each backward (gradient accumulation is not possible)")
         g = p.grad
+        positions = None
+        if self._in_backward:
+            if self._positions is None:  # the first gradient of this backward: O(n), once
+                self._positions = self.optimizer._sr_positions(self._in_step_set)
+            positions = self._positions
         if not self._offload:  # step in backward on the device
-            with torch.no_grad():
-                self.optimizer.step()  # p is the only parameter holding a gradient
+            self.optimizer._step_params([p], positions)
             p.grad = None
             s.stepped = True
             return
@@ -311,7 +321,7 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
         p.grad = None
         if self._in_backward:
             s.stepped = True
-        self._worker.submit(lambda: self._land(s, staged, landed, after))
+        self._worker.submit(lambda: self._land(s, staged, landed, after, positions))
 
     def _to_host(self, s, g):
         """Starts copying gradient g of slot s into a fresh host buffer; returns the buffer
@@ -330,9 +340,9 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
                 g.record_stream(self._d2h)  # its memory is not reused before the copy ends
                 return staged, self._d2h.record_event(), ready
 
-    def _land(self, s, staged, landed, after) -> None:
+    def _land(self, s, staged, landed, after, positions=None) -> None:
         """Worker: the copied gradient becomes (or is added to) the host gradient; with
-        step_in_backward, the tensor steps right away."""
+        step_in_backward (``positions`` given), the tensor steps right away."""
         if landed is not None:
             landed.synchronize()
         h = s.host
@@ -341,14 +351,15 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
                 h.grad = staged
             else:
                 h.grad.add_(staged)  # gradient accumulation, as autograd adds on the device
-        if self._in_backward:
-            self._host_step([s], None, None, after)
+        if positions is not None:
+            self._host_step([s], None, None, after, positions)
 
-    def _host_step(self, slots, grad_scale, found_inf, after) -> None:
+    def _host_step(self, slots, grad_scale, found_inf, after, positions=None) -> None:
         """Worker: the wrapped optimizer's own step over the host gradients of ``slots``
-        (every host gradient there is), then their updated parameters go to the device
-        (after CUDA event ``after`` of the compute stream) and their host gradients are
-        dropped when the step consumed them."""
+        (every host gradient there is; with ``positions``, the step in backward of
+        ``slots`` alone, _MemfitOptimizer._step_params), then their updated parameters go
+        to the device (after CUDA event ``after`` of the compute stream) and their host
+        gradients are dropped when the step consumed them."""
         for s in slots:  # the previous copy of this master to the device has read it
             if s.h2d_done is not None:
                 s.h2d_done.synchronize()
@@ -358,7 +369,10 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
         if found_inf is not None:
             inner.found_inf = found_inf
         try:
-            inner.step()
+            if positions is None:
+                inner.step()
+            else:
+                inner._step_params([s.host for s in slots], positions)
         finally:
             inner.__dict__.pop("grad_scale", None)
             inner.__dict__.pop("found_inf", None)
@@ -403,6 +417,8 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
                     "CPUOffloadOptimizer(step_in_backward=True) cannot be used with a GradScaler: "
                     "each tensor stepped during backward, before the scaler could check the "
                     "gradients for inf/NaN; use step_in_backward=False")
+            self.optimizer._advance_sr_step()  # one optimizer step, as the wrapped step()
+            self._positions = None  # the next backward numbers its parameters anew
             for s in self._slots:
                 s.stepped = False
             self._landed_on_device()
