@@ -20,6 +20,8 @@ OPTIMIZERS = [
     (mo.Lion8bit, dict(lr=1e-3)),
     (mo.SGD8bit, dict(lr=1e-2, momentum=0.9)),
     (mo.RMSprop8bit, dict(lr=1e-3)),
+    (mo.Muon8bit, dict(lr=2e-2)),  # the biases' group: use_muon=False (see groups)
+    (mo.Muon, dict(lr=2e-2)),
 ]
 IDS = [c.__name__ for c, _ in OPTIMIZERS]
 
@@ -33,11 +35,14 @@ def make_model(dtype=torch.float32, seed=0):
     return m.to(dtype)
 
 
-def groups(model):
-    """Two param groups with different lrs: weights, then biases."""
+def groups(model, cls=None):
+    """Two param groups with different lrs: weights, then biases (for Muon, the biases
+    in a use_muon=False group: AdamW in the same optimizer)."""
     ps = list(model.named_parameters())
-    return [{"params": [p for n, p in ps if n.endswith("weight")]},
-            {"params": [p for n, p in ps if n.endswith("bias")], "lr": 3e-3}]
+    biases = {"params": [p for n, p in ps if n.endswith("bias")], "lr": 3e-3}
+    if cls in (mo.Muon8bit, mo.Muon):
+        biases["use_muon"] = False
+    return [{"params": [p for n, p in ps if n.endswith("weight")]}, biases]
 
 
 def batch(i, dtype):
@@ -91,8 +96,8 @@ def assert_same(model, ref_model, opt, ref, skip=("params",)):
 
 def pair(cls, kw, dtype=torch.float32, **okw):
     model, ref_model = make_model(dtype), make_model(dtype)
-    opt = CPUOffloadOptimizer(groups(model), cls, **okw, **kw)
-    ref = cls(groups(ref_model), **kw)
+    opt = CPUOffloadOptimizer(groups(model, cls), cls, **okw, **kw)
+    ref = cls(groups(ref_model, cls), **kw)
     return model, ref_model, opt, ref
 
 
@@ -294,7 +299,7 @@ def test_step_in_backward(offload, cls, kw, dtype):
     assert_same(model, ref_model, opt, ref)
     if dtype != torch.float32:  # rounding made a difference: nearest-even lands elsewhere
         near_model = make_model(dtype)
-        near = cls(groups(near_model), bf16_stochastic_round=False, **kw)
+        near = cls(groups(near_model, cls), bf16_stochastic_round=False, **kw)
         for s in range(4):
             loss_of(near_model, batch(s, dtype)).backward()
             near.step()

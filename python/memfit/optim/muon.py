@@ -167,11 +167,11 @@ class _MuonBase(_MemfitOptimizer):
                     f"{where}: is a DTensor (FSDP2): memfit's Muon does not orthogonalize "
                     "sharded matrices yet; nothing was updated")
 
-    def _plan_step(self):
+    def _plan_step(self, members=None):
         # Muon's own refusals too, before anything is written
         for gi, group in enumerate(self.param_groups):
             self._check_muon_params(gi, group, at_step=True)
-        return super()._plan_step()
+        return super()._plan_step(members)
 
     def _step_bucket(self, group, hp, device, fmt, items, grad_scale, found_inf):
         if not group.get("use_muon", True):
@@ -180,6 +180,10 @@ class _MuonBase(_MemfitOptimizer):
             # skipped (the scaler's protocol): nothing moves, the steps do not count. One
             # host sync per bucket: Newton-Schulz of garbage would cost more.
             return
+        # the stochastic-rounding seed of this call (step() and the offloader's step in
+        # backward hand it in, _MemfitOptimizer._step_params per tensor): tensor n of the
+        # call rounds with stream_seed(seed, n), the bits the core would draw for it
+        call_seed = hp["sr_seed"]
         hp = dict(hp, sr_seed=0)  # the pass writes an update, rounded to nearest
         stochastic = self._rounding(group) == "stochastic"
         lr, decay = group["lr"], 1 - group["lr"] * group["weight_decay"]
@@ -197,8 +201,8 @@ class _MuonBase(_MemfitOptimizer):
                 p.add_(o, alpha=alpha)
                 continue
             v = p.float().mul_(decay).add_(o, alpha=alpha)
-            seed = _core.sr_seed(group.get("sr_seed", 0), group.get("sr_step", 0), 1 + n)
-            p.copy_(_cast.cast(v, p.dtype, rounding="stochastic", seed=seed))
+            p.copy_(_cast.cast(v, p.dtype, rounding="stochastic",
+                               seed=_core.stream_seed(call_seed, n)))
 
 
 def _pair(name, value):
