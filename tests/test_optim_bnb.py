@@ -228,8 +228,10 @@ def test_what_memfit_does_not_do_raises_and_says_what_instead(name, kw, match):
 
 @pytest.mark.parametrize("name", PAGED)
 def test_paged_classes_raise(name):
-    with pytest.raises(ValueError, match=f"{name}: memfit has no paged optimizers"):
+    with pytest.raises(ValueError, match=f"{name}: memfit has no paged optimizers") as e:
         getattr(bnb, name)(model().parameters())
+    # and it points at what keeps states off the GPU: the offloader
+    assert "memfit.optim.CPUOffloadOptimizer" in str(e.value)
 
 
 def test_bool_after_min_8bit_size_with_more_positionals_is_refused():

@@ -89,7 +89,10 @@ def _paged_error(name: str) -> ValueError:
         f"{name}: memfit has no paged optimizers (bitsandbytes' is_paged keeps the states in "
         "CUDA unified memory, paged out to the CPU under memory pressure, and on a CPU does "
         "nothing); memfit keeps the states on the parameter's device, 8-bit ones at a quarter "
-        "of float32's bytes: pass is_paged=False, or use the class without 'Paged'")
+        "of float32's bytes: pass is_paged=False, or use the class without 'Paged'. When the "
+        "states do not fit the GPU, keep them on the host, stepped by the CPU: "
+        "memfit.optim.CPUOffloadOptimizer(params, memfit.optim.AdamW8bit, "
+        "offload_gradients=True, ...) (docs/offload.md)")
 
 
 def _get(args, key, default):
