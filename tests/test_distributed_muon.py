@@ -30,6 +30,7 @@ if not dist.is_available():
 from dist_util import run_ranks  # noqa: E402
 from test_distributed_optim import (  # noqa: E402 - one definition of each helper
     AFTER,
+    DIMS,
     MIN_8BIT,
     SAVE_AT,
     STEPS,
@@ -146,6 +147,27 @@ def _refusals_rank(rank, world):
     return out
 
 
+def _newton_schulz_rank(rank, world):
+    """The shapes of the matrices this rank orthogonalizes in one FSDP2 step of
+    Muon8bit (every rank must not orthogonalize every matrix)."""
+    from memfit.optim import muon
+
+    model = _shard(_model())
+    opt = _opt("Muon8bit", model)
+    shapes, ns = [], muon.zeropower_via_newtonschulz
+
+    def counted(g, *args):
+        shapes.append(tuple(g.shape))
+        return ns(g, *args)
+
+    muon.zeropower_via_newtonschulz = counted
+    try:
+        _fsdp_step(model, opt, 0)
+    finally:
+        muon.zeropower_via_newtonschulz = ns
+    return shapes
+
+
 def _dcp_rank(rank, world, save_to, load_from):
     """For each CHECKPOINTED case: trains SAVE_AT steps, saves to ``save_to/label``
     (get_state_dict + dcp.save), trains AFTER more (the uninterrupted run; its gradients
@@ -184,7 +206,8 @@ def _dcp_rank(rank, world, save_to, load_from):
 
 
 def _checks_rank(rank, world, save_to, load_from):
-    out = dict(train=_train_rank(rank, world), dcp=_dcp_rank(rank, world, save_to, load_from))
+    out = dict(train=_train_rank(rank, world), dcp=_dcp_rank(rank, world, save_to, load_from),
+               newton_schulz=_newton_schulz_rank(rank, world))
     if world >= 2:
         out["hsdp"] = _train_rank(rank, world, ("Muon8bit",), hsdp=True)
         out["refusals"] = _refusals_rank(rank, world)
@@ -261,6 +284,15 @@ def test_muon_fsdp2_same_bits_as_one_process_at_1_and_2_ranks(one_rank, two_rank
     assert two_ranks[0]["train"]["Muon8bit"]["placements"] == ["Shard(dim=0)"]
 
 
+def test_each_matrix_orthogonalized_once(one_rank, two_ranks):
+    """Each whole matrix once per step, over all ranks: on 2 ranks the matrices of each
+    bucket go to rank 0, 1, 0, ... in turn (the 8-bit bucket, then the float32 one)."""
+    weights = [(b, a) for a, b in zip(DIMS, DIMS[1:])]
+    assert sorted(one_rank["newton_schulz"]) == sorted(weights)
+    got = [r["newton_schulz"] for r in two_ranks]
+    assert got == [[(1, 2100), (700, 37), (300, 1)], [(37, 300), (3, 700)]]
+
+
 def test_muon_hsdp_same_bits(one_rank, two_ranks):
     for r in two_ranks:
         assert r["hsdp"]["Muon8bit"]["placements"] == ["Replicate()", "Shard(dim=0)"]
@@ -298,7 +330,8 @@ def test_muon_dcp_saved_on_2_ranks_resumes_in_one_process(ckpt_dirs, two_ranks):
 
 def _four_ranks(rank, world, ckpt):
     return dict(train=_train_rank(rank, world), hsdp=_train_rank(rank, world, ("Muon8bit",), True),
-                dcp=_dcp_rank(rank, world, None, ckpt))
+                dcp=_dcp_rank(rank, world, None, ckpt),
+                newton_schulz=_newton_schulz_rank(rank, world))
 
 
 @pytest.mark.slow
@@ -315,3 +348,6 @@ def test_muon_4_ranks_same_bits_and_resume_from_2(ckpt_dirs, one_rank, two_ranks
             _assert_same_run(r["dcp"][label]["resumed"], two_ranks[0]["dcp"][label]["straight"],
                              f"{label} 2 -> 4")
     assert [r["train"]["Muon8bit"]["local_rows"][8] for r in res] == [1, 1, 1, 0]
+    # the 8-bit bucket's 4 matrices, one per rank; the float32 one on rank 0
+    assert [r["newton_schulz"] for r in res] == [[(1, 2100), (300, 1)], [(37, 300)], [(700, 37)],
+                                                 [(3, 700)]]
