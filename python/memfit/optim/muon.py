@@ -168,7 +168,7 @@ class _MuonBase(_MemfitOptimizer):
                     "memfit.optim.muon_param_groups(model); nothing was updated")
             if _dtensor.is_dtensor(p):
                 try:  # the other optimizers' rule (Shard(0) or Replicate), then Muon's own
-                    _dtensor.check_param(p, lambda q: where)
+                    _dtensor.check_param(p, lambda q, w=where: w)
                     _muon_dist.shard_dim(p, where)
                 except ValueError as e:
                     raise MemfitValueError(f"{e}; nothing was updated" if at_step else str(e)) \
