@@ -140,6 +140,14 @@ def stream_seed(seed: int, position: int) -> int:
     return (int(seed) + _GOLDEN * position) & _MASK64
 
 
+def cast_seed(seed: int, first: int) -> int:
+    """The seed under which element i of a :func:`memfit.cast` draws the stochastic-rounding
+    bits that element ``first + i`` draws under ``seed`` (the cast hashes element i by
+    seed + _GOLDEN * (i + 1): numeric.h's mf_hash64): a shard that starts at element
+    ``first`` of a tensor rounds as the whole tensor's cast would round those elements."""
+    return (int(seed) + _GOLDEN * int(first)) & _MASK64
+
+
 def check(kind: int, hp: dict) -> None:
     """Raises ValueError (naming the argument) for out-of-range hyperparameters."""
     _C.optim_check(kind, hp)

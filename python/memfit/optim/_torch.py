@@ -327,9 +327,11 @@ class _MemfitOptimizer(torch.optim.Optimizer, _format.MemfitOptimizerBase):
 
         ``seen`` (kept in ``self._state_checked`` by id(p): a tensor's own hash is a
         Python call): (key, format, rows, index_base, states, whether p is float16 or
-        bfloat16, its bucket, storage marks) of the layout p's states were last checked
-        against, rows and index_base those of the tensor the kernels step (a DTensor's
-        local shard), the state tensors checked and their storage (_storage_marks). A step
+        bfloat16, its bucket, storage marks, the DTensor p or None) of the layout p's
+        states were last checked against, rows and index_base those of the tensor the
+        kernels step (a DTensor's local shard), the state tensors checked and their
+        storage (_storage_marks); the last, for a DTensor p, what its local shard is a
+        shard of (its mesh, placements, global shape: Muon gathers the matrix). A step
         over a model of hundreds of tensors does not rebuild every expected layout every
         time: p's states are checked again only when the key changes, a state tensor was
         replaced or its storage changed in place. This loop runs per parameter per
@@ -389,7 +391,8 @@ class _MemfitOptimizer(torch.optim.Optimizer, _format.MemfitOptimizerBase):
                     bucket = self._bucket(group, p)
                     seen = (key, bucket[1], state_rows(local),
                             _dtensor.index_base(p, self._where), states, dtype != torch.float32,
-                            bucket, _storage_marks(states))
+                            bucket, _storage_marks(states),
+                            p if _dtensor.is_dtensor(p) else None)
                     new.append((p, added, drop, seen))
                 if dtensor_type is not None and isinstance(p, dtensor_type):
                     # FSDP2 & co.: the kernels step the local rows, in place

@@ -8,13 +8,15 @@ One step of a Muon group, per parameter (torch.optim.Muon's math):
    writes the update (``grad.lerp(buf, momentum)`` with nesterov, else ``buf``) into a
    scratch tensor of the gradient's dtype, in one pass;
 2. :func:`zeropower_via_newtonschulz`: Newton-Schulz in bfloat16 with torch's matmul on
-   the parameter's device, a function of the whole 2-D matrix (a DTensor path can call
-   it on the gathered matrix);
+   the parameter's device, a function of the whole 2-D matrix: for a DTensor parameter
+   sharded by rows (FSDP2), the matrix is gathered to one rank, orthogonalized there
+   once, and its rows scattered back (:mod:`memfit.optim._muon_dist`);
 3. ``p.mul_(1 - lr * weight_decay)`` and ``p.add_(O, alpha=-adjusted_lr)``: exactly
    torch's ops for float32 parameters (and for float16/bfloat16 ones with
    ``bf16_stochastic_round=False``); float16/bfloat16 parameters are otherwise updated
    in float32 and written with stochastic rounding (memfit.cast), as memfit's other
-   optimizers write them.
+   optimizers write them. A shard draws the random bits of its elements' places in the
+   whole tensor (``index_base``), so FSDP2 writes the bits one process writes.
 
 Param groups with ``use_muon=False`` are AdamW groups: memfit's AdamW8bit kernel steps
 them (the same call into the core as AdamW8bit's), with the group's ``lr``,
@@ -33,7 +35,7 @@ import torch
 
 from memfit import _cast
 from memfit._C import MemfitValueError
-from memfit.optim import _core, _dtensor
+from memfit.optim import _core, _dtensor, _muon_dist
 from memfit.optim._torch import _MemfitOptimizer
 
 __all__ = ["Muon", "Muon8bit", "muon_param_groups", "zeropower_via_newtonschulz"]
@@ -42,6 +44,7 @@ __all__ = ["Muon", "Muon8bit", "muon_param_groups", "zeropower_via_newtonschulz"
 NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
 NS_EPS = 1e-7
 NS_STEPS = 5
+NS_DTYPE = torch.bfloat16  # what Newton-Schulz computes in, and returns
 ADJUST_LR_FNS = (None, "original", "match_rms_adamw", "spectral_unclamped")
 # what a use_muon=False group takes when it does not say (betas as Moonlight's AdamW)
 ADAMW_BETAS = (0.9, 0.95)
@@ -59,7 +62,7 @@ def zeropower_via_newtonschulz(g, ns_coefficients=NS_COEFFICIENTS, ns_steps=NS_S
     if g.dim() != 2:
         raise ValueError(f"g: Newton-Schulz needs a 2-D matrix, got shape {tuple(g.shape)}")
     a, b, c = ns_coefficients
-    x = g.bfloat16()
+    x = g.to(NS_DTYPE)
     tall = g.size(0) > g.size(1)
     if tall:
         x = x.T
@@ -148,7 +151,8 @@ class _MuonBase(_MemfitOptimizer):
 
     def _check_muon_params(self, gi, group, at_step) -> None:
         """Refuses what Muon cannot orthogonalize: a parameter that is not a matrix (2-D)
-        or a conv filter (4-D, flattened), and DTensor parameters (FSDP2: not yet)."""
+        or a conv filter (4-D, flattened), and a DTensor parameter sharded otherwise than
+        by rows on one mesh dimension (Shard(0) with FSDP2 or HSDP; Replicate)."""
         if not group.get("use_muon", True):
             return
         name = type(self).__name__
@@ -163,9 +167,12 @@ class _MuonBase(_MemfitOptimizer):
                     "group with use_muon=False (AdamW), e.g. with "
                     "memfit.optim.muon_param_groups(model); nothing was updated")
             if _dtensor.is_dtensor(p):
-                raise MemfitValueError(
-                    f"{where}: is a DTensor (FSDP2): memfit's Muon does not orthogonalize "
-                    "sharded matrices yet; nothing was updated")
+                try:  # the other optimizers' rule (Shard(0) or Replicate), then Muon's own
+                    _dtensor.check_param(p, lambda q, w=where: w)
+                    _muon_dist.shard_dim(p, where)
+                except ValueError as e:
+                    raise MemfitValueError(f"{e}; nothing was updated" if at_step else str(e)) \
+                        from None
 
     def _plan_step(self, members=None):
         # Muon's own refusals too, before anything is written
@@ -187,22 +194,38 @@ class _MuonBase(_MemfitOptimizer):
         hp = dict(hp, sr_seed=0)  # the pass writes an update, rounded to nearest
         stochastic = self._rounding(group) == "stochastic"
         lr, decay = group["lr"], 1 - group["lr"] * group["weight_decay"]
-        for n, (p, g, states, seen) in enumerate(items):
-            # the momentum pass writes the update into `out` (the kernels' "param")
-            out = torch.empty_like(g, memory_format=torch.contiguous_format)
-            super()._step_bucket(group, hp, device, fmt, [(out, g, states, seen)],
-                                 grad_scale, None)
-            rows, cols = _matrix_shape(p.shape)
-            o = zeropower_via_newtonschulz(out.view(rows, cols), group["ns_coefficients"],
-                                           group["ns_steps"], group["eps"]).view(p.shape)
-            alpha = -adjusted_lr(lr, group["adjust_lr_fn"], rows, cols)
-            if p.dtype == torch.float32 or not stochastic:
-                p.mul_(decay)  # torch.optim.Muon's two ops
-                p.add_(o, alpha=alpha)
-                continue
-            v = p.float().mul_(decay).add_(o, alpha=alpha)
-            p.copy_(_cast.cast(v, p.dtype, rounding="stochastic",
-                               seed=_core.stream_seed(call_seed, n)))
+
+        def newton_schulz(u):
+            return zeropower_via_newtonschulz(u, group["ns_coefficients"], group["ns_steps"],
+                                              group["eps"])
+
+        # seen[8]: the DTensor a local shard belongs to (None: a plain tensor). A batch is
+        # one tensor, or up to W row-sharded ones orthogonalized by W ranks at once
+        for batch in _muon_dist.batches([seen[8] for *_, seen in items]):
+            updates = []
+            for n in batch:
+                p, g, states, seen = items[n]
+                # the momentum pass writes the update into `out` (the kernels' "param")
+                out = torch.empty_like(g, memory_format=torch.contiguous_format)
+                super()._step_bucket(group, hp, device, fmt, [(out, g, states, seen)],
+                                     grad_scale, None)
+                whole = p if seen[8] is None else seen[8]
+                rows, cols = _matrix_shape(whole.shape)  # the whole matrix's
+                updates.append((seen[8], out.view(p.shape[0], cols), rows, cols))
+            orthogonal = _muon_dist.orthogonalize([u[:2] for u in updates], newton_schulz,
+                                                  NS_DTYPE)
+            for n, o, (_, _, rows, cols) in zip(batch, orthogonal, updates):
+                p, seen = items[n][0], items[n][3]
+                o = o.view(p.shape)
+                alpha = -adjusted_lr(lr, group["adjust_lr_fn"], rows, cols)
+                if p.dtype == torch.float32 or not stochastic:
+                    p.mul_(decay)  # torch.optim.Muon's two ops
+                    p.add_(o, alpha=alpha)
+                    continue
+                # tensor n of the call, its element index_base + i for local element i
+                seed = _core.cast_seed(_core.stream_seed(call_seed, n), seen[3])
+                v = p.float().mul_(decay).add_(o, alpha=alpha)
+                p.copy_(_cast.cast(v, p.dtype, rounding="stochastic", seed=seed))
 
 
 def _pair(name, value):
