@@ -442,11 +442,7 @@ class _MemfitOptimizer(torch.optim.Optimizer, _format.MemfitOptimizerBase):
         sd["memfit"] = {"optimizer": type(self).__name__, "format_version": _format.FORMAT_VERSION}
         for g in sd["param_groups"]:  # new dicts (torch packs each group anew)
             g[_format.GROUP_FORMAT_KEY] = _format.FORMAT_VERSION
-        for hook in list(post_hooks.values()):
-            result = hook(self, sd)
-            if result is not None:
-                sd = result
-        return sd
+        return run_state_dict_post_hooks(self, sd, post_hooks)
 
     def _check_saved_format(self, state_dict, versions=None, same_class=True) -> None:
         """Refuses a state dict that memfit did not save in one of ``versions`` (by
@@ -501,11 +497,7 @@ class _MemfitOptimizer(torch.optim.Optimizer, _format.MemfitOptimizerBase):
         ``state`` that belong to no parameter are kept as they are, unless they look
         like a parameter's state (hold memfit's state keys): then it is refused, as a
         state that would be lost (shifted or string ids)."""
-        state_dict = state_dict.copy() if isinstance(state_dict, dict) else state_dict
-        for hook in list(self._optimizer_load_state_dict_pre_hooks.values()):
-            result = hook(self, state_dict)
-            if result is not None:
-                state_dict = result
+        state_dict = run_load_state_dict_pre_hooks(self, state_dict)
         name = type(self).__name__
         _checks.check_structure(name, state_dict)
         if _format.saved_format(state_dict) != (None, None):
@@ -566,8 +558,7 @@ class _MemfitOptimizer(torch.optim.Optimizer, _format.MemfitOptimizerBase):
             state[p] = loaded
         self.__setstate__({"state": state, "param_groups": new_groups})
         self.__dict__.pop("_state_checked", None)  # new states: check them on the next step
-        for hook in list(self._optimizer_load_state_dict_post_hooks.values()):
-            hook(self)
+        run_load_state_dict_post_hooks(self)
 
     @staticmethod
     def _loaded_value(key, value, p):
@@ -576,6 +567,37 @@ class _MemfitOptimizer(torch.optim.Optimizer, _format.MemfitOptimizerBase):
         if _dtensor.is_dtensor(p) or _dtensor.is_dtensor(value):
             return _dtensor.loaded_value(key, value, p)
         return value.detach().to(device=p.device, copy=True)
+
+
+# torch's state-dict hooks, run as torch.optim.Optimizer runs them, for the optimizers
+# here and memfit.optim.offload's CPUOffloadOptimizer (whose state_dict is its wrapped
+# optimizer's): ``optimizer`` is the one the hooks were registered on, and is passed to them
+
+def run_state_dict_post_hooks(optimizer, state_dict, hooks=None):
+    """The state_dict post-hooks (``hooks``, by default the optimizer's) on the finished
+    dict; a hook may return a replacement."""
+    hooks = optimizer._optimizer_state_dict_post_hooks if hooks is None else hooks
+    for hook in list(hooks.values()):
+        result = hook(optimizer, state_dict)
+        if result is not None:
+            state_dict = result
+    return state_dict
+
+
+def run_load_state_dict_pre_hooks(optimizer, state_dict):
+    """The load_state_dict pre-hooks on a shallow copy of ``state_dict`` (the caller's
+    dict is not changed); a hook may return a replacement. Returns the dict to load."""
+    state_dict = state_dict.copy() if isinstance(state_dict, dict) else state_dict
+    for hook in list(optimizer._optimizer_load_state_dict_pre_hooks.values()):
+        result = hook(optimizer, state_dict)
+        if result is not None:
+            state_dict = result
+    return state_dict
+
+
+def run_load_state_dict_post_hooks(optimizer) -> None:
+    for hook in list(optimizer._optimizer_load_state_dict_post_hooks.values()):
+        hook(optimizer)
 
 
 def _storage_marks(states) -> tuple:

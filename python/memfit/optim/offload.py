@@ -39,7 +39,8 @@ import torch
 
 from memfit._C import MemfitTypeError, MemfitValueError
 from memfit.optim import _dtensor
-from memfit.optim._torch import _MemfitOptimizer
+from memfit.optim._torch import (_MemfitOptimizer, run_load_state_dict_post_hooks,
+                                 run_load_state_dict_pre_hooks, run_state_dict_post_hooks)
 
 __all__ = ["CPUOffloadOptimizer"]
 
@@ -250,6 +251,10 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
                      "_optimizer_state_dict_pre_hooks", "_optimizer_state_dict_post_hooks",
                      "_optimizer_load_state_dict_pre_hooks", "_optimizer_load_state_dict_post_hooks"):
             setattr(self, name, OrderedDict())
+        # torch.optim.Optimizer.__init__ (not called: the wrapped optimizer holds the groups)
+        # wraps the class's step once so that step runs the step hooks, torch's global
+        # ones included, as for any torch optimizer
+        self._patch_step_function()
         # the tensors whose .grad the step reads: the host copies when the gradients are
         # moved there, else the model's parameters (a scaler and clipping read these)
         it = iter(slots)
@@ -481,20 +486,26 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
 
     def state_dict(self):
         """The wrapped optimizer's state dict (loads into ``optimizer_class`` over the same
-        parameters, and back)."""
+        parameters, and back). The state-dict hooks registered on this optimizer run as
+        torch runs them (pre-hooks first, post-hooks on the finished dict)."""
         self._worker.wait()
-        return self.optimizer.state_dict()
+        for hook in list(self._optimizer_state_dict_pre_hooks.values()):
+            hook(self)
+        return run_state_dict_post_hooks(self, self.optimizer.state_dict())
 
     def load_state_dict(self, state_dict):
         """Loads a state dict of ``optimizer_class`` (saved offloaded or not), checked by
         it before anything changes; then the host copies are re-read from the model's
-        parameters, so load the model's weights first."""
+        parameters, so load the model's weights first. The load_state_dict hooks
+        registered on this optimizer run as torch runs them (a pre-hook may return a
+        replacement dict; post-hooks after loading)."""
         if self._stepping or any(s.stepped for s in self._slots):
             raise RuntimeError("CPUOffloadOptimizer.load_state_dict: called in the middle of a "
                                "step; call step() first; nothing was loaded")
         self._worker.wait()
-        self.optimizer.load_state_dict(state_dict)
+        self.optimizer.load_state_dict(run_load_state_dict_pre_hooks(self, state_dict))
         self.reload_params()
+        run_load_state_dict_post_hooks(self)
 
     @torch.no_grad()
     def reload_params(self) -> None:
