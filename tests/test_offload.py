@@ -333,15 +333,16 @@ def test_step_in_backward_a_parameter_without_gradient(offload):
                                                                                   True]
 
 
+@pytest.mark.parametrize("cls", [mo.AdamW8bit, mo.Muon8bit], ids=["AdamW8bit", "Muon8bit"])
 @pytest.mark.parametrize("offload", [True, False], ids=["host", "device"])
-def test_step_in_backward_plans_each_parameter_once(offload, monkeypatch):
+def test_step_in_backward_plans_each_parameter_once(offload, cls, monkeypatch):
     """A backward over n tensors costs O(n): each parameter list of the wrapped optimizer
     is read once per backward (for the tensors' places), each tensor is planned alone,
-    not all n again for each of the n tensors."""
+    not all n again for each of the n tensors (Muon's own checks included)."""
     torch.manual_seed(0)
     model = torch.nn.Sequential(*[torch.nn.Linear(16, 16) for _ in range(24)])
     n = len(list(model.parameters()))
-    opt = CPUOffloadOptimizer(model.parameters(), mo.AdamW8bit, offload=offload,
+    opt = CPUOffloadOptimizer(groups(model, cls), cls, offload=offload,
                               offload_gradients=offload, step_in_backward=True, lr=1e-3)
     reads = [0]
 
@@ -368,6 +369,58 @@ def test_step_in_backward_plans_each_parameter_once(offload, monkeypatch):
         opt.step()
         assert planned == [1] * n  # one plan per tensor, of that tensor alone
         assert reads[0] == n  # the places: one pass over the parameters per backward
+
+
+def test_scheduler_after_load_state_dict():
+    """After load_state_dict (which replaces the wrapped optimizer's group dicts), an LR
+    scheduler's lr still reaches the host step: bit-identical to the wrapped optimizer."""
+    model, ref_model, opt, ref = pair(mo.AdamW8bit, dict(lr=1e-2))
+    train(model, opt, steps=1)
+    train(ref_model, ref, steps=1)
+    opt.load_state_dict(opt.state_dict())
+    ref.load_state_dict(ref.state_dict())
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    rsched = torch.optim.lr_scheduler.StepLR(ref, step_size=1, gamma=0.5)
+    train(model, opt, steps=2, scheduler=sched)
+    train(ref_model, ref, steps=2, scheduler=rsched)
+    assert opt.optimizer.param_groups[0]["lr"] == opt.param_groups[0]["lr"] == 1e-2 * 0.25
+    assert_same(model, ref_model, opt, ref)
+
+
+def test_hooks_run_as_torch_runs_them():
+    """Step, state_dict and load_state_dict hooks registered on the offloader run, with
+    the offloader as their optimizer, in torch's order; returned replacements are used."""
+    model, ref_model, opt, ref = pair(mo.AdamW8bit, dict(lr=1e-2))
+    calls = []
+    opt.register_step_pre_hook(lambda o, a, k: calls.append(("step_pre", o is opt)))
+    opt.register_step_post_hook(lambda o, a, k: calls.append(("step_post", o is opt)))
+    train(model, opt, steps=1)
+    train(ref_model, ref, steps=1)
+    assert calls == [("step_pre", True), ("step_post", True)]
+    assert_same(model, ref_model, opt, ref)  # the hooks changed nothing else
+
+    calls.clear()
+    opt.register_state_dict_pre_hook(lambda o: calls.append(("sd_pre", o is opt)))
+    opt.register_state_dict_post_hook(
+        lambda o, sd: calls.append(("sd_post", o is opt)) or {**sd, "extra": 1})
+    sd = opt.state_dict()
+    assert calls == [("sd_pre", True), ("sd_post", True)] and sd["extra"] == 1
+    assert sd["memfit"]["optimizer"] == "AdamW8bit"
+
+    calls.clear()
+
+    def replace(o, d):  # a pre-hook's replacement is what loads
+        calls.append(("load_pre", o is opt))
+        return {**d, "param_groups": [dict(g, lr=0.125) for g in d["param_groups"]]}
+
+    opt.register_load_state_dict_pre_hook(replace)
+    opt.register_load_state_dict_post_hook(
+        lambda o: calls.append(("load_post", o is opt, o.param_groups[0]["lr"])))
+    del sd["extra"]
+    opt.load_state_dict(sd)
+    assert calls == [("load_pre", True), ("load_post", True, 0.125)]
+    assert [g["lr"] for g in opt.optimizer.param_groups] == [0.125, 0.125]
+    assert sd["param_groups"][0]["lr"] == 1e-2  # the caller's dict is not changed
 
 
 @pytest.mark.parametrize("offload", [True, False], ids=["host", "device"])

@@ -48,10 +48,15 @@ __all__ = ["CPUOffloadOptimizer"]
 class _Group(MutableMapping):
     """One of :attr:`CPUOffloadOptimizer.param_groups`: the wrapped optimizer's group
     (so an LR scheduler's ``group['lr'] = ...`` changes the lr the host step uses), with
-    ``'params'`` the tensors whose ``.grad`` the step reads."""
+    ``'params'`` the tensors whose ``.grad`` the step reads. The group is looked up at
+    each use: the wrapped optimizer's load_state_dict replaces its group dicts."""
 
-    def __init__(self, inner: dict, params: list):
-        self._inner, self._params = inner, params
+    def __init__(self, optimizer, index: int, params: list):
+        self._optimizer, self._index, self._params = optimizer, index, params
+
+    @property
+    def _inner(self) -> dict:
+        return self._optimizer.param_groups[self._index]
 
     def __getitem__(self, key):
         return self._params if key == "params" else self._inner[key]
@@ -258,9 +263,9 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
         # the tensors whose .grad the step reads: the host copies when the gradients are
         # moved there, else the model's parameters (a scaler and clipping read these)
         it = iter(slots)
-        self._groups = [_Group(ig, [(s.host if offload_gradients else s.dev)
-                                    for s in (next(it) for _ in ig["params"])])
-                        for ig in self.optimizer.param_groups]
+        self._groups = [_Group(self.optimizer, gi, [(s.host if offload_gradients else s.dev)
+                                                    for s in (next(it) for _ in ig["params"])])
+                        for gi, ig in enumerate(self.optimizer.param_groups)]
         self._hooks = []
         if offload_gradients or step_in_backward:
             for s in slots:
