@@ -149,14 +149,15 @@ class _MuonBase(_MemfitOptimizer):
         return _core.hparams(lr=group["lr"], weight_decay=group["weight_decay"],
                              momentum=group["momentum"], nesterov=group["nesterov"])
 
-    def _check_muon_params(self, gi, group, at_step) -> None:
+    def _check_muon_params(self, gi, group, at_step, members=None) -> None:
         """Refuses what Muon cannot orthogonalize: a parameter that is not a matrix (2-D)
         or a conv filter (4-D, flattened), and a DTensor parameter sharded otherwise than
-        by rows on one mesh dimension (Shard(0) with FSDP2 or HSDP; Replicate)."""
+        by rows on one mesh dimension (Shard(0) with FSDP2 or HSDP; Replicate).
+        ``members``: None (every parameter of the group), or only these [(index, p)]."""
         if not group.get("use_muon", True):
             return
         name = type(self).__name__
-        for i, p in enumerate(group["params"]):
+        for i, p in (enumerate(group["params"]) if members is None else members):
             if at_step and p.grad is None:
                 continue
             where = f"{name}: param_groups[{gi}]['params'][{i}] (shape {tuple(p.shape)})"
@@ -175,9 +176,12 @@ class _MuonBase(_MemfitOptimizer):
                         from None
 
     def _plan_step(self, members=None):
-        # Muon's own refusals too, before anything is written
+        # Muon's own refusals too, before anything is written; of the parameters being
+        # stepped only (members: the step in backward steps one tensor at a time, in O(1))
         for gi, group in enumerate(self.param_groups):
-            self._check_muon_params(gi, group, at_step=True)
+            if members is None or gi in members:
+                self._check_muon_params(gi, group, at_step=True,
+                                        members=None if members is None else members[gi])
         return super()._plan_step(members)
 
     def _step_bucket(self, group, hp, device, fmt, items, grad_scale, found_inf):
