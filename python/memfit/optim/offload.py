@@ -39,8 +39,12 @@ import torch
 
 from memfit._C import MemfitTypeError, MemfitValueError
 from memfit.optim import _dtensor
-from memfit.optim._torch import (_MemfitOptimizer, run_load_state_dict_post_hooks,
-                                 run_load_state_dict_pre_hooks, run_state_dict_post_hooks)
+from memfit.optim._torch import (
+    _MemfitOptimizer,
+    run_load_state_dict_post_hooks,
+    run_load_state_dict_pre_hooks,
+    run_state_dict_post_hooks,
+)
 
 __all__ = ["CPUOffloadOptimizer"]
 
