@@ -296,3 +296,22 @@ def test_newton_schulz_matches_torch():
         g = torch.randn(shape)
         ours = zeropower_via_newtonschulz(g, (3.4445, -4.7750, 2.0315), 5, 1e-7)
         assert torch.equal(ours, _zeropower_via_newtonschulz(g, (3.4445, -4.7750, 2.0315), 5, 1e-7))
+
+
+def test_switching_a_muon_group_to_adamw_is_refused_and_changes_nothing():
+    """A group built for Muon has no AdamW betas: flipping use_muon afterwards is refused
+    by the step (naming the group and what is missing), before anything is written."""
+    torch.manual_seed(0)
+    m = torch.nn.Linear(64, 96)
+    opt = mo.Muon8bit(mo.muon_param_groups(m), lr=0.02)
+    m(torch.randn(4, 64)).sum().backward()
+    opt.step()
+    params = [p.detach().clone() for p in m.parameters()]
+    states = copy.deepcopy(opt.state_dict()["state"])
+    muon_group = next(g for g in opt.param_groups if g.get("use_muon", True))
+    muon_group["use_muon"] = False
+    with pytest.raises(ValueError, match=r"param_groups\[\d\]: use_muon=False: the group has no betas"):
+        opt.step()
+    assert all(torch.equal(p, q) for p, q in zip(m.parameters(), params))
+    after = opt.state_dict()["state"]
+    assert all(torch.equal(after[k][n], v) for k, st in states.items() for n, v in st.items())

@@ -349,8 +349,8 @@ class _MemfitOptimizer(torch.optim.Optimizer, _format.MemfitOptimizerBase):
             # a group's values can change at any time (a schedule, a hand edit)
             hp = _checks.check_group(self, group, f"{name}.step: param_groups[{gi}]")
             rounding = self._rounding(group)
-            layout = (group["bits"], group.get("block_size"), group["min_8bit_size"], rounding,
-                      hp["momentum"])
+            layout = (self._group_kind(group), group["bits"], group.get("block_size"),
+                      group["min_8bit_size"], rounding, hp["momentum"])
             buckets = {}  # (device, format) -> [(p, grad, states, seen)], in first-seen order
             halves = set()
             for i, p in (enumerate(group["params"]) if members is None else members[gi]):
