@@ -54,25 +54,27 @@ def load_text():
 
 
 class CharMLP(torch.nn.Module):
-    def __init__(self):
+    def __init__(self, hidden=HIDDEN):
         super().__init__()
         self.emb = torch.nn.Embedding(VOCAB, EMB)
         self.net = torch.nn.Sequential(
-            torch.nn.Linear(CONTEXT * EMB, HIDDEN), torch.nn.GELU(),
-            torch.nn.Linear(HIDDEN, HIDDEN), torch.nn.GELU(),
-            torch.nn.Linear(HIDDEN, VOCAB))
+            torch.nn.Linear(CONTEXT * EMB, hidden), torch.nn.GELU(),
+            torch.nn.Linear(hidden, hidden), torch.nn.GELU(),
+            torch.nn.Linear(hidden, VOCAB))
 
     def forward(self, x):
         return self.net(self.emb(x).flatten(1))
 
 
-def batches(text, n, batch, seed):
+def batches(text, n, batch, seed, context=CONTEXT):
+    """n batches of ``batch`` random windows of ``context`` tokens of ``text`` (an
+    array of token ids), each with the token that follows as the target."""
     rng = np.random.default_rng(seed)
-    idx = rng.integers(0, len(text) - CONTEXT - 1, size=(n, batch))
-    offs = np.arange(CONTEXT + 1)
+    idx = rng.integers(0, len(text) - context - 1, size=(n, batch))
+    offs = np.arange(context + 1)
     for row in idx:
         w = torch.from_numpy(text[row[:, None] + offs].astype(np.int64))
-        yield w[:, :CONTEXT], w[:, CONTEXT]
+        yield w[:, :context], w[:, context]
 
 
 OPTIMIZERS = {
@@ -93,9 +95,17 @@ def run(name, seed, train, held, steps, batch, lr):
     torch.manual_seed(seed)
     model = CharMLP().to(PARAM_DTYPE.get(name, torch.float32))
     opt = OPTIMIZERS[name](model.parameters(), lr)
+    return dict(optimizer=name, seed=seed, **fit(model, opt, train, held, steps, batch, seed))
+
+
+def fit(model, opt, train, held, steps, batch, seed, context=CONTEXT):
+    """Trains ``model`` with ``opt`` for ``steps`` batches drawn with ``seed`` (the same
+    batches for every optimizer), then measures the held-out loss on 40 fixed batches
+    of 512: the training curve, that loss, the training loss averaged over the last 100
+    steps and the seconds taken."""
     curve = []
     t0 = time.perf_counter()
-    for x, y in batches(train, steps, batch, seed + 1000):
+    for x, y in batches(train, steps, batch, seed + 1000, context):
         loss = torch.nn.functional.cross_entropy(model(x).float(), y)
         opt.zero_grad(set_to_none=True)
         loss.backward()
@@ -104,8 +114,8 @@ def run(name, seed, train, held, steps, batch, lr):
     secs = time.perf_counter() - t0
     with torch.no_grad():
         held_loss = float(np.mean([torch.nn.functional.cross_entropy(model(x).float(), y).item()
-                                   for x, y in batches(held, 40, 512, 4242)]))
-    return {"optimizer": name, "seed": seed, "curve": curve, "held_out_loss": held_loss,
+                                   for x, y in batches(held, 40, 512, 4242, context)]))
+    return {"curve": curve, "held_out_loss": held_loss,
             "train_loss_last100": float(np.mean(curve[-100:])), "seconds": secs}
 
 

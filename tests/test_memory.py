@@ -225,3 +225,46 @@ def test_cli_estimate_bad_arguments(args, msg):
     out = run_cli(*args)
     assert out.returncode == 2
     assert msg in out.stderr
+
+
+def test_muon_state_bytes_hand_computed_and_measured():
+    """--optimizer muon8bit / muon: the hidden matrices at Muon's bytes (8-bit momentum +
+    one float32 absmax per 256, or float32), the rest at AdamW8bit's / AdamW's (1-D
+    tensors at 8 B); by hand for gpt2, and against the storages a real Muon8bit / Muon
+    holds after a step on a small GPT split by muon_param_groups."""
+    spec = M.PRESETS["gpt2"]
+    hidden = 12 * (3 * 768 * 768 + 768 * 768 + 2 * 768 * 3072)  # c_attn, c_proj, c_fc, mlp_proj
+    vectors = 12 * (4 * 768 + 3 * 768 + 768 + 3072 + 768) + 2 * 768  # ln_1/2, biases; ln_f
+    embeddings = 50257 * 768 + 1024 * 768  # wte (tied head), wpe
+    assert hidden + vectors + embeddings == PUBLISHED["gpt2"]
+    base = M.Setup(batch=8, seq=1024, precision="fp32")
+    muon8 = M.estimate(spec, M.replace(base, optimizer="muon8bit")).optimizer
+    assert muon8 == int(hidden * (1 + 4 / 256) + embeddings * (2 + 8 / 256) + vectors * 8)
+    assert M.estimate(spec, M.replace(base, optimizer="muon")).optimizer == hidden * 4 + (embeddings + vectors) * 8
+    # about 1 byte per hidden-matrix parameter against AdamW8bit's 2.03
+    adamw8 = M.estimate(spec, M.replace(base, optimizer="adamw8bit")).optimizer
+    assert adamw8 - muon8 == pytest.approx(hidden * (2 + 8 / 256 - 1 - 4 / 256))
+    # no known split for a model given by its parameter count: all of it at AdamW's bytes
+    counted = M.replace(spec, params_override=spec.n_params())
+    assert M.estimate(counted, M.replace(base, optimizer="muon8bit")).optimizer == \
+        M.estimate(counted, M.replace(base, optimizer="adamw8bit")).optimizer
+
+    import memfit.optim as mo
+    from memfit.profile import state_bytes
+
+    cfg = GPTConfig(n_layer=2, d_model=256, n_head=4, vocab=512, max_pos=64)
+    for cls, name in ((mo.Muon8bit, "muon8bit"), (mo.Muon, "muon")):
+        torch.manual_seed(0)
+        model = GPT(cfg)
+        params = list(model.parameters())
+        opt = cls(mo.muon_param_groups(model, lr=1e-3), lr=0.02)
+        for p in params:
+            p.grad = torch.randn_like(p)
+        opt.step()
+        est = M.estimate(spec_of(cfg), M.Setup(batch=1, seq=64, optimizer=name, gpu=False))
+        # every storage the states hold, counted once; plus each tensor's float32 step
+        assert state_bytes(opt) == est.optimizer + 4 * len(params), (name, state_bytes(opt), est.optimizer)
+
+    out = run_cli("estimate", "gpt2", "--json", "--precision", "fp32", "--optimizer", "muon8bit")
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout)["setting"]["optimizer"] == muon8

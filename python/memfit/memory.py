@@ -39,6 +39,14 @@ Optimizer states per parameter: AdamW 8 B; 8-bit AdamW 2 B + 2 float32 absmax pe
 8-bit Lion 1.02 B; ``adamw-bf16`` (torch's fused CUDA AdamW with bfloat16 moments beside
 float32 parameters, a peer's option for comparison: every tensor, 1-D too) 4 B. memfit's 8-/4-bit optimizers keep float32 states for 1-D parameters
 (biases, norms: ``vector_params``), so those count at the 32-bit optimizer's bytes.
+Muon (``muon8bit``: memfit's Muon8bit, ``muon``: torch.optim.Muon or memfit's Muon with
+float32 momentum) keeps one momentum per hidden matrix (the layers' attention and MLP
+weights: ``ModelSpec.hidden_matrix_params``), 1 B + a float32 absmax per 256 (1.016 B) or
+4 B; everything else (embeddings, the output head, biases, norms, ``extra_params``: RoBERTa's
+pooler is a matrix but counts here, an upper bound) is AdamW's, as memfit.optim.muon_param_groups splits a model: at ``adamw8bit``'s bytes
+(1-D at 8 B) or ``adamw``'s. A model given by its parameter count has no known split:
+all of it counts at the AdamW bytes (an upper bound). The step's scratch (one matrix's
+update and Newton-Schulz's bfloat16 copies, alive during the step only) is not counted.
 Pure bf16 with a Kahan compensation buffer (``kahan=True``, memfit's optimizers'
 option): + 2 B (the buffer is bf16, like the weights; fp32 weights need none).
 
@@ -63,6 +71,10 @@ OPTIMIZER_BYTES = {  # bytes of state per parameter
     "sgd": 4.0, "lion": 4.0, "lion8bit": 1.0 + 4 / 256,
     "adamw-bf16": 2.0 + 2.0,  # torch's fused CUDA AdamW, bfloat16 exp_avg and exp_avg_sq
 }
+# Muon: bytes per parameter of a hidden matrix (its momentum); the rest of the model is
+# stepped by the AdamW of MUON_REST
+OPTIMIZER_BYTES.update({"muon8bit": 1.0 + 4 / 256, "muon": 4.0})
+MUON_REST = {"muon8bit": "adamw8bit", "muon": "adamw"}
 # the quantized optimizers' bytes per parameter for 1-D tensors: those of their 32-bit form
 VECTOR_OPTIMIZER_BYTES = {q: OPTIMIZER_BYTES[full] for q, full in
                           {"adamw8bit": "adamw", "adam8bit": "adam", "adamw4bit": "adamw",
@@ -113,12 +125,16 @@ class ModelSpec:
         norms = 2 * (2 * h if self.norm == "layernorm" else h)
         return attn + mlp + norms
 
-    def matmul_params(self) -> int:
-        """Weights that go through matrix products (layers and the output head)."""
+    def hidden_matrix_params(self) -> int:
+        """The layers' 2-D weights (attention and MLP): what Muon steps."""
         h, f = self.d_model, self.ff
         kv = h * self.kv_heads // self.n_head
         per_layer = 2 * h * h + 2 * h * kv + (3 if self.mlp == "swiglu" else 2) * h * f
-        return self.n_layer * per_layer + self.vocab * h
+        return self.n_layer * per_layer
+
+    def matmul_params(self) -> int:
+        """Weights that go through matrix products (layers and the output head)."""
+        return self.hidden_matrix_params() + self.vocab * self.d_model
 
     def vector_params(self) -> int:
         """Parameters in 1-D tensors: biases and norm weights (0 for a model given by
@@ -403,12 +419,27 @@ def activation_bytes(spec: ModelSpec, setup: Setup) -> dict:
     # under checkpointing only the layers being recomputed hold theirs
     copies = 0
     if setup.precision in ("fp16", "bf16"):
-        layer_w = (spec.matmul_params() - spec.vocab * h) // max(n, 1)
+        layer_w = spec.hidden_matrix_params() // max(n, 1)
         held = n if setup.checkpoint == "none" else (1 if setup.checkpoint == "every" else
                                                         math.ceil(n / max(1, round(math.sqrt(n)))))
         copies = 2 * (held * layer_w + spec.vocab * h)
     return {"per_layer": layer, "layers": int(layers), "outside_layers": int(outside), "logits": int(logits),
             "weight_copies": int(copies)}
+
+
+def optimizer_state_bytes(spec: ModelSpec, optimizer: str) -> int:
+    """Bytes of ``optimizer``'s states for ``spec`` (see the module docstring): matrices at
+    OPTIMIZER_BYTES, 1-D tensors at VECTOR_OPTIMIZER_BYTES; under Muon the hidden
+    matrices at Muon's bytes and the rest at its AdamW's (MUON_REST)."""
+    p, v = spec.n_params(), spec.vector_params()
+    muon = 0
+    if optimizer in MUON_REST:
+        muon = 0 if spec.params_override is not None else spec.hidden_matrix_params()
+        rest = MUON_REST[optimizer]
+    else:
+        rest = optimizer
+    return int(muon * OPTIMIZER_BYTES[optimizer] + (p - v - muon) * OPTIMIZER_BYTES[rest]
+               + v * VECTOR_OPTIMIZER_BYTES.get(rest, OPTIMIZER_BYTES[rest]))
 
 
 def estimate(spec: ModelSpec, setup: Setup) -> Estimate:
@@ -417,10 +448,7 @@ def estimate(spec: ModelSpec, setup: Setup) -> Estimate:
     p = spec.n_params()
     pure = setup.precision == "bf16-pure"
     weights = grads = p * param_bytes(setup.precision)
-    v = spec.vector_params()
-    opt = (int((p - v) * OPTIMIZER_BYTES[setup.optimizer]
-               + v * VECTOR_OPTIMIZER_BYTES.get(setup.optimizer, OPTIMIZER_BYTES[setup.optimizer]))
-           + (2 * p if pure and setup.kahan else 0))
+    opt = optimizer_state_bytes(spec, setup.optimizer) + (2 * p if pure and setup.kahan else 0)
     acts = activation_bytes(spec, setup)
     activations = acts["layers"] + acts["outside_layers"] + acts["logits"] + acts["weight_copies"]
     temp = setup.micro * setup.seq * spec.vocab * 4  # gradient of the logits
