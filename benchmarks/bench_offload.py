@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import time
@@ -128,7 +129,14 @@ def main(argv=None):
     ap.add_argument("--lr", type=float, default=1e-4)
     ap.add_argument("--recipes", default="device,offload,offload+sib,torchao")
     ap.add_argument("--out", default=str(_common.OUT_DIR / "bench_offload.json"))
+    ap.add_argument("--deterministic", action="store_true",
+                    help="torch.use_deterministic_algorithms(True): without it a GPU's "
+                    "backward (atomic adds) differs from run to run, and so do the "
+                    "parameters; name 'device' twice in --recipes to see that")
     args = ap.parse_args(argv)
+    if args.deterministic:
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        torch.use_deterministic_algorithms(True)
     device = torch.device(args.device)
     n_layer, d_model, n_head, vocab, seq, batch = SIZES[args.size]
     cfg = GPTConfig(n_layer=n_layer, d_model=d_model, n_head=n_head, vocab=vocab, max_pos=seq)
@@ -146,10 +154,11 @@ def main(argv=None):
         except ImportError as e:
             print(f"{recipe}: skipped ({e})")
             continue
-        if recipe == "device":
-            ref = final
-        row["bit_exact_vs_device"] = (None if ref is None or recipe == "device" else
+        # against the first device run (a second one shows whether the device repeats itself)
+        row["bit_exact_vs_device"] = (None if ref is None else
                                       all(torch.equal(a, b) for a, b in zip(ref, final)))
+        if recipe == "device" and ref is None:
+            ref = final
         rows.append(row)
     base = next((r for r in rows if r["recipe"] == "device"), None)
     gb = lambda b: "-" if b is None else f"{b / 1e9:.2f}"

@@ -10,7 +10,10 @@
 #   bash benchmarks/gpu_validate.sh build offload     # the offloading optimizer on a 1B GPT
 #   bash benchmarks/gpu_validate.sh build muon        # Muon on the GPU
 #
-# build: installs this checkout with CUDA for the GPU in hand only (MEMFIT_CUDA_ARCHS,
+# build: installs MEMFIT_WHEEL when set (a wheel built elsewhere for the device's Python
+#        and architecture: pip wheel -C cmake.define.MEMFIT_CUDA=ON
+#        -C cmake.define.MEMFIT_CUDA_ARCHS=90 .), else builds this checkout there:
+#        installs this checkout with CUDA for the GPU in hand only (MEMFIT_CUDA_ARCHS,
 #        default its compute capability, e.g. 90 on an H100: a fraction of the default
 #        five-architecture build). The build folder (build/) stays while the machine is
 #        warm, so a later call's build is incremental; a fresh machine builds again.
@@ -62,9 +65,15 @@ stage_build() {
       return 1
     }
   fi
-  step "build (MEMFIT_CUDA_ARCHS=$arch)" build.log $PY -m pip install --no-build-isolation \
-    --no-deps --config-settings=cmake.define.MEMFIT_CUDA=ON \
-    --config-settings=cmake.define.MEMFIT_CUDA_ARCHS="$arch" . &&
+  if [ -n "${MEMFIT_WHEEL:-}" ]; then
+    # a wheel built beforehand for this GPU's architecture saves the lease the build time
+    step "install $MEMFIT_WHEEL" build.log $PY -m pip install --no-deps --force-reinstall \
+      "$MEMFIT_WHEEL"
+  else
+    step "build (MEMFIT_CUDA_ARCHS=$arch)" build.log $PY -m pip install --no-build-isolation \
+      --no-deps --config-settings=cmake.define.MEMFIT_CUDA=ON \
+      --config-settings=cmake.define.MEMFIT_CUDA_ARCHS="$arch" .
+  fi &&
     step "memfit sees the GPU" build.log $PY -c "
 import memfit
 info = memfit.build_info()

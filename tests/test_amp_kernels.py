@@ -19,7 +19,17 @@ CHUNK = _C.scaler_layout()["chunk"]
 def torch_unscale(grads, scale):
     found = torch.zeros((), device=grads[0].device)
     inv = torch.full((), scale, device=grads[0].device).double().reciprocal().float()
-    torch._amp_foreach_non_finite_check_and_unscale_(grads, found, inv)
+    try:
+        torch._amp_foreach_non_finite_check_and_unscale_(grads, found, inv)
+    except NotImplementedError:
+        # torch before 2.12 has no bfloat16 CUDA kernel for this (seen with 2.11 on an
+        # H200): its CPU kernel, the same float32 product and cast, is the reference then
+        host = [g.cpu() for g in grads]
+        found_host = torch.zeros(())
+        torch._amp_foreach_non_finite_check_and_unscale_(host, found_host, inv.cpu())
+        for g, h in zip(grads, host):
+            g.copy_(h)
+        found.copy_(found_host)
     return found
 
 
