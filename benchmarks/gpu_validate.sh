@@ -109,8 +109,10 @@ stage_bench() {
 }
 
 stage_offload() {
+  # the device recipe twice: whether the GPU repeats its own run bit for bit (its backward
+  # does not, without --deterministic), before reading the offload rows' bit-exact column
   step "bench_offload --size 1b" offload.log $PY benchmarks/bench_offload.py --size 1b \
-    --steps 3 --out "$OUT/bench_offload.json"
+    --steps 3 --recipes device,device,offload,offload+sib,torchao --out "$OUT/bench_offload.json"
 }
 
 stage_muon() {
