@@ -117,10 +117,26 @@ MF_INLINE void load_params(const mf_optim_tensor *t, int64_t first, int64_t n, f
  * nearest-even rounding (mf_optim_store_param). */
 MF_INLINE void store_params(const mf_optim_hparams *h, const mf_optim_tensor *t,
                             const float *restrict v, int64_t first, int64_t n) {
-  if (h->stochastic_round || t->comp.data) {
-    for (int64_t i = 0; i < n; i++)
-      mf_optim_store_param(t->param.data, t->comp.data, first + i, t->param.dtype, v[i], h,
-                           t->sr_stream, t->index_base);
+  /* mf_optim_store_param's three cases, each a loop of its own with the dtype a constant:
+   * called per element, its branches kept the loop scalar, and stochastic rounding cost
+   * several times the rest of the step (benchmarks/RESULTS.md, "bf16 parameters"). */
+  const int bf = t->param.dtype == MF_BFLOAT16;
+  uint16_t *restrict out = (uint16_t *)t->param.data + first;
+  if (t->comp.data) {
+    uint16_t *restrict comp = (uint16_t *)t->comp.data + first;
+    if (bf)
+      for (int64_t i = 0; i < n; i++) mf_optim_kahan_split(v[i], MF_BFLOAT16, &out[i], &comp[i]);
+    else
+      for (int64_t i = 0; i < n; i++) mf_optim_kahan_split(v[i], MF_FLOAT16, &out[i], &comp[i]);
+  } else if (h->stochastic_round) {
+    const uint64_t seed = mf_optim_sr_seed(h, t->sr_stream);
+    const uint64_t base = (uint64_t)(t->index_base + first);
+    if (bf)
+      for (int64_t i = 0; i < n; i++)
+        out[i] = mf_f32_to_bf16_sr(v[i], (uint32_t)mf_hash64(seed, base + (uint64_t)i));
+    else
+      for (int64_t i = 0; i < n; i++)
+        out[i] = mf_f32_to_f16_sr(v[i], mf_hash64(seed, base + (uint64_t)i));
   } else {
     narrow(v, t->param.dtype, first, n, t->param.data);
   }

@@ -415,6 +415,12 @@ static inline MF_HD float mf_optim_load_param(const void *p, const void *comp, i
   return comp ? v + mf_load_f32(comp, i, dt) : v;
 }
 
+/* The seed of tensor `stream`'s stochastic rounding: element i of it rounds with the bits
+ * mf_hash64(seed, index_base + i). */
+static inline MF_HD uint64_t mf_optim_sr_seed(const mf_optim_hparams *h, int32_t stream) {
+  return h->sr_seed + 0x9e3779b97f4a7c15ull * (uint64_t)(stream + 1);
+}
+
 /* Stores an updated parameter value: Kahan-compensated when comp != NULL, else with
  * stochastic rounding (mf_optim_hparams.stochastic_round) or nearest-even. The random
  * bits of element i come from element number index_base + i of the tensor (see
@@ -425,8 +431,7 @@ static inline MF_HD void mf_optim_store_param(void *p, void *comp, int64_t i, mf
   if (comp) {
     mf_optim_kahan_split(v, dt, &((uint16_t *)p)[i], &((uint16_t *)comp)[i]);
   } else if (h->stochastic_round && dt != MF_FLOAT32) {
-    uint64_t r = mf_hash64(h->sr_seed + 0x9e3779b97f4a7c15ull * (uint64_t)(stream + 1),
-                           (uint64_t)(index_base + i));
+    uint64_t r = mf_hash64(mf_optim_sr_seed(h, stream), (uint64_t)(index_base + i));
     ((uint16_t *)p)[i] = dt == MF_BFLOAT16 ? mf_f32_to_bf16_sr(v, (uint32_t)r) : mf_f32_to_f16_sr(v, r);
   } else {
     mf_store_f32(p, i, dt, v);
