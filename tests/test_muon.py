@@ -172,21 +172,13 @@ def test_bad_values_are_refused_naming_them():
             mo.Muon8bit([p], **kw)
 
 
-def test_torch_flags_taken_checked_and_not_kept():
-    """fused/foreach/capturable/differentiable as memfit's other classes take them (the
-    contract's step equality is in test_optim_contract.py), none kept in the groups:
-    the groups (and state dicts) keep torch.optim.Muon's keys; maximize is not taken, as
-    torch.optim.Muon."""
+def test_maximize_not_taken_as_torch():
+    """torch.optim.Muon has no maximize, nor has memfit's (it takes torch's other flags
+    as the other classes do: tests/test_optim_torch_contract_fixes.py)."""
     p = torch.zeros(8, 8, requires_grad=True)
-    flags = {"maximize", "foreach", "fused", "capturable", "differentiable"}
-    opt = mo.Muon8bit([p], fused=True, foreach=False, capturable=False, differentiable=False)
-    assert not set(opt.param_groups[0]) & flags
-    assert not set(torch.optim.Muon([p]).param_groups[0]) & flags
-    for kw, err in [(dict(capturable=True), ValueError), (dict(differentiable=True), ValueError),
-                    (dict(fused=True, foreach=True), RuntimeError), (dict(fused="yes"), TypeError),
-                    (dict(maximize=True), TypeError)]:
-        with pytest.raises(err, match=next(iter(kw))):
-            mo.Muon8bit([p], **kw)
+    for cls in (mo.Muon8bit, mo.Muon, torch.optim.Muon):
+        with pytest.raises(TypeError, match="maximize"):
+            cls([p], maximize=True)
 
 
 def test_refused_step_changes_nothing():
