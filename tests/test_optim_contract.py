@@ -807,57 +807,69 @@ def test_step_hooks(case):
 
 @cases()
 def test_state_dict_hooks(case):
+    """The pre-hook runs before, the post-hook after the dict is made: it sees the whole
+    dict (memfit's has its "memfit" format record too), and what it returns is what
+    state_dict() returns; the optimizer's own groups are not changed."""
     model = case.linear()
     params = list(model.parameters())
     opt = case.make(params)
     _run(opt, params, _grads(params, 1))
     seen = []
-    opt.register_state_dict_pre_hook(lambda o: seen.append("pre"))
+    opt.register_state_dict_pre_hook(lambda o: seen.append(("pre", o is opt)))
 
     def post(o, sd):
-        seen.append("post")
+        seen.append(("post", o is opt, sorted(sd)))
         sd["param_groups"][0]["note"] = "from the post-hook"
-        return sd
+        return {**sd, "extra": 1}
 
     opt.register_state_dict_post_hook(post)
     sd = opt.state_dict()
-    assert seen == ["pre", "post"]
-    assert sd["param_groups"][0]["note"] == "from the post-hook"
+    keys = sorted(["param_groups", "state"] + (["memfit"] if case.memfit else []))
+    assert seen == [("pre", True), ("post", True, keys)]
+    assert sd["extra"] == 1 and sd["param_groups"][0]["note"] == "from the post-hook"
     assert "note" not in opt.param_groups[0]
 
 
 @cases()
 def test_load_state_dict_hooks(case):
-    """Pre-hooks run in order (prepend=True first) with the state dict and may return a
-    replacement, which is the one loaded; post-hooks run after the load (issue 30 §2)."""
+    """Pre-hooks run in order (prepend=True first) with the state dict; one may return a
+    replacement, which the later hooks get and which is the one loaded (every group);
+    post-hooks run after the load; the caller's dict is not changed (issue 30 §2)."""
+    def groups(model):  # two groups (the mixed Muon form: a Muon and an AdamW one)
+        return [{"params": [model.weight]}, {"params": [model.bias]}]
+
     model = case.linear()
     params = list(model.parameters())
-    opt = case.make(params)
+    opt = case.make(groups(model))
     _run(opt, params, _grads(params, 2))
     sd = opt.state_dict()
-    target = case.make(list(case.linear().parameters()))
+    target = case.make(groups(case.linear()))
     seen = []
 
+    def lrs(groups):
+        return [g["lr"] for g in groups]
+
     def replace(o, state_dict):
-        seen.append(("replace", o is target, state_dict["param_groups"][0]["lr"]))
+        seen.append(("replace", o is target, lrs(state_dict["param_groups"])))
         new = copy.deepcopy(state_dict)
-        new["param_groups"][0]["lr"] = 0.125
+        for g in new["param_groups"]:
+            g["lr"] = 0.125
         return new
 
-    def first(o, state_dict):
-        seen.append(("first", o is target, state_dict["param_groups"][0]["lr"]))
+    def after(o, state_dict):
+        seen.append(("after", o is target, lrs(state_dict["param_groups"])))
 
     def post(o):
-        seen.append(("post", o is target, o.param_groups[0]["lr"]))
+        seen.append(("post", o is target, lrs(o.param_groups)))
 
-    target.register_load_state_dict_pre_hook(replace)
-    target.register_load_state_dict_pre_hook(first, prepend=True)
+    target.register_load_state_dict_pre_hook(after)
+    target.register_load_state_dict_pre_hook(replace, prepend=True)
     target.register_load_state_dict_post_hook(post)
     target.load_state_dict(sd)
     lr = case.kwargs["lr"]
-    assert seen == [("first", True, lr), ("replace", True, lr), ("post", True, 0.125)]
-    assert target.param_groups[0]["lr"] == 0.125
-    assert sd["param_groups"][0]["lr"] == lr  # the caller's dict is not changed
+    assert seen == [("replace", True, [lr, lr]), ("after", True, [0.125, 0.125]),
+                    ("post", True, [0.125, 0.125])]
+    assert lrs(sd["param_groups"]) == [lr, lr]  # the caller's dict is not changed
 
 
 # -- state dicts ---------------------------------------------------------------------------

@@ -1,6 +1,7 @@
 """torch's optimizer contract in the corners issues 30 and 31 found broken: every check
 before the first write (a refused step or load changes nothing, bit for bit), torch's
-flags, load/state-dict hooks, older state dicts, and the error classes of refusals.
+flags, older state dicts, and the error classes of refusals (the load/state-dict hooks:
+tests/test_optim_contract.py).
 
 Each test runs over every memfit class, with the parameters in one param group or two.
 """
@@ -233,42 +234,7 @@ def test_torch_flags_accepted_kept_like_torch_or_refused(cls):
         CLASSES[cls]([p], betas=(torch.tensor(0.9), torch.tensor(0.99)))
 
 
-# -- 6. load_state_dict and state_dict hooks ---------------------------------------------------------
-
-@all_classes
-@groups_1_2
-def test_state_dict_hooks_run_where_torch_runs_them(cls, n_groups):
-    opt = make(cls, n_groups)
-    step(opt)
-    sd = opt.state_dict()
-    calls = []
-
-    def pre_a(o, d):
-        calls.append(("pre_a", o is opt, d is not sd))
-        return None
-
-    def pre_b(o, d):  # registered with prepend=True: runs first, returns a replacement
-        calls.append(("pre_b", o is opt))
-        new = dict(d)
-        new["param_groups"] = [dict(g, lr=0.125) for g in d["param_groups"]]
-        return new
-
-    def post(o):
-        calls.append(("post", o is opt, o.param_groups[0]["lr"]))
-
-    opt.register_load_state_dict_pre_hook(pre_a)
-    opt.register_load_state_dict_pre_hook(pre_b, prepend=True)
-    opt.register_load_state_dict_post_hook(post)
-    opt.load_state_dict(sd)
-    assert calls == [("pre_b", True), ("pre_a", True, True), ("post", True, 0.125)]
-    assert all(g["lr"] == 0.125 for g in opt.param_groups)
-    assert sd["param_groups"][0]["lr"] != 0.125  # the caller's dict is not changed
-
-    seen = []
-    opt.register_state_dict_pre_hook(lambda o: seen.append("pre"))
-    opt.register_state_dict_post_hook(lambda o, d: seen.append(sorted(d)) or dict(d, extra=1))
-    out = opt.state_dict()
-    assert seen == ["pre", ["memfit", "param_groups", "state"]] and out["extra"] == 1
+# -- 6. load_state_dict and state_dict hooks: test_optim_contract.py (every class, two groups)
 
 
 # -- 7. older and hand-edited state dicts --------------------------------------------------------------
