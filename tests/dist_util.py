@@ -114,4 +114,33 @@ def run_ranks(fn, world_size: int = 2, args: tuple = (), timeout: float = DEFAUL
     return [torch.load(io.BytesIO(got[r][1]), weights_only=False) for r in range(world_size)]
 
 
-__all__ = ["run_ranks", "DEFAULT_TIMEOUT_S"]
+def checkpoint_spawns(checks_rank, prefix: str, timeouts=(180, 240)) -> tuple:
+    """Module-scoped fixtures ``(ckpt_dirs, one_rank, two_ranks)`` for a file whose
+    ``checks_rank(rank, world, save_to, load_from)`` runs every check of one world size
+    in one spawn, saving a checkpoint to ``save_to`` and resuming the one in
+    ``load_from`` (None: none): ``ckpt_dirs`` is two fresh directories (world sizes 1
+    and 2), ``one_rank`` the 1-rank result, ``two_ranks`` the 2-rank results (a list),
+    spawned after one_rank as it resumes that run's checkpoint. In the test file::
+
+        ckpt_dirs, one_rank, two_ranks = checkpoint_spawns(_checks_rank, "muon")
+    """
+
+    @pytest.fixture(scope="module")
+    def ckpt_dirs(tmp_path_factory):
+        return (str(tmp_path_factory.mktemp(f"{prefix}_w1")),
+                str(tmp_path_factory.mktemp(f"{prefix}_w2")))
+
+    @pytest.fixture(scope="module")
+    def one_rank(ckpt_dirs):
+        return run_ranks(checks_rank, world_size=1, args=(ckpt_dirs[0], None),
+                         timeout=timeouts[0])[0]
+
+    @pytest.fixture(scope="module")
+    def two_ranks(ckpt_dirs, one_rank):
+        return run_ranks(checks_rank, world_size=2, args=(ckpt_dirs[1], ckpt_dirs[0]),
+                         timeout=timeouts[1])
+
+    return ckpt_dirs, one_rank, two_ranks
+
+
+__all__ = ["run_ranks", "checkpoint_spawns", "DEFAULT_TIMEOUT_S"]

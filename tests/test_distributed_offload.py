@@ -24,8 +24,6 @@ resumes the 2-rank checkpoint); each runs many checks and returns plain values, 
 assertions run here.
 """
 
-import copy
-
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -33,7 +31,7 @@ dist = pytest.importorskip("torch.distributed")
 if not dist.is_available():
     pytest.skip("torch was built without torch.distributed", allow_module_level=True)
 
-from dist_util import run_ranks  # noqa: E402
+from dist_util import checkpoint_spawns, run_ranks  # noqa: E402
 from test_distributed_optim import (  # noqa: E402 - one definition of each helper
     AFTER,
     MIN_8BIT,
@@ -270,20 +268,7 @@ def _checks_rank(rank, world, save_to, load_from):
 # ---- the tests -----------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def ckpt_dirs(tmp_path_factory):
-    return str(tmp_path_factory.mktemp("ckpt_w1")), str(tmp_path_factory.mktemp("ckpt_w2"))
-
-
-@pytest.fixture(scope="module")
-def one_rank(ckpt_dirs):
-    return run_ranks(_checks_rank, world_size=1, args=(ckpt_dirs[0], None), timeout=180)[0]
-
-
-@pytest.fixture(scope="module")
-def two_ranks(ckpt_dirs, one_rank):
-    # after one_rank: it resumes the checkpoint the 1-rank run saved
-    return run_ranks(_checks_rank, world_size=2, args=(ckpt_dirs[1], ckpt_dirs[0]), timeout=240)
+ckpt_dirs, one_rank, two_ranks = checkpoint_spawns(_checks_rank, "ckpt")
 
 
 def test_offloaded_training_equals_fsdp2_without_offload(one_rank, two_ranks):

@@ -172,6 +172,15 @@ def test_bad_values_are_refused_naming_them():
             mo.Muon8bit([p], **kw)
 
 
+def test_maximize_not_taken_as_torch():
+    """torch.optim.Muon has no maximize, nor has memfit's (it takes torch's other flags
+    as the other classes do: tests/test_optim_torch_contract_fixes.py)."""
+    p = torch.zeros(8, 8, requires_grad=True)
+    for cls in (mo.Muon8bit, mo.Muon, torch.optim.Muon):
+        with pytest.raises(TypeError, match="maximize"):
+            cls([p], maximize=True)
+
+
 def test_refused_step_changes_nothing():
     """A bad value in group 1 (a schedule's negative lr) is found before group 0 (Muon)
     is stepped; a non-matrix slipped into a Muon group after construction too."""

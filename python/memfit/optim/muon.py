@@ -96,13 +96,17 @@ class _MuonBase(_MemfitOptimizer):
     """Muon for ``use_muon`` groups (the default), AdamW for ``use_muon=False`` ones."""
 
     _kind = _core.MUON
-    _TORCH_FLAGS = {}  # torch.optim.Muon keeps none of torch's flags in its groups
+    # torch.optim.Muon has none of torch's flags; the other classes' keywords are taken
+    # (and checked) all the same, so that a swap from them keeps working, but none is
+    # kept in the groups: the state dicts stay torch.optim.Muon's
+    _TORCH_FLAGS = {}
 
     def __init__(self, params, lr=1e-3, weight_decay=0.1, momentum=0.95, nesterov=True,
                  ns_coefficients=NS_COEFFICIENTS, eps=NS_EPS, ns_steps=NS_STEPS,
                  adjust_lr_fn=None, *, adamw_lr=None, adamw_betas=ADAMW_BETAS,
                  adamw_eps=ADAMW_EPS, adamw_weight_decay=None, block_size=None,
-                 min_8bit_size=4096, bf16_stochastic_round=None):
+                 min_8bit_size=4096, bf16_stochastic_round=None, foreach=None, fused=None,
+                 capturable=False, differentiable=False):
         # read by add_param_group, which the base constructor calls for every group
         self._adamw_defaults = dict(betas=tuple(adamw_betas), eps=adamw_eps)
         if adamw_lr is not None:
@@ -114,7 +118,8 @@ class _MuonBase(_MemfitOptimizer):
                                       eps=eps, ns_steps=ns_steps, adjust_lr_fn=adjust_lr_fn,
                                       use_muon=True),
                          block_size=block_size, min_8bit_size=min_8bit_size,
-                         bf16_stochastic_round=bf16_stochastic_round)
+                         bf16_stochastic_round=bf16_stochastic_round, foreach=foreach,
+                         fused=fused, capturable=capturable, differentiable=differentiable)
 
     def _group_kind(self, group) -> int:
         return _core.MUON if group.get("use_muon", True) else _core.ADAMW
@@ -276,9 +281,17 @@ class Muon8bit(_MuonBase):
     ``adjust_lr_fn``), plus ``adamw_lr``, ``adamw_betas=(0.9, 0.95)``,
     ``adamw_eps=1e-8``, ``adamw_weight_decay`` (defaults of ``use_muon=False`` groups;
     lr and weight decay default to Muon's), ``block_size``, ``min_8bit_size`` and
-    ``bf16_stochastic_round`` (see :mod:`memfit.optim.optimizers`). Parameters of Muon
-    groups: 2-D, or 4-D conv filters (flattened to (out, in*kh*kw)). See
-    :mod:`memfit.optim.muon` and docs/optim.md.
+    ``bf16_stochastic_round`` (see :mod:`memfit.optim.optimizers`), and torch's
+    ``fused``/``foreach`` (no effect: always fused), ``capturable``/``differentiable``
+    (False; True is refused), as memfit's other classes take them (``maximize`` is not
+    taken, as torch.optim.Muon). Parameters of Muon groups: 2-D, or 4-D conv filters
+    (flattened to (out, in*kh*kw)). See :mod:`memfit.optim.muon` and docs/optim.md.
+
+    Example::
+
+        groups = memfit.optim.muon_param_groups(model, lr=3e-4)  # AdamW: the rest
+        opt = memfit.optim.Muon8bit(groups, lr=0.02)
+        loss.backward(); opt.step(); opt.zero_grad()
     """
 
     _bits = 8
