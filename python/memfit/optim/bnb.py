@@ -29,8 +29,8 @@ memfit does instead; none is ignored:
 
 - ``optim_bits`` (8 or 32; ``args.optim_bits`` where ``args`` is given): the state
   format, as bitsandbytes; anything else (``"banana"``, None) raises. The ``*8bit`` and
-  ``*32bit`` classes accept only the default 32 (bitsandbytes' ``*8bit`` raise for
-  anything else, its ``*32bit`` ignore it) and keep their own format.
+  ``*32bit`` classes accept only their default, 32 (``Adagrad8bit``'s: 8; bitsandbytes'
+  ``*8bit`` raise for anything else, its ``*32bit`` ignore it), and keep their own format.
 - ``betas`` of Adam and AdamW may be a string, ``"(0.9, 0.995)"`` (fairseq's configs),
   as bitsandbytes parses it: read as a literal pair of numbers, never evaluated. Lion
   takes no string (bitsandbytes fails on one): ValueError.
