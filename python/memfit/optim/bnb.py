@@ -70,8 +70,8 @@ from memfit.optim import optimizers as _m
 from memfit.optim._torch import _MemfitOptimizer
 
 __all__ = [
-    "Adagrad", "Adagrad8bit", "Adagrad32bit", "Adam", "Adam8bit", "Adam32bit", "AdamW", "AdamW8bit", "AdamW32bit",
-    "GlobalOptimManager", "Lion", "Lion8bit", "Lion32bit",
+    "Adagrad", "Adagrad8bit", "Adagrad32bit",
+    "Adam", "Adam8bit", "Adam32bit", "AdamW", "AdamW8bit", "AdamW32bit", "GlobalOptimManager", "Lion", "Lion8bit", "Lion32bit",
     "PagedAdam", "PagedAdam8bit", "PagedAdam32bit", "PagedAdamW", "PagedAdamW8bit",
     "PagedAdamW32bit", "PagedLion", "PagedLion8bit", "PagedLion32bit",
     "RMSprop", "RMSprop8bit", "RMSprop32bit", "SGD", "SGD8bit", "SGD32bit",
