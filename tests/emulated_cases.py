@@ -178,6 +178,9 @@ OPTIM_SETUPS = [
     ("rmsprop", 8, 0.9, dict(lr=1e-3, alpha=0.99, eps=1e-8, momentum=0.9)),
     ("rmsprop", 4, 0.9, dict(lr=1e-3, alpha=0.99, eps=1e-8, momentum=0.9)),
     ("adam", 32, 0.0, dict(lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8)),
+    ("adagrad", 8, 0.0, dict(lr=1e-2, lr_decay=0.1, eps=1e-10, weight_decay=0.01)),
+    ("adagrad", 4, 0.0, dict(lr=1e-2, eps=1e-10)),
+    ("adagrad", 32, 0.0, dict(lr=1e-2, lr_decay=0.5, eps=1e-10, maximize=True)),
     # Muon's momentum pass: `params` is its output (the update), never read
     ("muon", 8, 0.95, dict(lr=0.02, weight_decay=0.1, momentum=0.95, nesterov=True)),
     ("muon", 4, 0.95, dict(lr=0.02, momentum=0.95, nesterov=False)),
@@ -185,9 +188,11 @@ OPTIM_SETUPS = [
 ]
 MUON_SETUPS = OPTIM_SETUPS[-3:]
 # functional.init has no "muon" (its step writes no parameter): Muon's states are laid
-# out as SGD's with momentum (one signed state), which init makes
-_INIT_KIND = {"muon": "sgd"}
-_KINDS = dict(functional._KINDS, muon=_core.MUON)
+# out as SGD's with momentum (one signed state), which init makes; Adagrad's one unsigned
+# state as RMSprop's without momentum
+_INIT_KIND = {"muon": "sgd", "adagrad": "rmsprop"}
+_KINDS = dict(functional._KINDS, muon=_core.MUON, adagrad=_core.ADAGRAD)
+ADAGRAD8 = next(s for s in OPTIM_SETUPS if s[:2] == ("adagrad", 8))
 
 STATE_KEYS = ("state1", "absmax1", "state2", "absmax2", "step", "kahan_comp")
 
@@ -260,14 +265,16 @@ def group_optim(r: Report, rng, full=True):
         for kind, bits, momentum, hp in MUON_SETUPS:  # an update in the gradient's dtype
             optim_case(r, rng, f"optim {kind}{bits} {dtype.name}", kind, bits,
                        256 if bits == 8 else 128, momentum, hp, shapes, dtype)
-        for kind, bits, momentum, hp in (OPTIM_SETUPS[0], OPTIM_SETUPS[2], OPTIM_SETUPS[3], OPTIM_SETUPS[6]):
+        for kind, bits, momentum, hp in (OPTIM_SETUPS[0], OPTIM_SETUPS[2], OPTIM_SETUPS[3], OPTIM_SETUPS[6],
+                                         ADAGRAD8):
             base = f"optim {kind}{bits} {dtype.name}"
             bs = 256 if bits == 8 else 128
             optim_case(r, rng, base, kind, bits, bs, momentum, hp, shapes, dtype)
             optim_case(r, rng, base + " kahan", kind, bits, bs, momentum, hp, shapes, dtype, kahan=True)
             optim_case(r, rng, base + " stochastic rounding", kind, bits, bs, momentum, hp, shapes, dtype,
                        sr=True)
-    for kind, bits, momentum, hp in (OPTIM_SETUPS[0], OPTIM_SETUPS[2], OPTIM_SETUPS[3], *MUON_SETUPS):
+    for kind, bits, momentum, hp in (OPTIM_SETUPS[0], OPTIM_SETUPS[2], OPTIM_SETUPS[3], ADAGRAD8,
+                                     *MUON_SETUPS):
         bs = 256 if bits == 8 else 128
         optim_case(r, rng, f"optim {kind}{bits} grad_scale/found_inf", kind, bits, bs, momentum, hp,
                    shapes, f32, steps=3, scaled=True)

@@ -15,7 +15,7 @@ from memfit.optim import functional as F
 
 
 ALL = [mo.AdamW8bit, mo.Adam8bit, mo.Lion8bit, mo.SGD8bit, mo.RMSprop8bit, mo.AdamW4bit,
-       mo.AdamW, mo.Adam]
+       mo.AdamW, mo.Adam, mo.Adagrad8bit, mo.Adagrad]
 
 
 def make(cls, params, **kw):
@@ -23,6 +23,8 @@ def make(cls, params, **kw):
         kw.setdefault("momentum", 0.9)
     if cls is mo.RMSprop8bit:
         kw.setdefault("momentum", 0.5)
+    if cls in (mo.Adagrad8bit, mo.Adagrad):  # the state starts at a constant, not 0
+        kw.setdefault("initial_accumulator_value", 0.1)
     return cls(params, **kw)
 
 
@@ -163,7 +165,8 @@ def test_dequantized_state_names():
     p = torch.nn.Parameter(torch.randn(32, 257))  # rows of 257: a partial block per row
     names = {mo.AdamW8bit: {"exp_avg", "exp_avg_sq"}, mo.Lion8bit: {"exp_avg"},
              mo.SGD8bit: {"momentum_buffer"}, mo.RMSprop8bit: {"square_avg", "momentum_buffer"},
-             mo.AdamW4bit: {"exp_avg", "exp_avg_sq"}, mo.AdamW: {"exp_avg", "exp_avg_sq"}}
+             mo.AdamW4bit: {"exp_avg", "exp_avg_sq"}, mo.AdamW: {"exp_avg", "exp_avg_sq"},
+             mo.Adagrad8bit: {"sum"}}
     for cls, want in names.items():
         opt = make(cls, [p])
         assert mo.dequantized_state(opt, p) == {}
@@ -203,7 +206,7 @@ def test_state_dict_bit_exact_resume(cls):
     train(m2, opt2, 4, seed=7)
     assert_same(uninterrupted, snapshot(m2, opt2))
     # quantized states really were exercised
-    if cls not in (mo.AdamW, mo.Adam):
+    if cls not in (mo.AdamW, mo.Adam, mo.Adagrad):
         assert any(s["state1"].dtype == torch.uint8 for s in opt2.state.values())
 
 
@@ -720,7 +723,8 @@ cases = [(mo.AdamW8bit, {}), (mo.Adam8bit, {"weight_decay": 0.1}), (mo.Lion8bit,
          (mo.SGD8bit, {"momentum": 0.9, "nesterov": True}), (mo.RMSprop8bit, {}),
          (mo.RMSprop8bit, {"momentum": 0.5}), (mo.AdamW8bit, {"block_size": 64}),
          (mo.AdamW8bit, {"block_size": 4096}), (mo.AdamW8bit, {"maximize": True}),
-         (mo.AdamW4bit, {}), (mo.AdamW4bit, {"block_size": 64, "weight_decay": 0.1})]
+         (mo.AdamW4bit, {}), (mo.AdamW4bit, {"block_size": 64, "weight_decay": 0.1}),
+         (mo.Adagrad8bit, {"lr_decay": 0.1, "weight_decay": 0.1, "initial_accumulator_value": 0.1})]
 out = []
 # float32 parameters take no rounding option (no compensation buffer, nothing to round):
 # the three modes would be one computation three times, so float32 runs once

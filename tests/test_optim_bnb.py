@@ -1,7 +1,7 @@
 """memfit.optim.bnb: a bitsandbytes user's optimizer lines run after an import swap.
 
 Signatures are checked against bitsandbytes' own (recorded below from the 0.49.2 and
-0.50.2 wheels' bitsandbytes/optim/{adamw,adam,lion,rmsprop,sgd}.py), every argument is
+0.50.2 wheels' bitsandbytes/optim/{adamw,adam,lion,rmsprop,sgd,adagrad}.py), every argument is
 passed in both spellings, what memfit cannot do raises ValueError, and a step is
 bit-identical to memfit's own class built with the translated arguments."""
 
@@ -21,6 +21,7 @@ _LION = "lr=0.0001, betas=(0.9, 0.99), weight_decay=0"
 _RMS = "lr=0.01, alpha=0.99, eps=1e-08, weight_decay=0, momentum=0, centered=False"
 _SGD = "lr, momentum=0, dampening=0, weight_decay=0, nesterov=False"
 _049 = "percentile_clipping=100, block_wise=True"
+_ADAGRAD = "lr=0.01, lr_decay=0, weight_decay=0, initial_accumulator_value=0, eps=1e-10"
 # class -> (0.49 signature, 0.50 signature), without `params`
 SIGNATURES = {
     "AdamW": (f"{_ADAMW}, {_049}, is_paged=False", f"{_ADAMW}, is_paged=False"),
@@ -53,6 +54,12 @@ SIGNATURES = {
             f"{_SGD}, optim_bits=32, args=None, min_8bit_size=4096"),
     "SGD8bit": (f"{_SGD}, args=None, min_8bit_size=4096, {_049}", f"{_SGD}, args=None, min_8bit_size=4096"),
     "SGD32bit": (f"{_SGD}, args=None, min_8bit_size=4096, {_049}", f"{_SGD}, args=None, min_8bit_size=4096"),
+    "Adagrad": (f"{_ADAGRAD}, optim_bits=32, args=None, min_8bit_size=4096, {_049}",
+                f"{_ADAGRAD}, optim_bits=32, args=None, min_8bit_size=4096"),
+    "Adagrad8bit": (f"{_ADAGRAD}, optim_bits=8, args=None, min_8bit_size=4096, {_049}",
+                    f"{_ADAGRAD}, optim_bits=8, args=None, min_8bit_size=4096"),
+    "Adagrad32bit": (f"{_ADAGRAD}, optim_bits=32, args=None, min_8bit_size=4096, {_049}",
+                     f"{_ADAGRAD}, optim_bits=32, args=None, min_8bit_size=4096"),
 }
 PAGED = [n for n in SIGNATURES if n.startswith("Paged")]
 UNPAGED = [n for n in SIGNATURES if not n.startswith("Paged")]
@@ -92,8 +99,7 @@ def test_import_forms():
     assert bnb.optim is bnb and mo.bnb is bnb
     assert bnb.optim.AdamW8bit is bnb.AdamW8bit
     assert issubclass(bnb.AdamW8bit, mo.AdamW8bit) and issubclass(bnb.Lion8bit, mo.Lion8bit)
-    with pytest.raises(AttributeError, match="memfit has no Adagrad optimizer"):
-        bnb.optim.Adagrad8bit  # noqa: B018
+    assert issubclass(bnb.optim.Adagrad8bit, mo.Adagrad8bit)
     with pytest.raises(AttributeError, match="memfit has no LAMB"):
         bnb.PagedLAMB  # noqa: B018
 
@@ -135,7 +141,8 @@ def test_adam_every_argument_both_spellings(name, bits):
         assert opt.param_groups[0]["amsgrad"] is False
 
 
-@pytest.mark.parametrize("name,bits", [("AdamW", 8), ("Adam", 8), ("Lion", 8), ("SGD", 8), ("RMSprop", 8)])
+@pytest.mark.parametrize("name,bits", [("AdamW", 8), ("Adam", 8), ("Lion", 8), ("SGD", 8), ("RMSprop", 8),
+                                       ("Adagrad", 8)])
 def test_optim_bits_8_in_the_base_classes(name, bits):
     opt = getattr(bnb, name)(model().parameters(), lr=1e-3, optim_bits=8)
     assert opt.param_groups[0]["bits"] == 8
@@ -177,6 +184,20 @@ def test_rmsprop_every_argument_both_spellings(name, bits):
                 g["min_8bit_size"]) == (0.02, 0.9, 1e-6, 0.01, 0.5, bits, 100)
 
 
+@pytest.mark.parametrize("name,bits", [("Adagrad8bit", 8), ("Adagrad32bit", 32), ("Adagrad", 32)])
+def test_adagrad_every_argument_both_spellings(name, bits):
+    """lr_decay and initial_accumulator_value, which bitsandbytes refuses unless 0, are
+    torch's (memfit.optim.Adagrad8bit's math)."""
+    cls = getattr(bnb, name)
+    head = [0.02, 0.1, 0.01, 0.3, 1e-8, 8 if bits == 8 else 32, None, 100]
+    for opt in (cls(model().parameters(), *head, 100, True), cls(model().parameters(), *head),
+                cls(model().parameters(), lr=0.02, lr_decay=0.1, weight_decay=0.01,
+                    initial_accumulator_value=0.3, eps=1e-8, args=None, min_8bit_size=100)):
+        g = opt.param_groups[0]
+        assert (g["lr"], g["lr_decay"], g["weight_decay"], g["initial_accumulator_value"], g["eps"],
+                g["bits"], g["min_8bit_size"]) == (0.02, 0.1, 0.01, 0.3, 1e-8, bits, 100)
+
+
 class Args:
     """bitsandbytes' MockArgs: the options as attributes."""
 
@@ -213,6 +234,13 @@ ERRORS = [
     ("Adam", dict(optim_bits=None), "optim_bits: expected 8 or 32"),
     ("Lion", dict(optim_bits=True), "optim_bits: expected 8 or 32"),
     ("SGD", dict(lr=0.1, momentum=0.9, optim_bits=8.5), "optim_bits: expected 8 or 32"),
+    ("Adagrad8bit", dict(optim_bits=32), "Adagrad8bit keeps 8-bit states; optim_bits must stay 8"),
+    ("Adagrad32bit", dict(optim_bits=8), "Adagrad32bit keeps 32-bit states; optim_bits must stay 32"),
+    ("Adagrad", dict(optim_bits=4), "optim_bits: expected 8 or 32"),
+    ("Adagrad8bit", dict(percentile_clipping=50), "no percentile clipping"),
+    ("Adagrad", dict(block_wise=False), "block-wise only"),
+    ("Adagrad8bit", dict(lr_decay=-1.0), "lr_decay"),
+    ("Adagrad32bit", dict(initial_accumulator_value=-1.0), "initial_accumulator_value"),
     ("AdamW8bit", dict(betas="(0.9,)"), "betas: expected two numbers"),
     ("AdamW8bit", dict(betas="__import__('os').getcwd()"), "betas: expected two numbers"),
     ("Adam", dict(betas="(0.9, '0.9')"), "betas: expected two numbers"),
@@ -258,6 +286,11 @@ SAME_STEP = {
     "RMSprop8bit": (dict(lr=1e-3, momentum=0.5, min_8bit_size=100), mo.RMSprop8bit, dict(lr=1e-3, momentum=0.5, min_8bit_size=100), None),
     "RMSprop": (dict(lr=1e-3), mo.RMSprop8bit, dict(lr=1e-3), 32),
     "RMSprop32bit": (dict(lr=1e-3), mo.RMSprop8bit, dict(lr=1e-3), 32),
+    "Adagrad8bit": (dict(lr=1e-2, lr_decay=0.1, initial_accumulator_value=0.2, min_8bit_size=100),
+                    mo.Adagrad8bit, dict(lr=1e-2, lr_decay=0.1, initial_accumulator_value=0.2,
+                                         min_8bit_size=100), None),
+    "Adagrad": (dict(lr=1e-2, weight_decay=0.1), mo.Adagrad, dict(lr=1e-2, weight_decay=0.1), None),
+    "Adagrad32bit": (dict(lr=1e-2), mo.Adagrad, dict(lr=1e-2), None),
 }
 
 

@@ -343,6 +343,34 @@ def test_sgd_momentum_round_trip():
     torch.optim.SGD(m_t.parameters(), lr=0.05, momentum=0.9).load_state_dict(sd)
 
 
+def test_adagrad_torch_state_dict_both_ways():
+    """torch.optim.Adagrad's state dict (sum, step, lr_decay, initial_accumulator_value)
+    loads into Adagrad8bit (sum quantized as quantize_state does) and continues as torch
+    does; to_torch_state_dict goes back to torch.optim.Adagrad."""
+    m = model()
+    t = torch.optim.Adagrad(m.parameters(), lr=0.05, lr_decay=0.1, initial_accumulator_value=0.2)
+    train(m, t, 2)
+    opt = mo.Adagrad8bit(m.parameters(), min_8bit_size=500)
+    opt.load_state_dict(t.state_dict())
+    g = opt.param_groups[0]
+    assert (g["lr"], g["lr_decay"], g["initial_accumulator_value"]) == (0.05, 0.1, 0.2)
+    for p in m.parameters():
+        assert opt.state[p]["step"].item() == 2
+        assert assert_quantized_from(opt, p, t.state[p]) == (1 if p.dim() == 2 else 0)
+    m_t = clone_model(m)
+    t_cont = torch.optim.Adagrad(m_t.parameters())
+    t_cont.load_state_dict(t.state_dict())
+    start = [p.detach().clone() for p in m.parameters()]
+    train(m, opt, 2, seed=2)
+    train(m_t, t_cont, 2, seed=2)
+    assert_continues_alike(m, m_t, start, CONTINUE_BOUND[8])
+    sd = mo.to_torch_state_dict(opt)
+    assert all(set(st) == {"step", "sum"} for st in sd["state"].values())
+    t2 = torch.optim.Adagrad(model().parameters())
+    t2.load_state_dict(sd)
+    assert t2.param_groups[0]["lr_decay"] == 0.1 and "bits" not in t2.param_groups[0]
+
+
 def test_rmsprop_and_lion_exports():
     m = model()
     t = torch.optim.RMSprop(m.parameters(), lr=1e-3, alpha=0.9, momentum=0.5)
@@ -567,7 +595,8 @@ def torch_sd(torch_cls, m, steps=2, **kw):
 @pytest.mark.parametrize("cls,torch_cls,key", [(mo.AdamW8bit, torch.optim.AdamW, "exp_avg_sq"),
                                                (mo.AdamW4bit, torch.optim.AdamW, "exp_avg_sq"),
                                                (mo.AdamW, torch.optim.AdamW, "exp_avg_sq"),
-                                               (mo.RMSprop8bit, torch.optim.RMSprop, "square_avg")])
+                                               (mo.RMSprop8bit, torch.optim.RMSprop, "square_avg"),
+                                               (mo.Adagrad8bit, torch.optim.Adagrad, "sum")])
 def test_negative_second_moment_is_refused_for_every_format(cls, torch_cls, key):
     """Before the fix an 8-bit AdamW8bit took a negated row of exp_avg_sq: the values
     quantized to 0 beside non-zero first moments, and the next zero-gradient step moved a
@@ -654,6 +683,10 @@ BNB_HYPER = {  # memfit kind -> (bitsandbytes' group, what memfit's group takes 
                 dict(lr=0.05, momentum=0.9, dampening=0.1, weight_decay=0.01)),
     _core.RMSPROP: (dict(lr=1e-3, betas=(0.9, 0.0), eps=1e-6, weight_decay=0.01),
                     dict(lr=1e-3, alpha=0.9, momentum=0.0, eps=1e-6, weight_decay=0.01)),
+    # bitsandbytes' Adagrad has no lr_decay or initial value (it refuses both but 0)
+    _core.ADAGRAD: (dict(lr=2e-2, betas=(0.0, 0.0), eps=1e-10, weight_decay=0.01),
+                    dict(lr=2e-2, eps=1e-10, weight_decay=0.01, lr_decay=0.0,
+                         initial_accumulator_value=0.0)),
 }
 BNB_WRAPPED = "__bnb_optimizer_quant_state__"
 
@@ -709,7 +742,7 @@ def bnb_floats(saved, k):
 
 # memfit class, extra constructor keywords (momentum: RMSprop8bit then keeps two states)
 BNB_TARGETS = [(mo.AdamW8bit, {}), (mo.Lion8bit, {}), (mo.SGD8bit, dict(momentum=0.5)),
-               (mo.RMSprop8bit, {})]
+               (mo.RMSprop8bit, {}), (mo.Adagrad8bit, dict(initial_accumulator_value=0.3))]
 
 
 @pytest.mark.parametrize("cls,kw", BNB_TARGETS, ids=[c.__name__ for c, _ in BNB_TARGETS])
@@ -814,8 +847,8 @@ def test_bitsandbytes_refusals_name_the_parameter_and_bitsandbytes():
     # kinds: one state and two states do not mix; a decoupled Adam dict needs an AdamW
     _, lion = trained(mo.Lion8bit)
     one_state = bnb_state_dict(lion)
-    with pytest.raises(_C.MemfitValueError, match="one state per parameter .*bitsandbytes' Lion, SGD "
-                                                  "or RMSprop.*AdamW8bit keeps exp_avg, exp_avg_sq") as e:
+    with pytest.raises(_C.MemfitValueError, match="one state per parameter .*bitsandbytes' Lion, SGD, RMSprop "
+                                                  "or Adagrad.*AdamW8bit keeps exp_avg, exp_avg_sq") as e:
         opt.load_state_dict(one_state)
     assert "torch.optim" not in str(e.value)
     assert_refused(lion, good, r"two states per parameter \(state1, state2: bitsandbytes' Adam or AdamW\)")

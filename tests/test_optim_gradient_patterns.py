@@ -167,6 +167,8 @@ OPTIMIZERS = {
                 lambda p: torch.optim.SGD(p, lr=1e-2, momentum=0.9), 8, _core.SGD),
     "RMSprop8bit": (lambda p: mo.RMSprop8bit(p, lr=1e-3, min_8bit_size=0),
                     lambda p: torch.optim.RMSprop(p, lr=1e-3), 8, _core.RMSPROP),
+    "Adagrad8bit": (lambda p: mo.Adagrad8bit(p, lr=1e-2, min_8bit_size=0),
+                    lambda p: torch.optim.Adagrad(p, lr=1e-2), 8, _core.ADAGRAD),
     "AdamW": (lambda p: mo.AdamW(p, lr=1e-3), lambda p: torch.optim.AdamW(p, lr=1e-3, weight_decay=0.01),
               32, _core.ADAMW),
     "Adam": (lambda p: mo.Adam(p, lr=1e-3), lambda p: torch.optim.Adam(p, lr=1e-3), 32, _core.ADAM),
@@ -180,7 +182,8 @@ def bounds(name):
     r1, r2 = radii(bits, kind)
     if kind == _core.LION:
         return 2.0, 2.0 * np.sqrt(4 * r1), 2.0
-    eps = {_core.SGD: r1, _core.RMSPROP: r1 / 2}.get(kind, r1 + r2 / 2)  # RMSprop: state1 is v
+    # RMSprop and Adagrad: state1 is v (square_avg, sum)
+    eps = {_core.SGD: r1, _core.RMSPROP: r1 / 2, _core.ADAGRAD: r1 / 2}.get(kind, r1 + r2 / 2)
     return 1 + 2 * eps, 5 * eps, 1 + 2 * eps
 
 
@@ -219,7 +222,8 @@ def test_gradient_pattern_matches_torch(name, pattern):
         f"(bound {l2_bound:.3g})")
 
 
-@pytest.mark.parametrize("name", ["AdamW8bit", "Adam8bit", "AdamW4bit", "RMSprop8bit"])
+@pytest.mark.parametrize("name", ["AdamW8bit", "Adam8bit", "AdamW4bit", "RMSprop8bit",
+                                  "Adagrad8bit"])
 def test_zero_gradient_after_a_step(name):
     """The issue's case: one step, then a zero gradient. torch.optim.AdamW moves the
     weights by at most 0.0071 (lr 1e-2); memfit moved them by 491 (second moments
@@ -227,7 +231,7 @@ def test_zero_gradient_after_a_step(name):
     Adam's own bound, lr (1 - beta1) / sqrt(1 - beta2) with the bias corrections of
     step 2, up to the code's resolution; here we ask for a tenth of that, as torch."""
     make = {"AdamW8bit": mo.AdamW8bit, "Adam8bit": mo.Adam8bit, "AdamW4bit": mo.AdamW4bit,
-            "RMSprop8bit": mo.RMSprop8bit}[name]
+            "RMSprop8bit": mo.RMSprop8bit, "Adagrad8bit": mo.Adagrad8bit}[name]
     gen = torch.Generator().manual_seed(0)
     w = torch.nn.Parameter(torch.randn(64, 96, generator=gen))
     opt = make([w], lr=1e-2)

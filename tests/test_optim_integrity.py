@@ -19,7 +19,7 @@ from memfit.optim import functional as F
 
 
 ALL = [mo.AdamW8bit, mo.Adam8bit, mo.Lion8bit, mo.SGD8bit, mo.RMSprop8bit, mo.AdamW4bit,
-       mo.AdamW, mo.Adam]
+       mo.AdamW, mo.Adam, mo.Adagrad8bit, mo.Adagrad]
 
 
 def _params(seed=0):
@@ -36,6 +36,8 @@ def _opt(cls, ps, **kw):
         kw.setdefault("momentum", 0.9)
     if cls is mo.RMSprop8bit:
         kw.setdefault("momentum", 0.5)
+    if cls in (mo.Adagrad8bit, mo.Adagrad):  # the state starts at a constant, not 0
+        kw.setdefault("initial_accumulator_value", 0.1)
     return cls([{"params": ps[:2]}, {"params": ps[2:], "lr": 3e-3}], lr=1e-2, min_8bit_size=0,
                **kw)
 
@@ -155,6 +157,7 @@ _CORRUPT = [
     (mo.AdamW, 2, "state2", _set(math.inf), "NaN or Inf values"),
     (mo.AdamW, 0, "state2", lambda v: -v - 1, "negative values, but it is a second moment"),
     (mo.RMSprop8bit, 1, "state1", lambda v: -v - 1, "negative values, but it is a second moment"),
+    (mo.Adagrad, 1, "state1", lambda v: -v - 1, "negative values, but it is a second moment"),
     (mo.AdamW8bit, 0, "state1", lambda v: v.to(torch.int8), r"is torch.int8 \(24, 40\), but needs "
                                                             r"torch.uint8 \(24, 40\)"),
     (mo.AdamW8bit, 0, "state2", lambda v: v.float(), "is torch.float32 .* needs torch.uint8"),

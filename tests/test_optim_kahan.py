@@ -20,10 +20,11 @@ import memfit.optim as mo  # noqa: E402
 from memfit.optim import functional as F  # noqa: E402
 
 ALL = [mo.AdamW8bit, mo.Adam8bit, mo.Lion8bit, mo.SGD8bit, mo.RMSprop8bit, mo.AdamW4bit,
-       mo.AdamW, mo.Adam]
+       mo.AdamW, mo.Adam, mo.Adagrad8bit, mo.Adagrad]
 HALF = [torch.bfloat16, torch.float16]
 KIND = {mo.AdamW8bit: "adamw", mo.Adam8bit: "adam", mo.Lion8bit: "lion", mo.SGD8bit: "sgd",
-        mo.RMSprop8bit: "rmsprop", mo.AdamW4bit: "adamw", mo.AdamW: "adamw", mo.Adam: "adam"}
+        mo.RMSprop8bit: "rmsprop", mo.AdamW4bit: "adamw", mo.AdamW: "adamw", mo.Adam: "adam",
+        mo.Adagrad8bit: "adagrad", mo.Adagrad: "adagrad"}
 
 
 def make(cls, params, **kw):
@@ -32,6 +33,8 @@ def make(cls, params, **kw):
         kw.setdefault("nesterov", True)
     if cls is mo.RMSprop8bit:
         kw.setdefault("momentum", 0.5)
+    if cls in (mo.Adagrad8bit, mo.Adagrad):  # the state starts at a constant, not 0
+        kw.setdefault("initial_accumulator_value", 0.1)
     return cls(params, **kw)
 
 
@@ -67,6 +70,10 @@ def ref_update(kind, group, x, g, st, t):
         g = g + wd * x
         m = g if t == 1 else mom * st["momentum_buffer"] + (1 - group["dampening"]) * g
         return x - lr * (g + mom * m if group["nesterov"] else m)
+    if kind == "adagrad":
+        g = g + wd * x
+        clr = lr / (1 + (t - 1) * group["lr_decay"])
+        return x - clr * g / (np.sqrt(st["sum"] + g * g) + group["eps"])
     g = g + wd * x  # rmsprop
     sq = group["alpha"] * st["square_avg"] + (1 - group["alpha"]) * g * g
     d = g / (np.sqrt(sq) + group["eps"])
@@ -105,7 +112,8 @@ def test_one_step_matches_float64_reference(cls, dtype):
             t = opt.state[p]["step"].item() + 1
         else:
             x, t = p.detach().double().numpy(), 1
-            st = {"exp_avg": 0.0, "exp_avg_sq": 0.0, "momentum_buffer": 0.0, "square_avg": 0.0}
+            st = {"exp_avg": 0.0, "exp_avg_sq": 0.0, "momentum_buffer": 0.0, "square_avg": 0.0,
+                  "sum": group.get("initial_accumulator_value", 0.0)}
         x_ref = ref_update(kind, group, x, g.double().numpy(), st, t)
         p.grad = g
         opt.step()
@@ -168,7 +176,7 @@ def push(cls, dtype, steps, lr, rounding, shape=(32, 257)):
     for _ in range(steps):
         p.grad = -torch.ones_like(p)
         opt.step()
-    if cls not in (mo.AdamW, mo.Adam):  # the quantized states are what is tested
+    if cls not in (mo.AdamW, mo.Adam, mo.Adagrad):  # the quantized states are what is tested
         assert opt.state[p]["state1"].dtype == torch.uint8
     x = p.detach().double()
     if "kahan_comp" in opt.state[p]:
@@ -182,9 +190,15 @@ def test_small_updates_accumulate_with_kahan(cls):
     # step at 1.0: nearest rounding loses every update, Kahan keeps them; the float32 run
     # is the target
     lr = 1e-5 if cls in (mo.SGD8bit, mo.RMSprop8bit) else 1e-4
+    path = 300  # steps of about lr each
+    if cls in (mo.Adagrad8bit, mo.Adagrad):
+        # Adagrad's step k is lr / sqrt(0.1 + k) here: its first is below half a bfloat16
+        # step too, and the path is about 34 of them
+        lr = 5e-4
+        path = sum(1 / np.sqrt(0.1 + k) for k in range(1, 301))
     target, x0 = push(cls, torch.float32, 300, lr, "nearest")
     moved = (target - x0).abs().min().item()
-    assert moved > 300 * lr * 0.25
+    assert moved > path * lr * 0.25
     rne, _ = push(cls, torch.bfloat16, 300, lr, "nearest")
     assert torch.equal(rne, x0), "nearest rounding loses every update"
     kahan, _ = push(cls, torch.bfloat16, 300, lr, "kahan")

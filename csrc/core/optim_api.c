@@ -65,6 +65,7 @@ static const char *kind_name(mf_optim_kind k) {
     case MF_OPT_SGD: return "SGD";
     case MF_OPT_RMSPROP: return "RMSprop";
     case MF_OPT_MUON: return "Muon";
+    case MF_OPT_ADAGRAD: return "Adagrad";
   }
   return "unknown";
 }
@@ -116,6 +117,13 @@ mf_status mf_optim_check_hparams(const mf_optim_hparams *h) {
       if (h->stochastic_round)
         return mf_error(MF_ERR_VALUE, "sr_seed: Muon's pass writes the update rounded to "
                         "nearest (torch's .bfloat16() of it), not a parameter; pass sr_seed=0");
+      break;
+    case MF_OPT_ADAGRAD: /* torch.optim.Adagrad's checks */
+      if (bad_num(h->lr_decay) || h->lr_decay < 0.0)
+        return mf_error(MF_ERR_VALUE, "lr_decay: invalid lr_decay value %g (must be >= 0)",
+                        h->lr_decay);
+      if (bad_num(h->eps) || h->eps < 0.0)
+        return mf_error(MF_ERR_VALUE, "eps: invalid epsilon value %g (must be >= 0)", h->eps);
       break;
   }
   return MF_OK;

@@ -70,6 +70,7 @@ MF_INLINE void update_any(mf_optim_kind kind, const mf_optim_consts *c, int ns, 
     case MF_OPT_SGD: update_loop(MF_OPT_SGD, c, ns, n, p, g, s1, s2); break;
     case MF_OPT_RMSPROP: update_loop(MF_OPT_RMSPROP, c, ns, n, p, g, s1, s2); break;
     case MF_OPT_MUON: update_loop(MF_OPT_MUON, c, ns, n, p, g, s1, s2); break;
+    case MF_OPT_ADAGRAD: update_loop(MF_OPT_ADAGRAD, c, ns, n, p, g, s1, s2); break;
   }
 }
 

@@ -202,6 +202,7 @@ FUSED_TARGET void FUSED8_ENTRY(const mf_optim_hparams *h, const mf_optim_consts 
       else FUSED(MF_OPT_RMSPROP, 1);
       break;
     case MF_OPT_MUON: FUSED(MF_OPT_MUON, 1); break;
+    case MF_OPT_ADAGRAD: FUSED(MF_OPT_ADAGRAD, 1); break;
   }
 #undef FUSED
 }

@@ -144,7 +144,7 @@ finish:
  * False); sr_seed != 0 turns on stochastic rounding of half-precision parameters. */
 static int parse_hparams(int kind, PyObject *dict, mf_optim_hparams *h) {
   static char *kw[] = {"lr", "beta1", "beta2", "eps", "weight_decay", "momentum", "dampening",
-                       "alpha", "nesterov", "maximize", "sr_seed", NULL};
+                       "alpha", "nesterov", "maximize", "sr_seed", "lr_decay", NULL};
   static PyObject *no_args;
   if (!no_args && !(no_args = PyTuple_New(0))) return -1;
   if (!PyDict_Check(dict)) {
@@ -155,9 +155,10 @@ static int parse_hparams(int kind, PyObject *dict, mf_optim_hparams *h) {
   int nesterov = 0, maximize = 0;
   unsigned long long sr_seed = 0;
   memset(h, 0, sizeof *h);
-  if (!PyArg_ParseTupleAndKeywords(no_args, dict, "|ddddddddppK:hparams", kw, &h->lr, &h->beta1,
+  if (!PyArg_ParseTupleAndKeywords(no_args, dict, "|ddddddddppKd:hparams", kw, &h->lr, &h->beta1,
                                    &h->beta2, &h->eps, &h->weight_decay, &h->momentum,
-                                   &h->dampening, &h->alpha, &nesterov, &maximize, &sr_seed))
+                                   &h->dampening, &h->alpha, &nesterov, &maximize, &sr_seed,
+                                   &h->lr_decay))
     return -1;
   h->kind = (mf_optim_kind)kind;
   h->nesterov = nesterov;
@@ -245,9 +246,10 @@ static PyObject *py_optim_state_layout(PyObject *self, PyObject *args, PyObject 
 static PyObject *py_optim_constants(PyObject *self, PyObject *noargs) {
   (void)self;
   (void)noargs;
-  return Py_BuildValue("{s:{s:i,s:i,s:i,s:i,s:i,s:i},s:(iii),s:{i:i,i:i,i:i}}", "kinds",
+  return Py_BuildValue("{s:{s:i,s:i,s:i,s:i,s:i,s:i,s:i},s:(iii),s:{i:i,i:i,i:i}}", "kinds",
                        "AdamW", MF_OPT_ADAMW, "Adam", MF_OPT_ADAM, "Lion", MF_OPT_LION, "SGD",
-                       MF_OPT_SGD, "RMSprop", MF_OPT_RMSPROP, "Muon", MF_OPT_MUON, "formats",
+                       MF_OPT_SGD, "RMSprop", MF_OPT_RMSPROP, "Muon", MF_OPT_MUON, "Adagrad",
+                       MF_OPT_ADAGRAD, "formats",
                        MF_STATE_8BIT, MF_STATE_4BIT, MF_STATE_FP32, "default_block_size", MF_STATE_8BIT, MF_OPTIM_BLOCK_8BIT,
                        MF_STATE_4BIT, MF_OPTIM_BLOCK_4BIT, MF_STATE_FP32, MF_OPTIM_BLOCK_8BIT);
 }

@@ -451,6 +451,37 @@ static void test_muon_step(const float *code, int nesterov, mf_dtype out_dt) {
         strstr(mf_last_error(), "sr_seed"), "Muon refuses stochastic rounding: %s", mf_last_error());
 }
 
+/* Adagrad (MF_OPT_ADAGRAD): torch.optim.Adagrad's clr = lr / (1 + (t - 1) * lr_decay),
+ * computed in double and rounded once; the element math g += wd * p, sum += g * g,
+ * p -= clr * g / (sqrt(sum) + eps) in plain float operations; a non-finite gradient or
+ * a sum that overflows keeps the element; lr_decay < 0 is refused, naming it. */
+static void test_adagrad(void) {
+  mf_optim_hparams h = {.kind = MF_OPT_ADAGRAD, .lr = 0.05, .lr_decay = 0.3, .eps = 1e-10,
+                        .weight_decay = 0.02};
+  CHECK(mf_optim_num_states(&h) == 1 && !mf_optim_state_signed(MF_OPT_ADAGRAD, 1),
+        "Adagrad keeps one non-negative state");
+  for (int t = 1; t <= 4; t++) {
+    const mf_optim_consts c = mf_optim_prepare(&h, (float)t, 1.0f);
+    CHECK(c.lr == (float)(0.05 / (1.0 + (t - 1) * 0.3)), "Adagrad's clr at step %d", t);
+    const float p0 = 0.75f, g0 = -0.125f, s0 = 0.5f;
+    float p = p0, s = s0, zero = 0.0f;
+    CHECK(mf_optim_update_one(MF_OPT_ADAGRAD, &c, 1, &p, g0, &s, &zero), "updated");
+    const float g = g0 + c.wd * p0, sn = s0 + g * g;
+    CHECK(mf_f32_bits(s) == mf_f32_bits(sn) &&
+          mf_f32_bits(p) == mf_f32_bits(p0 - c.lr * g / (sqrtf(sn) + c.eps)),
+          "Adagrad element at step %d", t);
+    const float bad_g[] = {NAN, INFINITY, 3e19f};
+    for (int k = 0; k < 3; k++) {
+      p = p0, s = s0;
+      CHECK(!mf_optim_update_one(MF_OPT_ADAGRAD, &c, 1, &p, bad_g[k], &s, &zero) && p == p0 &&
+            s == s0, "Adagrad skips gradient %g", (double)bad_g[k]);
+    }
+  }
+  h.lr_decay = -0.1;
+  CHECK(mf_optim_check_hparams(&h) == MF_ERR_VALUE && strstr(mf_last_error(), "lr_decay"),
+        "a negative lr_decay is refused: %s", mf_last_error());
+}
+
 int main(void) {
   float s8[256], u8[256], s4[16], u4[16];
   CHECK(mf_dynamic_map(s8, 256, 1, 8, 7) == MF_OK, "map");
@@ -476,5 +507,6 @@ int main(void) {
   test_kahan_split();
   test_kahan_step();
   test_cuda_arrays_without_cuda();
+  test_adagrad();
   return check_exit("test_optim");
 }

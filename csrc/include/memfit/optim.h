@@ -1,6 +1,6 @@
 /*
- * memfit core: optimizer updates (AdamW/Adam, Lion, SGD with momentum, RMSprop, and
- * Muon's momentum pass) with fp32 or blockwise-quantized (8-bit, 4-bit) states.
+ * memfit core: optimizer updates (AdamW/Adam, Lion, SGD with momentum, RMSprop, Adagrad
+ * and Muon's momentum pass) with fp32 or blockwise-quantized (8-bit, 4-bit) states.
  *
  * The element math is written once here (MF_HD) and used by the CPU loops in
  * csrc/core/optim.c and the CUDA kernels in cuda/optim.cu. All of it is plain IEEE
@@ -15,6 +15,7 @@
  *   SGD        momentum_buffer (signed)   -                 (none when momentum = 0)
  *   RMSPROP    square_avg (unsigned)      momentum_buffer (signed, only if momentum > 0)
  *   MUON       momentum_buffer (signed)   -
+ *   ADAGRAD    sum (unsigned)             -
  * A state is stored as float32 (MF_STATE_FP32) or blockwise quantized: one code index
  * per element (MF_STATE_8BIT: uint8, 256-entry code; MF_STATE_4BIT: two indices per
  * byte, element 2j in the low nibble and 2j+1 in the high nibble, 16-entry code) plus
@@ -93,11 +94,12 @@ typedef enum {
   MF_OPT_LION = 2,    /* Lion (Chen et al. 2023), decoupled weight decay */
   MF_OPT_SGD = 3,     /* SGD with (Nesterov) momentum, L2 weight decay (torch.optim.SGD) */
   MF_OPT_RMSPROP = 4, /* RMSprop, not centered, optional momentum (torch.optim.RMSprop) */
-  MF_OPT_MUON = 5     /* Muon's momentum pass: writes the update, not the parameter (above) */
+  MF_OPT_MUON = 5,    /* Muon's momentum pass: writes the update, not the parameter (above) */
+  MF_OPT_ADAGRAD = 6  /* Adagrad, L2 weight decay, lr decay (torch.optim.Adagrad) */
 } mf_optim_kind;
 
 /* The last kind: every kind lies in [MF_OPT_ADAMW, MF_OPT_LAST]. */
-#define MF_OPT_LAST MF_OPT_MUON
+#define MF_OPT_LAST MF_OPT_ADAGRAD
 
 typedef enum { MF_STATE_FP32 = 32, MF_STATE_8BIT = 8, MF_STATE_4BIT = 4 } mf_state_format;
 
@@ -108,11 +110,14 @@ typedef enum { MF_STATE_FP32 = 32, MF_STATE_8BIT = 8, MF_STATE_4BIT = 4 } mf_sta
  *   RMSPROP:    lr, alpha, eps, momentum, weight_decay
  *   MUON:       momentum, nesterov (lr and weight_decay are checked, and applied by
  *               the caller after Newton-Schulz)
+ *   ADAGRAD:    lr, lr_decay, eps, weight_decay (torch's initial_accumulator_value is
+ *               the caller's: the value its `sum` state starts at)
  * and maximize for all. */
 typedef struct {
   mf_optim_kind kind;
   double lr, beta1, beta2, eps, weight_decay;
   double momentum, dampening, alpha;
+  double lr_decay; /* Adagrad: step t uses lr / (1 + (t - 1) * lr_decay) */
   int nesterov;
   int maximize;
   /* Half-precision parameters: 1 writes the updated value with stochastic rounding
@@ -134,13 +139,14 @@ static inline MF_HD int mf_optim_num_states(const mf_optim_hparams *h) {
     case MF_OPT_SGD: return h->momentum != 0.0 ? 1 : 0;
     case MF_OPT_RMSPROP: return h->momentum != 0.0 ? 2 : 1;
     case MF_OPT_MUON: return 1;
+    case MF_OPT_ADAGRAD: return 1;
   }
   return 0;
 }
 
 /* Whether state k (1 or 2) of this kind is signed (signed code) or non-negative. */
 static inline MF_HD int mf_optim_state_signed(mf_optim_kind kind, int k) {
-  if (kind == MF_OPT_RMSPROP) return k == 2;
+  if (kind == MF_OPT_RMSPROP || kind == MF_OPT_ADAGRAD) return k == 2;
   return k == 1;
 }
 
@@ -148,7 +154,7 @@ static inline MF_HD int mf_optim_state_signed(mf_optim_kind kind, int k) {
 
 /* Everything the element update needs, in float, for one tensor at one step. */
 typedef struct {
-  float lr, b1, omb1, b2, omb2, eps, wd;
+  float lr, b1, omb1, b2, omb2, eps, wd; /* lr: Adagrad's decayed one at step t */
   float decay;       /* 1 - lr * weight_decay (decoupled decay), 1 when unused */
   float step_size;   /* Adam: lr / (1 - beta1^t) */
   float inv_sqrt_bc2;/* Adam: 1 / sqrt(1 - beta2^t) */
@@ -221,6 +227,11 @@ static inline MF_HD mf_optim_consts mf_optim_prepare(const mf_optim_hparams *h, 
       c.omb1 = (float)(1.0 - h->momentum);
       c.b2 = 0.0f;
       c.omb2 = 0.0f;
+      break;
+    case MF_OPT_ADAGRAD: /* torch's clr, in double as Python computes it, then float */
+      c.lr = (float)(h->lr / (1.0 + (double)(n - 1) * h->lr_decay));
+      c.step_size = c.lr;
+      c.b1 = c.omb1 = c.b2 = c.omb2 = 0.0f;
       break;
   }
   return c;
@@ -296,6 +307,11 @@ static inline MF_HD int mf_optim_update_one(mf_optim_kind kind, const mf_optim_c
       an = mf_lerp_f32(a, g, c->omb1);                 /* buf.lerp_(grad, 1 - momentum) */
       pn = c->nesterov ? mf_lerp_f32(g, an, c->b1) : an; /* grad.lerp(buf, momentum) */
       break;
+    case MF_OPT_ADAGRAD: /* torch: sum.addcmul_(g, g); p.addcdiv_(g, sqrt(sum) + eps, -clr) */
+      g = g + c->wd * p0;
+      an = a + g * g;
+      pn = p0 - c->lr * g / (sqrtf(an) + c->eps);
+      break;
   }
   int ok;
   if (kind == MF_OPT_ADAMW || kind == MF_OPT_ADAM) {
@@ -323,7 +339,8 @@ static inline MF_HD int mf_optim_update_one(mf_optim_kind kind, const mf_optim_c
 
 /* Code index of x (already brought to [-1, 1]: mf_block_normalize) for a code of
  * `size` (16 or 256): the nearest code value, but for a non-negative state
- * (keep_positive = !mf_optim_state_signed: Adam's second moment, RMSprop's square_avg)
+ * (keep_positive = !mf_optim_state_signed: Adam's second moment, RMSprop's square_avg,
+ * Adagrad's sum)
  * a positive value never goes to a code value <= 0 (mf_quantize_keep_positive_n). Such
  * a state sits under a square root in a denominator: rounded to 0 while the first
  * moment is not, the next step with a zero gradient moves the weight by lr * m / eps

@@ -17,8 +17,8 @@ _CONSTANTS = _C.optim_constants()
 
 # Kinds, as numbered in csrc/include/memfit/optim.h (mf_optim_kind).
 _KIND = _CONSTANTS["kinds"]
-ADAMW, ADAM, LION, SGD, RMSPROP, MUON = (_KIND[k] for k in ("AdamW", "Adam", "Lion", "SGD",
-                                                            "RMSprop", "Muon"))
+ADAMW, ADAM, LION, SGD, RMSPROP, MUON, ADAGRAD = (
+    _KIND[k] for k in ("AdamW", "Adam", "Lion", "SGD", "RMSprop", "Muon", "Adagrad"))
 KIND_NAMES = {number: name for name, number in _KIND.items()}
 
 # torch's names for state1 / state2 of each kind (what dequantized_state returns).
@@ -29,6 +29,7 @@ STATE_NAMES = {
     SGD: ("momentum_buffer",),
     RMSPROP: ("square_avg", "momentum_buffer"),
     MUON: ("momentum_buffer",),  # its step writes the update into `params` (optim.h)
+    ADAGRAD: ("sum",),
 }
 
 # {bits: default block size} (MF_OPTIM_BLOCK_8BIT/4BIT) and the block sizes the kernels take.
@@ -82,14 +83,16 @@ def code_like(bits: int, signed: bool, like):
 
 
 def hparams(lr=0.0, beta1=0.0, beta2=0.0, eps=0.0, weight_decay=0.0, momentum=0.0,
-            dampening=0.0, alpha=0.0, nesterov=False, maximize=False, sr_seed=0) -> dict:
+            dampening=0.0, alpha=0.0, nesterov=False, maximize=False, sr_seed=0,
+            lr_decay=0.0) -> dict:
     """The hyperparameters by name, as the C binding parses them (mf_optim_hparams).
     ``sr_seed`` != 0 writes half-precision parameters with stochastic rounding seeded
     by it."""
     return {"lr": _real("lr", lr), "beta1": _real("beta1", beta1), "beta2": _real("beta2", beta2),
             "eps": _real("eps", eps), "weight_decay": _real("weight_decay", weight_decay),
             "momentum": _real("momentum", momentum), "dampening": _real("dampening", dampening),
-            "alpha": _real("alpha", alpha), "nesterov": bool(nesterov),
+            "alpha": _real("alpha", alpha), "lr_decay": _real("lr_decay", lr_decay),
+            "nesterov": bool(nesterov),
             "maximize": bool(maximize), "sr_seed": int(sr_seed) & ((1 << 64) - 1)}
 
 

@@ -90,7 +90,8 @@ def dequantize_states(optimizer, group, state, param, rows=None) -> dict:
 def dequantized_state(optimizer, param) -> dict:
     """fp32 copies of ``param``'s optimizer states, keyed by torch's names
     (``exp_avg``/``exp_avg_sq`` for Adam and AdamW, ``exp_avg`` for Lion,
-    ``momentum_buffer`` for SGD, ``square_avg`` (and ``momentum_buffer``) for RMSprop),
+    ``momentum_buffer`` for SGD, ``square_avg`` (and ``momentum_buffer``) for RMSprop,
+    ``sum`` for Adagrad),
     each of ``param``'s shape and device (for a DTensor ``param``: DTensors of its
     placements, each rank's rows computed locally), plus ``kahan_comp`` (the Kahan compensation,
     as float32; ``param.float() + kahan_comp`` is the parameter's value) for bfloat16 or

@@ -158,10 +158,15 @@ class _MemfitOptimizer(torch.optim.Optimizer, _format.MemfitOptimizerBase):
             return torch.zeros_like(local, dtype=dtype)
         return torch.zeros(shape, dtype=dtype, device=local.device)
 
+    def _initial_state(self, group, p, key, shape, dtype):
+        """The value a new state of p in ``group`` starts from: zeros (_zero_state), but
+        for classes whose state starts elsewhere (Adagrad's initial_accumulator_value)."""
+        return self._zero_state(p, key, shape, dtype)
+
     def _new_states(self, where, group, p, state) -> tuple:
         """(states to add, whether to drop kahan_comp) for p before its first step or
         after its layout changed (bits, dtype, shape, device): the missing states as
-        zeros; the states p already has are checked against the layout ``group`` needs
+        they start (:meth:`_initial_state`); the states p already has are checked against the layout ``group`` needs
         (:func:`_state_problem`). Changes nothing: step adds them once every parameter
         of every group is checked."""
         state = state or {}
@@ -172,7 +177,7 @@ class _MemfitOptimizer(torch.optim.Optimizer, _format.MemfitOptimizerBase):
         for key, (shape, dtype) in expected.items():
             value = state.get(key)
             if value is None:
-                added[key] = self._zero_state(p, key, shape, dtype)
+                added[key] = self._initial_state(group, p, key, shape, dtype)
                 continue
             problem = _checks.state_problem(key, value, shape, dtype, p)
             if problem is not None:

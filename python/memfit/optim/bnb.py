@@ -29,8 +29,8 @@ memfit does instead; none is ignored:
 
 - ``optim_bits`` (8 or 32; ``args.optim_bits`` where ``args`` is given): the state
   format, as bitsandbytes; anything else (``"banana"``, None) raises. The ``*8bit`` and
-  ``*32bit`` classes accept only the default 32 (bitsandbytes' ``*8bit`` raise for
-  anything else, its ``*32bit`` ignore it) and keep their own format.
+  ``*32bit`` classes accept only their default, 32 (``Adagrad8bit``'s: 8; bitsandbytes'
+  ``*8bit`` raise for anything else, its ``*32bit`` ignore it), and keep their own format.
 - ``betas`` of Adam and AdamW may be a string, ``"(0.9, 0.995)"`` (fairseq's configs),
   as bitsandbytes parses it: read as a literal pair of numbers, never evaluated. Lion
   takes no string (bitsandbytes fails on one): ValueError.
@@ -40,6 +40,9 @@ memfit does instead; none is ignored:
 - ``percentile_clipping`` < 100, ``block_wise=False``, ``is_paged=True`` (and the
   ``Paged*`` classes), ``amsgrad=True``, ``args`` with ``max_unorm`` > 0 or
   ``skip_zeros``: ValueError naming memfit's alternative.
+- ``Adagrad``/``Adagrad8bit``/``Adagrad32bit``: torch.optim.Adagrad's math, where
+  bitsandbytes refuses ``lr_decay`` != 0 and ``initial_accumulator_value`` != 0: memfit
+  does both, as torch does. ``Adagrad8bit`` takes ``optim_bits=8`` (its default there).
 - ``Adam``/``Adam8bit``/``Adam32bit``: bitsandbytes applies their ``weight_decay``
   decoupled, as AdamW (``p *= 1 - lr * weight_decay``), not torch.optim.Adam's L2; so
   do these (memfit's AdamW math, with Adam's default ``weight_decay=0``). memfit's own
@@ -67,8 +70,8 @@ from memfit.optim import optimizers as _m
 from memfit.optim._torch import _MemfitOptimizer
 
 __all__ = [
-    "Adam", "Adam8bit", "Adam32bit", "AdamW", "AdamW8bit", "AdamW32bit",
-    "GlobalOptimManager", "Lion", "Lion8bit", "Lion32bit",
+    "Adagrad", "Adagrad8bit", "Adagrad32bit",
+    "Adam", "Adam8bit", "Adam32bit", "AdamW", "AdamW8bit", "AdamW32bit", "GlobalOptimManager", "Lion", "Lion8bit", "Lion32bit",
     "PagedAdam", "PagedAdam8bit", "PagedAdam32bit", "PagedAdamW", "PagedAdamW8bit",
     "PagedAdamW32bit", "PagedLion", "PagedLion8bit", "PagedLion32bit",
     "RMSprop", "RMSprop8bit", "RMSprop32bit", "SGD", "SGD8bit", "SGD32bit",
@@ -78,7 +81,7 @@ __all__ = [
 optim = sys.modules[__name__]
 
 # bitsandbytes optimizers memfit has no counterpart of (module __getattr__ says so)
-_NOT_IN_MEMFIT = ("Adagrad", "LAMB", "LARS", "AdEMAMix", "PytorchLARS")
+_NOT_IN_MEMFIT = ("LAMB", "LARS", "AdEMAMix", "PytorchLARS")
 
 _CLIP_ADVICE = ("clip by the gradient norm before the step instead: "
                 "memfit.amp.clip_grad_norm_(model.parameters(), max_norm) (or torch.nn.utils.clip_grad_norm_)")
@@ -136,15 +139,17 @@ def _check_bnb_options(name, *, percentile_clipping=100, block_wise=True, is_pag
 
 
 def _resolve(name, *, optim_bits, args, min_8bit_size, percentile_clipping=100, block_wise=True,
-             is_paged=False, fixed_bits=None):
+             is_paged=False, fixed_bits=None, fixed_default=32):
     """The checked (bits, min_8bit_size) of a bitsandbytes constructor call. ``fixed_bits``:
-    the class's own format (the *8bit and *32bit classes), None where optim_bits says."""
+    the class's own format (the *8bit and *32bit classes), None where optim_bits says;
+    ``fixed_default``: the optim_bits default of such a class (32, but Adagrad8bit's 8)."""
     percentile_clipping, block_wise, is_paged = _tail(name, percentile_clipping, block_wise, is_paged)
-    if fixed_bits is not None and not (_is_int(optim_bits) and optim_bits == 32):
+    if fixed_bits is not None and not (_is_int(optim_bits) and optim_bits == fixed_default):
         # bitsandbytes' *8bit classes raise for another optim_bits, its *32bit ones ignore it
         other = "'8bit'" if fixed_bits == 8 else "'32bit'"
         raise ValueError(f"{name}: optim_bits={optim_bits!r}: {name} keeps {fixed_bits}-bit states; "
-                         "optim_bits must stay 32, bitsandbytes' default, kept for compatibility "
+                         f"optim_bits must stay {fixed_default}, bitsandbytes' default, kept for "
+                         "compatibility "
                          f"(for other states use the class without {other}, with optim_bits=8 or 32)")
     bits = optim_bits if fixed_bits is None else fixed_bits
     max_unorm, skip_zeros = 0.0, False
@@ -391,6 +396,33 @@ RMSprop8bit = _rmsprop_class("RMSprop8bit", 8)
 RMSprop32bit = _rmsprop_class("RMSprop32bit", 32)
 
 
+# -- Adagrad (bitsandbytes: no is_paged; Adagrad8bit's optim_bits defaults to 8) --------------
+
+def _adagrad_class(name, fixed_bits):
+    default_bits = 8 if fixed_bits == 8 else 32
+
+    def __init__(self, params, lr=1e-2, lr_decay=0, weight_decay=0, initial_accumulator_value=0,
+                 eps=1e-10, optim_bits=default_bits, args=None, min_8bit_size=4096,
+                 percentile_clipping=100, block_wise=True):
+        bits, min8 = _resolve(name, optim_bits=optim_bits, args=args, min_8bit_size=min_8bit_size,
+                              percentile_clipping=percentile_clipping, block_wise=block_wise,
+                              fixed_bits=fixed_bits, fixed_default=default_bits)
+        self._set_bits(bits)
+        _m.Adagrad8bit.__init__(self, params, lr, lr_decay, weight_decay,
+                                initial_accumulator_value, eps, min_8bit_size=min8)
+
+    doc = (f"bitsandbytes' ``{name}`` on ``memfit.optim.Adagrad8bit``'s math (torch.optim.Adagrad's: "
+           "lr_decay and initial_accumulator_value, which bitsandbytes refuses unless 0, are "
+           "honoured). See :mod:`memfit.optim.bnb`.")
+    return type(name, (_BnbOptimizer, _m.Adagrad8bit), {"__init__": __init__, "__doc__": doc,
+                                                        "__module__": __name__})
+
+
+Adagrad = _adagrad_class("Adagrad", None)
+Adagrad8bit = _adagrad_class("Adagrad8bit", 8)
+Adagrad32bit = _adagrad_class("Adagrad32bit", 32)
+
+
 # -- per-parameter overrides -----------------------------------------------------------------
 
 # the override keys that choose a state format, and the values of bitsandbytes' other
@@ -499,5 +531,5 @@ def __getattr__(name):
     base = name.replace("Paged", "").replace("8bit", "").replace("32bit", "")
     if base in _NOT_IN_MEMFIT:
         raise AttributeError(f"module 'memfit.optim.bnb' has no attribute {name!r}: memfit has no "
-                             f"{base} optimizer (its optimizers: AdamW, Adam, Lion, SGD, RMSprop)")
+                             f"{base} optimizer (its optimizers: AdamW, Adam, Lion, SGD, RMSprop, Adagrad)")
     raise AttributeError(f"module 'memfit.optim.bnb' has no attribute {name!r}")

@@ -5,12 +5,13 @@ bitsandbytes') mid-training, and load memfit checkpoints of an older format.
 
   - a ``torch.optim`` state dict of the same kind (``torch.optim.AdamW``/``Adam`` for
     memfit's AdamW/Adam/AdamW8bit/Adam8bit/AdamW4bit, ``SGD`` for SGD8bit, ``RMSprop``
-    for RMSprop8bit, lion-pytorch's ``Lion`` for Lion8bit): its float states are
+    for RMSprop8bit, ``Adagrad`` for Adagrad8bit/Adagrad, lion-pytorch's ``Lion`` for
+    Lion8bit): its float states are
     quantized into memfit's layout, and the param groups' hyperparameters that both
     name (lr, betas, eps, weight_decay, maximize, momentum, ...) are taken over, while
     memfit's own (bits, block_size, min_8bit_size, ...) stay the optimizer's;
   - a bitsandbytes 8-bit (block-wise) or 32-bit state dict (``state1``/``state2``,
-    ``absmax1``/``absmax2``, ``qmap1``/``qmap2``) of AdamW, Lion, SGD or RMSprop,
+    ``absmax1``/``absmax2``, ``qmap1``/``qmap2``) of AdamW, Lion, SGD, RMSprop or Adagrad,
     dequantized with its own code and block size and requantized;
   - a memfit state dict of format_version 1 (:func:`upgrade_v1`), or one saved by
     another memfit class of the same math and bits (a memfit.optim.bnb shim's).
@@ -53,7 +54,8 @@ _MEMFIT_GROUP_KEYS = ("bits", "block_size", "min_8bit_size", "bf16_stochastic_ro
                       "sr_seed", "sr_step", "use_muon", _format.GROUP_FORMAT_KEY)
 # hyperparameters taken over from a foreign state dict where both name them
 _SHARED_HYPER = ("lr", "betas", "eps", "weight_decay", "maximize", "momentum", "dampening",
-                 "nesterov", "alpha", "ns_coefficients", "ns_steps", "adjust_lr_fn")
+                 "nesterov", "alpha", "ns_coefficients", "ns_steps", "adjust_lr_fn", "lr_decay",
+                 "initial_accumulator_value")
 # torch.optim's own group keys for each kind, with the values memfit's behaviour matches
 _TORCH_GROUP_DEFAULTS = {
     _core.ADAMW: dict(amsgrad=False, foreach=None, capturable=False, differentiable=False,
@@ -64,12 +66,14 @@ _TORCH_GROUP_DEFAULTS = {
     _core.RMSPROP: dict(centered=False, capturable=False, foreach=None, differentiable=False),
     _core.LION: {},
     _core.MUON: {},
+    _core.ADAGRAD: dict(foreach=None, differentiable=False, fused=None),
 }
 # a group key that tells which kind of torch optimizer saved it
 _KIND_MARKER = {_core.ADAMW: "eps", _core.ADAM: "eps", _core.LION: "betas",
-                _core.SGD: "momentum", _core.RMSPROP: "alpha", _core.MUON: "ns_steps"}
+                _core.SGD: "momentum", _core.RMSPROP: "alpha", _core.MUON: "ns_steps",
+                _core.ADAGRAD: "lr_decay"}
 _TORCH_STATE_NAMES = {"exp_avg", "exp_avg_sq", "max_exp_avg_sq", "momentum_buffer",
-                      "square_avg", "grad_avg", "step"}
+                      "square_avg", "grad_avg", "sum", "step"}
 _BNB_STATE_KEYS = {"state1", "state2", "absmax1", "absmax2", "qmap1", "qmap2", "step",
                    "gnorm_vec", "unorm_vec"}
 # where bitsandbytes' state_dict() nests the quantized states (hidden from FSDP's gather)
@@ -82,7 +86,8 @@ _BNB_GROUP_KEYS = ("lr", "betas", "eps", "weight_decay")
 _BNB_ADEMAMIX_KEYS = ("alpha", "t_alpha", "t_beta3")
 # the math of each kind, in the words of the refusals
 _KIND_MATH = {_core.ADAMW: "AdamW (decoupled weight decay)", _core.ADAM: "Adam (L2 weight decay)",
-              _core.LION: "Lion", _core.SGD: "SGD", _core.RMSPROP: "RMSprop", _core.MUON: "Muon"}
+              _core.LION: "Lion", _core.SGD: "SGD", _core.RMSPROP: "RMSprop", _core.MUON: "Muon",
+              _core.ADAGRAD: "Adagrad"}
 
 
 def _name(optimizer) -> str:
@@ -457,7 +462,7 @@ def _bnb_groups(optimizer, saved_groups, two_state):
     shim's constructors map bitsandbytes' arguments (memfit.optim.bnb): one-state groups
     keep (momentum, dampening) (SGD) and (alpha, momentum) (RMSprop) in ``betas`` and
     Lion's and SGD's an unused eps. ``two_state``: Adam or AdamW (decoupled weight decay,
-    both), else Lion, SGD or RMSprop, whichever ``optimizer`` is."""
+    both), else Lion, SGD, RMSprop or Adagrad, whichever ``optimizer`` is."""
     name, kind = _name(optimizer), optimizer._kind
     names = _core.STATE_NAMES[kind]
     adam = kind in (_core.ADAMW, _core.ADAM)
@@ -465,7 +470,7 @@ def _bnb_groups(optimizer, saved_groups, two_state):
         raise _refuse(optimizer, "this bitsandbytes state dict keeps "
                                  + ("two states per parameter (state1, state2: bitsandbytes' Adam or "
                                     "AdamW)" if two_state else "one state per parameter (state1: "
-                                    "bitsandbytes' Lion, SGD or RMSprop)")
+                                    "bitsandbytes' Lion, SGD, RMSprop or Adagrad)")
                                  + f", but {name} keeps {', '.join(names)}: load it into a memfit "
                                    "optimizer of the same kind")
     out = []
@@ -491,6 +496,8 @@ def _bnb_groups(optimizer, saved_groups, two_state):
             _core.LION: dict(betas=betas),
             _core.SGD: dict(momentum=b0, dampening=b1),
             _core.RMSPROP: dict(alpha=b0, momentum=b1, eps=sg["eps"]),
+            # bitsandbytes' Adagrad has neither (it refuses both), so its state is torch's
+            _core.ADAGRAD: dict(eps=sg["eps"], lr_decay=0.0, initial_accumulator_value=0.0),
         }[kind] | common)
     return out
 
@@ -500,8 +507,8 @@ def from_bitsandbytes(optimizer, state_dict, block_size=None):
     (8-bit block-wise or 32-bit states: ``state1``/``state2`` are torch's first/second
     states, dequantized as ``qmap[code] * absmax[block]``); ``optimizer.load_state_dict``
     calls it for you. Adam and AdamW (two states) load into memfit's AdamW classes (and
-    into Adam ones without weight decay: bitsandbytes' decays decoupled); Lion, SGD and
-    RMSprop (one state) into Lion8bit, SGD8bit and RMSprop8bit, their hyperparameters
+    into Adam ones without weight decay: bitsandbytes' decays decoupled); Lion, SGD,
+    RMSprop and Adagrad (one state) into Lion8bit, SGD8bit, RMSprop8bit and Adagrad8bit, their hyperparameters
     mapped as memfit.optim.bnb maps bitsandbytes' arguments (RMSprop's ``momentum``
     acts from the load on, with a buffer that starts at zero as torch's). ``block_size``:
     bitsandbytes' block size, by default found from the number of absmax values (exact:
@@ -694,10 +701,11 @@ def upgrade_v1(optimizer, state_dict):
 def to_torch_state_dict(optimizer) -> dict:
     """``optimizer``'s state as a torch.optim state dict: float32 states under torch's
     names (``exp_avg``/``exp_avg_sq`` for Adam and AdamW, ``momentum_buffer`` for SGD,
-    ``square_avg``/``momentum_buffer`` for RMSprop, ``exp_avg`` for Lion as lion-pytorch
-    names it), the float32 ``step``, and param groups with torch's keys (memfit's own,
-    such as bits and block_size, left out), for the torch optimizer of the same kind to
-    load. Quantized states are dequantized exactly (:func:`memfit.optim.dequantized_state`);
+    ``square_avg``/``momentum_buffer`` for RMSprop, ``sum`` for Adagrad, ``exp_avg`` for
+    Lion as lion-pytorch names it), the float32 ``step``, and param groups with torch's
+    keys (memfit's own, such as bits and block_size, left out), for the torch optimizer
+    of the same kind to load (Adagrad's parameters not stepped yet get torch's initial state, which its step
+    needs). Quantized states are dequantized exactly (:func:`memfit.optim.dequantized_state`);
     a Kahan compensation buffer is dropped (the parameter keeps its rounded value).
 
     >>> t = torch.optim.AdamW(model.parameters())  # doctest: +SKIP
@@ -722,6 +730,11 @@ def to_torch_state_dict(optimizer) -> dict:
             ids.append(pid)
             st = optimizer.state.get(p)
             if not st:
+                if optimizer._kind == _core.ADAGRAD:
+                    # torch's Adagrad makes every parameter's state in its constructor, and
+                    # its step needs it: the state memfit's would start from
+                    state[pid] = {"step": torch.tensor(0.0), "sum": torch.full_like(
+                        p, float(g["initial_accumulator_value"]), dtype=torch.float32)}
                 continue
             floats = _format.dequantized_state(optimizer, p)
             floats.pop("kahan_comp", None)

@@ -23,7 +23,8 @@ Common keyword options (also settable per param group):
 torch's flags, taken by every class so that ``torch.optim.AdamW(..., fused=True)``
 becomes ``memfit.optim.AdamW8bit(..., fused=True)``, and kept in the param groups (and
 state dicts) where torch's class of the same kind keeps them (Adam/AdamW all four, SGD
-fused/foreach/differentiable, RMSprop capturable/foreach/differentiable, Lion none):
+fused/foreach/differentiable, RMSprop capturable/foreach/differentiable, Adagrad
+fused/foreach/differentiable, Lion none):
     fused: memfit always steps with its own fused kernel (one call per device and state
         format); True and None (the default) say so, False is accepted and changes
         nothing (there is no unfused path).
@@ -45,8 +46,8 @@ import torch
 from memfit.optim import _core
 from memfit.optim._torch import _MemfitOptimizer
 
-__all__ = ["Adam", "Adam8bit", "AdamW", "AdamW4bit", "AdamW8bit", "Lion8bit", "RMSprop8bit",
-           "SGD8bit"]
+__all__ = ["Adagrad", "Adagrad8bit", "Adam", "Adam8bit", "AdamW", "AdamW4bit", "AdamW8bit",
+           "Lion8bit", "RMSprop8bit", "SGD8bit"]
 
 
 def _betas(betas):
@@ -218,3 +219,77 @@ class RMSprop8bit(_MemfitOptimizer):
         return _core.hparams(lr=group["lr"], alpha=group["alpha"], eps=group["eps"],
                              weight_decay=group["weight_decay"], momentum=group["momentum"],
                              maximize=group["maximize"])
+
+
+class _AdagradBase(_MemfitOptimizer):
+    """torch.optim.Adagrad's math: with ``clr = lr / (1 + (t - 1) * lr_decay)`` at step t,
+    ``g += weight_decay * p`` (L2), ``sum += g * g``, ``p -= clr * g / (sqrt(sum) + eps)``;
+    ``sum`` starts at ``initial_accumulator_value``."""
+
+    _kind = _core.ADAGRAD
+    _TORCH_FLAGS = dict(maximize=False, foreach=None, differentiable=False, fused=None)
+
+    def __init__(self, params, lr=1e-2, lr_decay=0, weight_decay=0, initial_accumulator_value=0,
+                 eps=1e-10, foreach=None, *, maximize=False, differentiable=False, fused=None,
+                 block_size=None, min_8bit_size=4096, bf16_stochastic_round=None, kahan=False,
+                 **torch_flags):
+        super().__init__(params, dict(lr=lr, lr_decay=lr_decay, weight_decay=weight_decay,
+                                      initial_accumulator_value=initial_accumulator_value, eps=eps),
+                         maximize=maximize, block_size=block_size, min_8bit_size=min_8bit_size,
+                         bf16_stochastic_round=bf16_stochastic_round, kahan=kahan, foreach=foreach,
+                         differentiable=differentiable, fused=fused, **torch_flags)
+
+    @staticmethod
+    def _initial_value(group) -> float:
+        """The group's initial_accumulator_value, checked as torch checks it (and finite:
+        states never hold Inf)."""
+        value = _core._real("initial_accumulator_value", group["initial_accumulator_value"])
+        if not 0.0 <= value < float("inf"):
+            raise ValueError(f"initial_accumulator_value: invalid value {value!r} (must be a "
+                             "finite number >= 0)")
+        return value
+
+    def _hparams(self, group):
+        self._initial_value(group)  # checked wherever the group is (check_group calls this)
+        return _core.hparams(lr=group["lr"], lr_decay=group["lr_decay"], eps=group["eps"],
+                             weight_decay=group["weight_decay"], maximize=group["maximize"])
+
+    def _initial_state(self, group, p, key, shape, dtype):
+        """``sum`` starts at initial_accumulator_value v, as torch's: float32 states full of
+        v; quantized ones as every element at the code value 1.0 (the top of the unsigned
+        code) times a block absmax of v, which reads back as v exactly."""
+        state = super()._initial_state(group, p, key, shape, dtype)
+        value = self._initial_value(group)
+        if not value or key not in ("state1", "absmax1"):
+            return state
+        if key == "absmax1" or dtype == torch.float32:
+            return state.fill_(value)
+        bits = self._format(group, p)
+        top = len(_core.code_table(bits, False)) - 1  # the unsigned codes end at 1.0
+        if bits == 8:
+            return state.fill_(top)
+        state.fill_(top | top << 4)  # two 4-bit codes per byte
+        if (p.numel() // shape[0]) % 2:
+            state[:, -1] = top  # an odd row's last byte holds one code (high nibble 0)
+        return state
+
+
+class Adagrad8bit(_AdagradBase):
+    """torch.optim.Adagrad with an 8-bit ``sum`` (unsigned dynamic map, one float32 absmax
+    per 256 elements): 1 byte of state per parameter instead of 4. Same signature and
+    defaults as torch.optim.Adagrad (``lr_decay`` and ``initial_accumulator_value``
+    included), plus memfit's options (see :mod:`memfit.optim.optimizers`).
+
+        >>> opt = memfit.optim.Adagrad8bit(model.parameters(), lr=1e-2)  # doctest: +SKIP
+    """
+
+    _bits = 8
+
+
+class Adagrad(_AdagradBase):
+    """torch.optim.Adagrad on memfit's fused kernel, float32 ``sum``.
+
+        >>> opt = memfit.optim.Adagrad(model.parameters(), lr=1e-2, lr_decay=1e-4)  # doctest: +SKIP
+    """
+
+    _bits = 32
