@@ -115,11 +115,13 @@ class LAMB(_LambBase):
 class _LarsBase(_TrustBase):
     _kind = _core.SGD
     _TORCH_FLAGS = dict(maximize=False, foreach=None, differentiable=False, fused=None)
+    # bitsandbytes' LARS classes refuse momentum=0; its PytorchLARS (memfit.optim.bnb) not
+    _needs_momentum = True
 
     def __init__(self, params, lr, momentum=0.0, dampening=0.0, weight_decay=0.0,
                  nesterov=False, *, max_unorm=0.02, maximize=False, block_size=None,
                  min_8bit_size=4096, bf16_stochastic_round=None, kahan=False, **torch_flags):
-        if momentum == 0:
+        if momentum == 0 and self._needs_momentum:
             raise NotImplementedError("LARS without momentum is not supported!")  # as bnb
         super().__init__(params, dict(lr=lr, momentum=momentum, dampening=dampening,
                                       weight_decay=weight_decay, nesterov=nesterov,
