@@ -281,7 +281,8 @@ def group_optim(r: Report, rng, full=True):
         optim_case(r, rng, f"trust {kind}{bits} NaN gradient", kind, bits, bs, momentum, hp, shapes,
                    f32, steps=3, nan_grad=True)
     # more chunks than lanes (256): the chunk sums' own lanes and tree
-    optim_case(r, rng, "trust adamw8 258 chunks", *TRUST_SETUPS[0][:3], 256, TRUST_SETUPS[0][3],
+    kind, bits, momentum, hp = TRUST_SETUPS[0]
+    optim_case(r, rng, "trust adamw8 258 chunks", kind, bits, 256, momentum, hp,
                [(258 * 4096 - 3,)], f32, steps=2)
     many = [(int(n),) for n in rng.integers(1, 3000, size=40)]  # > kMaxTensors=32: two launches
     for kind, bits, momentum, hp in (OPTIM_SETUPS[0], OPTIM_SETUPS[2], OPTIM_SETUPS[3]):
