@@ -289,3 +289,39 @@ def test_core_refuses_missing_or_bad_scratch():
     # m / (sqrt(v) / sqrt(1 - beta2) + eps) = 0.1 / (1 + 1e-8) per element (the first
     # moment's bias correction is applied to the norm later: mf_optim_trust_scale)
     assert abs(sums[0] - 5000.0 * (0.1 / (1 + 1e-8)) ** 2) < 1e-5 * 50
+
+
+_DTENSOR_SCRIPT = r"""
+import torch, torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import Shard, distribute_tensor
+import memfit.optim as mo
+dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+mesh = init_device_mesh("cpu", (1,))
+p = torch.nn.Parameter(distribute_tensor(torch.randn(8, 16), mesh, [Shard(0)]))
+for make in (lambda: mo.LAMB8bit([p]), lambda: mo.LARS([p], lr=0.1, momentum=0.9)):
+    try:
+        make()
+    except ValueError as e:
+        print("REFUSED", e)
+dist.destroy_process_group()
+"""
+
+
+def test_sharded_parameters_are_refused_naming_them():
+    """The norms need the whole tensor: a DTensor parameter is refused, saying why (in a
+    subprocess: the one-rank process group is global state)."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    pytest.importorskip("torch.distributed.tensor")
+    env = dict(os.environ, PYTHONPATH=str(Path(mo.__file__).resolve().parents[2]))
+    run = subprocess.run([sys.executable, "-c", _DTENSOR_SCRIPT], capture_output=True, text=True,
+                         env=env, timeout=300)
+    assert run.returncode == 0, run.stderr
+    lines = [x for x in run.stdout.splitlines() if x.startswith("REFUSED")]
+    assert len(lines) == 2, run.stdout
+    for line in lines:
+        assert "param_groups[0]['params'][0]" in line and "whole tensor" in line, line
