@@ -325,3 +325,17 @@ def test_sharded_parameters_are_refused_naming_them():
     assert len(lines) == 2, run.stdout
     for line in lines:
         assert "param_groups[0]['params'][0]" in line and "whole tensor" in line, line
+
+
+def test_functional_step_takes_max_unorm():
+    """memfit.optim.functional.step with max_unorm (NumPy arrays) is LAMB's step."""
+    from memfit.optim import functional as F
+
+    p0, grads = _data(10, (16, 300), 0.01, steps=3)
+    want, *_ = _run(mo.LAMB, p0, grads, lr=1e-2, weight_decay=0.1, max_unorm=0.5)
+    p = p0.copy()
+    st = F.init("adamw", p, bits=32)
+    for g in grads:
+        F.step("adamw", p, g, st, lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.1,
+               max_unorm=0.5)
+    assert np.array_equal(p.astype(np.float64), want)
