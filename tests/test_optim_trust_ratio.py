@@ -339,3 +339,23 @@ def test_functional_step_takes_max_unorm():
         F.step("adamw", p, g, st, lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.1,
                max_unorm=0.5)
     assert np.array_equal(p.astype(np.float64), want)
+
+
+def test_adamw_and_sgd_state_dicts_continue_as_lamb_and_lars():
+    """Their states are LAMB's and LARS' own; the groups lack the trust keys, which take
+    the loading optimizer's values (and are saved from then on). With a ratio that never
+    clips, the loaded optimizer steps on exactly as the one that saved the dict."""
+    p0, grads = _data(11, (16, 300), 0.01, steps=3)
+    for first, second, kw in ((mo.AdamW8bit, mo.LAMB8bit, dict(lr=1e-2, weight_decay=0.1)),
+                              (mo.SGD8bit, mo.LARS8bit, dict(lr=0.1, momentum=0.9))):
+        _, a, p = _run(first, p0, grads[:1], **kw)
+        q = torch.nn.Parameter(p.detach().clone())
+        b = second([q], min_8bit_size=0, max_unorm=1e9, **kw)
+        b.load_state_dict(a.state_dict())
+        assert b.param_groups[0]["max_unorm"] == 1e9
+        for g in grads[1:]:
+            for o, x in ((a, p), (b, q)):
+                x.grad = torch.tensor(g)
+                o.step()
+        assert torch.equal(p, q)
+        assert b.state_dict()["param_groups"][0]["max_unorm"] == 1e9

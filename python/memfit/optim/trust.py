@@ -25,7 +25,21 @@ __all__ = ["LAMB", "LAMB8bit", "LARS", "LARS8bit"]
 
 
 class _TrustBase(_MemfitOptimizer):
-    """The trust ratio's extras: its scratch per step and the refusal of DTensors."""
+    """The trust ratio's extras: its scratch per step, the refusal of DTensors, and the
+    group keys AdamW's and SGD's groups lack (a state dict of AdamW8bit/SGD8bit loaded
+    here continues with this optimizer's own max_unorm & co.)."""
+
+    _TRUST_KEYS: tuple = ("max_unorm",)
+
+    def _opt(self, group, key):
+        """group[key], or this optimizer's default where a loaded group lacks it."""
+        return group.get(key, self.defaults[key])
+
+    def __setstate__(self, state):
+        super().__setstate__(state)
+        for group in self.param_groups:
+            for key in self._TRUST_KEYS:
+                group.setdefault(key, self.defaults[key])
 
     def add_param_group(self, param_group):
         super().add_param_group(param_group)
@@ -61,6 +75,7 @@ class _TrustBase(_MemfitOptimizer):
 
 class _LambBase(_TrustBase):
     _kind = _core.ADAMW
+    _TRUST_KEYS = ("max_unorm", "bias_correction", "adam_w_mode")
     _fixed_options = (("amsgrad", False, "LAMB keeps no max_exp_avg_sq state (AMSGrad); "
                                          "pass amsgrad=False"),)
 
@@ -76,14 +91,14 @@ class _LambBase(_TrustBase):
                          bf16_stochastic_round=bf16_stochastic_round, kahan=kahan, **torch_flags)
 
     def _group_kind(self, group) -> int:
-        return _core.ADAMW if group.get("adam_w_mode", True) else _core.ADAM
+        return _core.ADAMW if self._opt(group, "adam_w_mode") else _core.ADAM
 
     def _hparams(self, group):
         b1, b2 = _betas(group["betas"])
         return _core.hparams(lr=group["lr"], beta1=b1, beta2=b2, eps=group["eps"],
                              weight_decay=group["weight_decay"], maximize=group["maximize"],
-                             max_unorm=group["max_unorm"],
-                             bias_correction=group.get("bias_correction", True))
+                             max_unorm=self._opt(group, "max_unorm"),
+                             bias_correction=self._opt(group, "bias_correction"))
 
 
 class LAMB8bit(_LambBase):
@@ -133,7 +148,7 @@ class _LarsBase(_TrustBase):
         return _core.hparams(lr=group["lr"], momentum=group["momentum"],
                              dampening=group["dampening"], weight_decay=group["weight_decay"],
                              nesterov=group["nesterov"], maximize=group["maximize"],
-                             max_unorm=group["max_unorm"])
+                             max_unorm=self._opt(group, "max_unorm"))
 
 
 class LARS8bit(_LarsBase):
