@@ -427,9 +427,9 @@ def test_kahan_with_stochastic_rounding_is_refused():
     p = torch.nn.Parameter(torch.ones(10, dtype=torch.bfloat16))
     for cls in ALL:
         with pytest.raises(ValueError, match="kahan=True and bf16_stochastic_round=True"):
-            cls([p], kahan=True, bf16_stochastic_round=True)
-        cls([p], kahan=True)  # stochastic rounding defaults to off with kahan
-        cls([p], kahan=True, bf16_stochastic_round=False)
+            make(cls, [p], lr=1e-3, kahan=True, bf16_stochastic_round=True)
+        make(cls, [p], lr=1e-3, kahan=True)  # stochastic rounding defaults to off with kahan
+        make(cls, [p], lr=1e-3, kahan=True, bf16_stochastic_round=False)
     with pytest.raises(ValueError, match="kahan=True and bf16_stochastic_round=True"):
         mo.AdamW8bit([{"params": [p], "kahan": True, "bf16_stochastic_round": True}])
     opt = mo.AdamW8bit([p])
