@@ -6,34 +6,94 @@
  * optim.c: the direction is the update's own arithmetic.
  */
 #include <stdlib.h>
+#include <string.h>
 
 #include "optim_cpu.h"
 #include "memfit/multi_tensor.h"
 
-/* The sums of chunk `k` of tensor t into its scratch. */
+/* State k's values of elements [first, first + n) (dequantized as the update does):
+ * the rows and blocks of the layout (mf_optim_row) walked incrementally, not divided
+ * out per element. */
+static void load_state(mf_state_format fmt, const void *q, const float *absmax, const float *code,
+                       int64_t bs, int64_t row_len, int64_t first, int64_t n, float *out) {
+  if (fmt == MF_STATE_FP32) {
+    memcpy(out, (const float *)q + first, (size_t)n * sizeof(float));
+    return;
+  }
+  const int sh = __builtin_ctzll((unsigned long long)bs); /* block sizes are powers of 2 */
+  const uint8_t *b = (const uint8_t *)q;
+  int64_t r = first / row_len, j = first - r * row_len;
+  for (int64_t i = 0; i < n;) {
+    const mf_optim_row_start at = mf_optim_row(row_len, bs, r);
+    const int64_t run = row_len - j < n - i ? row_len - j : n - i;
+    const float *am = absmax + at.block;
+    if (fmt == MF_STATE_8BIT) {
+      for (int64_t e = 0; e < run; e++, j++)
+        out[i + e] = mf_dequantize_one(code, b[at.elem + j], am[j >> sh]);
+    } else {
+      for (int64_t e = 0; e < run; e++, j++)
+        out[i + e] = mf_dequantize_one(code, (uint8_t)((b[at.code4 + (j >> 1)] >> ((j & 1) * 4)) & 15),
+                                       am[j >> sh]);
+    }
+    i += run;
+    j = 0;
+    r++;
+  }
+}
+
+/* The update directions of n elements (mf_optim_update_dir, the kind a constant in each
+ * branch so the loop vectorises). */
+static void directions(mf_optim_kind kind, const mf_optim_consts *c, int ns, int64_t n,
+                       const float *p, const float *g, float *s1, float *s2, float *dir) {
+#define DIR_LOOP(K)                                                                   \
+  for (int64_t i = 0; i < n; i++) {                                                  \
+    float x = p[i];                                                                  \
+    mf_optim_update_dir(K, c, ns, &x, g[i], &s1[i], &s2[i], &dir[i]);                \
+  }
+  switch (kind) {
+    case MF_OPT_ADAMW: DIR_LOOP(MF_OPT_ADAMW) break;
+    case MF_OPT_ADAM: DIR_LOOP(MF_OPT_ADAM) break;
+    default: DIR_LOOP(MF_OPT_SGD) break; /* the only other kind with max_unorm > 0 */
+  }
+#undef DIR_LOOP
+}
+
+/* The sums of chunk `k` of tensor t into its scratch: lane l adds the squares of the
+ * chunk's elements l, l + LANES, ... in turn (the order of memfit/optim.h, which the
+ * CUDA kernel follows thread by thread), computed a row of LANES elements at a time. */
 static void trust_chunk(const mf_optim_hparams *h, const mf_optim_consts *c, int ns,
                         mf_state_format fmt, int64_t bs, const float *code1,
                         const float *code2, const mf_optim_tensor *t, int64_t k) {
+  enum { N = MF_OPTIM_TRUST_CHUNK, L = MF_OPTIM_TRUST_LANES };
+  float p[N], g[N], s1[N], s2[N], dir[N];
   const mf_dtype dt = t->param.dtype;
-  const int64_t n = t->param.numel, rows = t->rows ? t->rows : 1, row_len = n / rows;
-  const int64_t first = k * MF_OPTIM_TRUST_CHUNK;
-  const int64_t last = first + MF_OPTIM_TRUST_CHUNK < n ? first + MF_OPTIM_TRUST_CHUNK : n;
-  double lu[MF_OPTIM_TRUST_LANES], lp[MF_OPTIM_TRUST_LANES];
-  for (int l = 0; l < MF_OPTIM_TRUST_LANES; l++) {
-    double su = 0.0, sp = 0.0;
-    for (int64_t i = first + l; i < last; i += MF_OPTIM_TRUST_LANES) {
-      const float s1 = ns >= 1 ? mf_optim_state_at(fmt, t->state1.data, (const float *)t->absmax1.data,
-                                                   code1, bs, row_len, i) : 0.0f;
-      const float s2 = ns >= 2 ? mf_optim_state_at(fmt, t->state2.data, (const float *)t->absmax2.data,
-                                                   code2, bs, row_len, i) : 0.0f;
-      double u2, p2;
-      mf_optim_trust_element(h->kind, c, ns, mf_optim_load_param(t->param.data, t->comp.data, i, dt),
-                             mf_load_f32(t->grad.data, i, dt), s1, s2, &u2, &p2);
-      su = su + u2;
-      sp = sp + p2;
+  const int64_t numel = t->param.numel, rows = t->rows ? t->rows : 1, row_len = numel / rows;
+  const int64_t first = k * N, n = numel - first < N ? numel - first : N;
+  if (dt == MF_FLOAT32) { /* (no comp: float32 parameters take none) */
+    memcpy(p, (const float *)t->param.data + first, (size_t)n * sizeof(float));
+    memcpy(g, (const float *)t->grad.data + first, (size_t)n * sizeof(float));
+  } else {
+    for (int64_t i = 0; i < n; i++) {
+      p[i] = mf_optim_load_param(t->param.data, t->comp.data, first + i, dt);
+      g[i] = mf_load_f32(t->grad.data, first + i, dt);
     }
-    lu[l] = su;
-    lp[l] = sp;
+  }
+  if (ns >= 1)
+    load_state(fmt, t->state1.data, (const float *)t->absmax1.data, code1, bs, row_len, first, n, s1);
+  else
+    memset(s1, 0, (size_t)n * sizeof(float));
+  if (ns >= 2)
+    load_state(fmt, t->state2.data, (const float *)t->absmax2.data, code2, bs, row_len, first, n, s2);
+  else
+    memset(s2, 0, (size_t)n * sizeof(float));
+  directions(h->kind, c, ns, n, p, g, s1, s2, dir);
+  double lu[L] = {0}, lp[L] = {0};
+  for (int64_t base = 0; base < n; base += L) {
+    const int64_t m = n - base < L ? n - base : L;
+    for (int64_t l = 0; l < m; l++) {
+      lu[l] = lu[l] + (double)dir[base + l] * (double)dir[base + l];
+      lp[l] = lp[l] + (double)p[base + l] * (double)p[base + l];
+    }
   }
   double *ws = (double *)t->trust.data;
   ws[2 * k] = mf_optim_trust_tree(lu);
