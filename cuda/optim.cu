@@ -24,6 +24,12 @@
  * Both read and write parameters through mf_optim_load_param/mf_optim_store_param
  * (optim.h): the Kahan compensation buffer and stochastic rounding live there.
  * optim_count_kernel: after all updates, step += 1 for every tensor (unless found_inf).
+ * trust_partial_kernel, trust_finish_kernel: the trust ratio's norm pass (LAMB, LARS;
+ *   optim.h, "trust ratio"), before the updates: one thread block per chunk of
+ *   MF_OPTIM_TRUST_CHUNK elements, thread l the lane l of the fixed summation order, the
+ *   lanes added as the tree of mf_optim_trust_tree in shared memory; then one block per
+ *   tensor adds the chunk sums the same way. The update kernels read the totals on the
+ *   device (prepare_once): no host synchronisation.
  *
  * Per-tensor constants: mf_optim_prepare() (bias corrections in FP64: powers, a
  * division, a square root) depends on the step counter and the scale, which live on the
@@ -70,6 +76,7 @@ struct TensorSlot {
   int sr_stream;
   int bits;           /* state format (mf_state_format) */
   int block_size;
+  const double *trust; /* the trust ratio's totals (mf_optim_trust_totals), or null */
 };
 
 /* Up to kMaxTensors tensors; thread block b works on tensor i with
@@ -128,7 +135,142 @@ __device__ __forceinline__ bool skipped(const float *found_inf) {
  * __syncthreads() publishes it. */
 __device__ __forceinline__ void prepare_once(mf_optim_consts *out, const mf_optim_hparams &h,
                                              const TensorSlot &t, const float *grad_scale) {
-  if (threadIdx.x == 0) *out = mf_optim_prepare(&h, *t.step + 1.0f, inverse_scale(grad_scale));
+  if (threadIdx.x == 0) {
+    const float step = *t.step + 1.0f;
+    *out = mf_optim_prepare(&h, step, inverse_scale(grad_scale));
+    if (h.max_unorm > 0.0 && t.trust)
+      mf_optim_trust_apply(&h, out, mf_optim_trust_scale(&h, step, t.trust[0], t.trust[1]));
+  }
+}
+
+/* ---- the trust ratio's norm pass ---------------------------------------------------- */
+
+/* A tensor of the norm pass, whole (chunks run over the flat storage, whatever its rows). */
+struct NormSlot {
+  const void *p, *g, *s1, *s2, *c;
+  const float *a1, *a2;
+  const float *step;
+  double *ws; /* mf_optim_tensor.trust */
+  int64_t numel, row_len;
+  int dtype;
+};
+
+struct NormList {
+  NormSlot t[kMaxTensors];
+  int64_t start[kMaxTensors + 1];
+  int n;
+};
+static_assert(sizeof(NormList) + sizeof(mf_optim_hparams) + 64 <= 4096,
+              "kernel arguments must stay below 4 KB");
+static_assert(kThreads == MF_OPTIM_TRUST_LANES, "one thread per lane of the norm pass");
+
+/* mf_optim_trust_tree over the block's threads: v[l] += v[l + w] for halving w. Every
+ * thread must call it; the sum is in v[0] afterwards. */
+__device__ __forceinline__ void block_tree(double *u, double *p) {
+  __syncthreads();
+  for (int w = MF_OPTIM_TRUST_LANES / 2; w > 0; w /= 2) {
+    if ((int)threadIdx.x < w) {
+      u[threadIdx.x] = u[threadIdx.x] + u[threadIdx.x + w];
+      p[threadIdx.x] = p[threadIdx.x] + p[threadIdx.x + w];
+    }
+    __syncthreads();
+  }
+}
+
+__global__ void __launch_bounds__(kThreads)
+    trust_partial_kernel(NormList L, mf_optim_hparams h, int fmt, int64_t bs,
+                         const float *code1, const float *code2, const float *grad_scale,
+                         const float *found_inf) {
+  __shared__ mf_optim_consts cs;
+  __shared__ double su[MF_OPTIM_TRUST_LANES], sp[MF_OPTIM_TRUST_LANES];
+  if (skipped(found_inf)) return;
+  const int64_t b = blockIdx.x, ti = mf_mt_tensor_of(L.start, L.n, b), k = b - L.start[ti];
+  const NormSlot &t = L.t[ti];
+  if (threadIdx.x == 0) cs = mf_optim_prepare(&h, *t.step + 1.0f, inverse_scale(grad_scale));
+  __syncthreads();
+  const mf_optim_consts c = cs;
+  const int ns = mf_optim_num_states(&h);
+  const mf_state_format f = (mf_state_format)fmt;
+  const mf_dtype dt = (mf_dtype)t.dtype;
+  const int64_t first = k * MF_OPTIM_TRUST_CHUNK;
+  const int64_t last = first + MF_OPTIM_TRUST_CHUNK < t.numel ? first + MF_OPTIM_TRUST_CHUNK : t.numel;
+  double u = 0.0, p = 0.0;
+  for (int64_t i = first + threadIdx.x; i < last; i += MF_OPTIM_TRUST_LANES) {
+    const float s1 = ns >= 1 ? mf_optim_state_at(f, t.s1, t.a1, code1, bs, t.row_len, i) : 0.0f;
+    const float s2 = ns >= 2 ? mf_optim_state_at(f, t.s2, t.a2, code2, bs, t.row_len, i) : 0.0f;
+    double u2, p2;
+    mf_optim_trust_element(h.kind, &c, ns, mf_optim_load_param(t.p, t.c, i, dt),
+                           mf_load_f32(t.g, i, dt), s1, s2, &u2, &p2);
+    u = u + u2;
+    p = p + p2;
+  }
+  su[threadIdx.x] = u;
+  sp[threadIdx.x] = p;
+  block_tree(su, sp);
+  if (threadIdx.x == 0) {
+    t.ws[2 * k] = su[0];
+    t.ws[2 * k + 1] = sp[0];
+  }
+}
+
+/* Block i: tensor i's totals from its chunk sums. */
+__global__ void __launch_bounds__(kThreads) trust_finish_kernel(NormList L, const float *found_inf) {
+  __shared__ double su[MF_OPTIM_TRUST_LANES], sp[MF_OPTIM_TRUST_LANES];
+  if (skipped(found_inf)) return;
+  const NormSlot &t = L.t[blockIdx.x];
+  if (t.numel == 0) return;
+  const int64_t chunks = mf_optim_trust_chunks(t.numel);
+  double u = 0.0, p = 0.0;
+  for (int64_t k = threadIdx.x; k < chunks; k += MF_OPTIM_TRUST_LANES) {
+    u = u + t.ws[2 * k];
+    p = p + t.ws[2 * k + 1];
+  }
+  su[threadIdx.x] = u;
+  sp[threadIdx.x] = p;
+  block_tree(su, sp);
+  if (threadIdx.x == 0) {
+    t.ws[2 * chunks] = su[0];
+    t.ws[2 * chunks + 1] = sp[0];
+  }
+}
+
+/* Pass 1 of the trust ratio for all tensors, on `stream`. */
+mf_status trust_norms(const mf_optim_hparams *h, mf_state_format fmt, int64_t bs,
+                      const float *code1, const float *code2, const mf_optim_tensor *ts,
+                      int64_t n, const float *scale, const float *inf, cudaStream_t stream) {
+  for (int64_t i = 0; i < n; i++)
+    if (mf_mt_items(ts[i].param.numel, MF_OPTIM_TRUST_CHUNK) > MF_MT_MAX_GRID)
+      return mf_error(MF_ERR_VALUE, "params[%lld]: too many elements for one launch", (long long)i);
+  mf_mt_packer pk;
+  mf_mt_pack_begin(&pk, &ts[0].param.numel, sizeof *ts, NULL, n, MF_OPTIM_TRUST_CHUNK);
+  NormList L;
+  int64_t first;
+  while ((L.n = (int)mf_mt_pack_next(&pk, kMaxTensors, MF_MT_MAX_GRID, L.start, &first)) > 0) {
+    for (int k = 0; k < L.n; k++) {
+      const mf_optim_tensor &x = ts[first + k];
+      NormSlot &s = L.t[k];
+      s.p = x.param.data;
+      s.g = x.grad.data;
+      s.s1 = x.state1.data;
+      s.s2 = x.state2.data;
+      s.c = x.comp.data;
+      s.a1 = (const float *)x.absmax1.data;
+      s.a2 = (const float *)x.absmax2.data;
+      s.step = (const float *)x.step.data;
+      s.ws = (double *)x.trust.data;
+      s.numel = x.param.numel;
+      s.row_len = x.param.numel / (x.rows ? x.rows : 1);
+      s.dtype = (int)x.param.dtype;
+    }
+    if (L.start[L.n] > 0) {
+      trust_partial_kernel<<<(unsigned)L.start[L.n], kThreads, 0, stream>>>(
+          L, *h, (int)fmt, bs, code1, code2, scale, inf);
+      trust_finish_kernel<<<(unsigned)L.n, kThreads, 0, stream>>>(L, inf);
+    }
+    const mf_status st = mf_cuda_status(cudaGetLastError(), "optimizer step");
+    if (st) return st;
+  }
+  return MF_OK;
 }
 
 /* Max of v over the 32 lanes of the warp (every lane gets it). */
@@ -329,6 +471,10 @@ extern "C" mf_status mf_cuda_optim_step(const mf_optim_hparams *h, mf_state_form
   const float *inf = found_inf ? (const float *)found_inf->data : nullptr;
   const float *c1 = code1 ? (const float *)code1->data : nullptr;
   const float *c2 = code2 ? (const float *)code2->data : nullptr;
+  mf_status st;
+  if (h->max_unorm > 0.0 &&
+      (st = trust_norms(h, fmt, block_size, c1, c2, ts, n, scale, inf, stream)))
+    return st;
 
   /* pack tensors kMaxTensors at a time; a launch also stops before its grid would
    * exceed 2^31 - 1 blocks (a single larger tensor is refused first, before any launch) */
@@ -345,7 +491,6 @@ extern "C" mf_status mf_cuda_optim_step(const mf_optim_hparams *h, mf_state_form
   mf_mt_pack_begin(&pk, &ts[0].param.numel, sizeof *ts, split, n, kItem);
   LaunchList L;
   int64_t first;
-  mf_status st;
   while ((L.n = (int)mf_mt_pack_next(&pk, kMaxTensors, MF_MT_MAX_GRID, L.start, &first)) > 0) {
     for (int k = 0; k < L.n; k++) {
       const mf_optim_tensor &x = ts[first + k];
@@ -365,6 +510,8 @@ extern "C" mf_status mf_cuda_optim_step(const mf_optim_hparams *h, mf_state_form
       s.sr_stream = x.sr_stream;
       s.bits = (int)fmt;
       s.block_size = (int)block_size;
+      s.trust = h->max_unorm > 0.0 && x.param.numel > 0
+                    ? mf_optim_trust_totals(x.trust.data, x.param.numel) : nullptr;
     }
     if ((st = launch(L, h, fmt, block_size, c1, c2, scale, inf, stream))) {
       free(split);

@@ -187,6 +187,18 @@ OPTIM_SETUPS = [
     ("muon", 32, 0.3, dict(lr=0.02, momentum=0.3, nesterov=True)),
 ]
 MUON_SETUPS = OPTIM_SETUPS[-3:]
+# the trust ratio (LAMB, LARS: optim.h's norm pass, then the scaled update); the
+# scratch's float64 sums are compared bit for bit too. Data of scale 1 and Adam's
+# near-unit first directions: max_unorm 0.5 clips, 1e3 does not.
+TRUST_SETUPS = [
+    ("adamw", 8, 0.0, dict(lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01,
+                           max_unorm=0.5)),
+    ("adamw", 4, 0.0, dict(lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8, max_unorm=1e3)),
+    ("adam", 32, 0.0, dict(lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01,
+                           max_unorm=0.5, bias_correction=False)),
+    ("sgd", 8, 0.9, dict(lr=1e-2, momentum=0.9, nesterov=True, weight_decay=0.01, max_unorm=0.02)),
+    ("sgd", 32, 0.9, dict(lr=1e-2, momentum=0.9, dampening=0.1, max_unorm=0.02, maximize=True)),
+]
 # functional.init has no "muon" (its step writes no parameter): Muon's states are laid
 # out as SGD's with momentum (one signed state), which init makes; Adagrad's one unsigned
 # state as RMSprop's without momentum
@@ -194,7 +206,7 @@ _INIT_KIND = {"muon": "sgd", "adagrad": "rmsprop"}
 _KINDS = dict(functional._KINDS, muon=_core.MUON, adagrad=_core.ADAGRAD)
 ADAGRAD8 = next(s for s in OPTIM_SETUPS if s[:2] == ("adagrad", 8))
 
-STATE_KEYS = ("state1", "absmax1", "state2", "absmax2", "step", "kahan_comp")
+STATE_KEYS = ("state1", "absmax1", "state2", "absmax2", "step", "kahan_comp", "trust")
 
 
 def _optim_call(kind, bits, bs, hp, params, grads, states, w, grad_scale=None, found_inf=None):
@@ -207,7 +219,8 @@ def _optim_call(kind, bits, bs, hp, params, grads, states, w, grad_scale=None, f
                   [w(s["step"]) for s in states], code1=dev_or(w, code1), code2=dev_or(w, code2),
                   grad_scale=dev_or(w, grad_scale), found_inf=dev_or(w, found_inf), stream=0,
                   comps=None if all(c is None for c in comps) else [dev_or(w, c) for c in comps],
-                  rows=[s["rows"] for s in states], index_base=None)
+                  rows=[s["rows"] for s in states], index_base=None,
+                  trust=[w(s["trust"]) for s in states] if hp["max_unorm"] > 0 else None)
 
 
 def dev_or(w, x):
@@ -221,6 +234,9 @@ def optim_case(r: Report, rng, case, kind, bits, bs, momentum, hp_kw, shapes, dt
         params = [_data(rng, int(np.prod(s)), dtype).reshape(s) for s in shapes]
         states = [functional.init(_INIT_KIND.get(kind, kind), p, bits=bits, block_size=bs, momentum=momentum, kahan=kahan)
                   for p in params]
+        for p, s in zip(params, states):  # the trust ratio's scratch (float64 as float32 words)
+            s["trust"] = (np.zeros(_core.trust_numel(p.size) // 2).view(np.float32)
+                          if hp["max_unorm"] > 0 else None)
         side = {name: ([p.copy() for p in params], [{k: (v.copy() if isinstance(v, np.ndarray) else v)
                                                      for k, v in s.items()} for s in states])
                 for name in ("cpu", "cuda")}
@@ -255,8 +271,24 @@ def group_optim(r: Report, rng, full=True):
         for bs in (BLOCK_SIZES if bits != 32 else (256,)):
             optim_case(r, rng, f"optim {kind}{bits} bs={bs} m={momentum}", kind, bits, bs, momentum, hp,
                        shapes, f32)
+    for kind, bits, momentum, hp in TRUST_SETUPS:  # 4 and 5 chunks of the norm pass, odd sizes
+        bs = 256 if bits != 4 else 128
+        optim_case(r, rng, f"trust {kind}{bits} {hp['max_unorm']}", kind, bits, bs, momentum, hp,
+                   shapes + [(3, 5001), (4 * 4096 + 1,)], f32, steps=3)
     if not full:
         return
+    for kind, bits, momentum, hp in TRUST_SETUPS:
+        bs = 256 if bits != 4 else 128
+        optim_case(r, rng, f"trust {kind}{bits} bf16 kahan", kind, bits, bs, momentum, hp, shapes,
+                   BF16, kahan=True)
+        optim_case(r, rng, f"trust {kind}{bits} grad_scale/found_inf", kind, bits, bs, momentum, hp,
+                   shapes, f32, steps=3, scaled=True)
+        optim_case(r, rng, f"trust {kind}{bits} NaN gradient", kind, bits, bs, momentum, hp, shapes,
+                   f32, steps=3, nan_grad=True)
+    # more chunks than lanes (256): the chunk sums' own lanes and tree
+    kind, bits, momentum, hp = TRUST_SETUPS[0]
+    optim_case(r, rng, "trust adamw8 258 chunks", kind, bits, 256, momentum, hp,
+               [(258 * 4096 - 3,)], f32, steps=2)
     many = [(int(n),) for n in rng.integers(1, 3000, size=40)]  # > kMaxTensors=32: two launches
     for kind, bits, momentum, hp in (OPTIM_SETUPS[0], OPTIM_SETUPS[2], OPTIM_SETUPS[3]):
         optim_case(r, rng, f"optim {kind}{bits} 40 tensors", kind, bits, 256 if bits == 8 else 128,

@@ -15,12 +15,14 @@ from memfit.optim import functional as F
 
 
 ALL = [mo.AdamW8bit, mo.Adam8bit, mo.Lion8bit, mo.SGD8bit, mo.RMSprop8bit, mo.AdamW4bit,
-       mo.AdamW, mo.Adam, mo.Adagrad8bit, mo.Adagrad]
+       mo.AdamW, mo.Adam, mo.Adagrad8bit, mo.Adagrad, mo.LAMB8bit, mo.LAMB, mo.LARS8bit, mo.LARS]
 
 
 def make(cls, params, **kw):
-    if cls is mo.SGD8bit:
+    if cls in (mo.SGD8bit, mo.LARS8bit, mo.LARS):
         kw.setdefault("momentum", 0.9)
+    if cls in (mo.LARS8bit, mo.LARS):
+        kw.setdefault("lr", 1e-2)  # required, as in bitsandbytes
     if cls is mo.RMSprop8bit:
         kw.setdefault("momentum", 0.5)
     if cls in (mo.Adagrad8bit, mo.Adagrad):  # the state starts at a constant, not 0
@@ -166,7 +168,8 @@ def test_dequantized_state_names():
     names = {mo.AdamW8bit: {"exp_avg", "exp_avg_sq"}, mo.Lion8bit: {"exp_avg"},
              mo.SGD8bit: {"momentum_buffer"}, mo.RMSprop8bit: {"square_avg", "momentum_buffer"},
              mo.AdamW4bit: {"exp_avg", "exp_avg_sq"}, mo.AdamW: {"exp_avg", "exp_avg_sq"},
-             mo.Adagrad8bit: {"sum"}}
+             mo.Adagrad8bit: {"sum"},
+             mo.LAMB8bit: {"exp_avg", "exp_avg_sq"}, mo.LARS8bit: {"momentum_buffer"}}
     for cls, want in names.items():
         opt = make(cls, [p])
         assert mo.dequantized_state(opt, p) == {}
@@ -206,7 +209,7 @@ def test_state_dict_bit_exact_resume(cls):
     train(m2, opt2, 4, seed=7)
     assert_same(uninterrupted, snapshot(m2, opt2))
     # quantized states really were exercised
-    if cls not in (mo.AdamW, mo.Adam, mo.Adagrad):
+    if cls._bits != 32:
         assert any(s["state1"].dtype == torch.uint8 for s in opt2.state.values())
 
 

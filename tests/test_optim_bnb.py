@@ -1,7 +1,7 @@
 """memfit.optim.bnb: a bitsandbytes user's optimizer lines run after an import swap.
 
 Signatures are checked against bitsandbytes' own (recorded below from the 0.49.2 and
-0.50.2 wheels' bitsandbytes/optim/{adamw,adam,lion,rmsprop,sgd,adagrad}.py), every argument is
+0.50.2 wheels' bitsandbytes/optim/{adamw,adam,lion,rmsprop,sgd,adagrad,lamb,lars}.py), every argument is
 passed in both spellings, what memfit cannot do raises ValueError, and a step is
 bit-identical to memfit's own class built with the translated arguments."""
 
@@ -22,6 +22,7 @@ _RMS = "lr=0.01, alpha=0.99, eps=1e-08, weight_decay=0, momentum=0, centered=Fal
 _SGD = "lr, momentum=0, dampening=0, weight_decay=0, nesterov=False"
 _049 = "percentile_clipping=100, block_wise=True"
 _ADAGRAD = "lr=0.01, lr_decay=0, weight_decay=0, initial_accumulator_value=0, eps=1e-10"
+_LAMB = "lr=0.001, bias_correction=True, betas=(0.9, 0.999), eps=1e-08, weight_decay=0, amsgrad=False, adam_w_mode=True"
 # class -> (0.49 signature, 0.50 signature), without `params`
 SIGNATURES = {
     "AdamW": (f"{_ADAMW}, {_049}, is_paged=False", f"{_ADAMW}, is_paged=False"),
@@ -60,6 +61,20 @@ SIGNATURES = {
                     f"{_ADAGRAD}, optim_bits=8, args=None, min_8bit_size=4096"),
     "Adagrad32bit": (f"{_ADAGRAD}, optim_bits=32, args=None, min_8bit_size=4096, {_049}",
                      f"{_ADAGRAD}, optim_bits=32, args=None, min_8bit_size=4096"),
+    # LAMB and LARS: 0.49 had percentile_clipping (LAMB block_wise=False too) before max_unorm
+    "LAMB": (f"{_LAMB}, optim_bits=32, args=None, min_8bit_size=4096, percentile_clipping=100, "
+             "block_wise=False, max_unorm=1.0", f"{_LAMB}, optim_bits=32, args=None, min_8bit_size=4096, max_unorm=1.0"),
+    "LAMB8bit": (f"{_LAMB}, args=None, min_8bit_size=4096, percentile_clipping=100, block_wise=False, max_unorm=1.0",
+                 f"{_LAMB}, args=None, min_8bit_size=4096, max_unorm=1.0"),
+    "LAMB32bit": (f"{_LAMB}, args=None, min_8bit_size=4096, percentile_clipping=100, block_wise=False, max_unorm=1.0",
+                  f"{_LAMB}, args=None, min_8bit_size=4096, max_unorm=1.0"),
+    "LARS": (f"{_SGD}, optim_bits=32, args=None, min_8bit_size=4096, percentile_clipping=100, max_unorm=0.02",
+             f"{_SGD}, optim_bits=32, args=None, min_8bit_size=4096, max_unorm=0.02"),
+    "LARS8bit": (f"{_SGD}, args=None, min_8bit_size=4096, percentile_clipping=100, max_unorm=0.02",
+                 f"{_SGD}, args=None, min_8bit_size=4096, max_unorm=0.02"),
+    "LARS32bit": (f"{_SGD}, args=None, min_8bit_size=4096, percentile_clipping=100, max_unorm=0.02",
+                  f"{_SGD}, args=None, min_8bit_size=4096, max_unorm=0.02"),
+    "PytorchLARS": ("lr=0.01, momentum=0, dampening=0, weight_decay=0, nesterov=False, max_unorm=0.02",) * 2,
 }
 PAGED = [n for n in SIGNATURES if n.startswith("Paged")]
 UNPAGED = [n for n in SIGNATURES if not n.startswith("Paged")]
@@ -100,8 +115,10 @@ def test_import_forms():
     assert bnb.optim.AdamW8bit is bnb.AdamW8bit
     assert issubclass(bnb.AdamW8bit, mo.AdamW8bit) and issubclass(bnb.Lion8bit, mo.Lion8bit)
     assert issubclass(bnb.optim.Adagrad8bit, mo.Adagrad8bit)
-    with pytest.raises(AttributeError, match="memfit has no LAMB"):
-        bnb.PagedLAMB  # noqa: B018
+    with pytest.raises(AttributeError, match="memfit has no AdEMAMix"):
+        bnb.AdEMAMix8bit  # noqa: B018
+    assert issubclass(bnb.LAMB8bit, mo.LAMB8bit) and issubclass(bnb.LARS32bit, mo.LARS8bit)
+    assert issubclass(bnb.PytorchLARS, mo.LARS)
 
 
 @pytest.mark.parametrize("name", SIGNATURES)
@@ -245,6 +262,10 @@ ERRORS = [
     ("AdamW8bit", dict(betas="__import__('os').getcwd()"), "betas: expected two numbers"),
     ("Adam", dict(betas="(0.9, '0.9')"), "betas: expected two numbers"),
     ("Lion8bit", dict(betas="(0.9, 0.99)"), "parses string betas only for Adam and AdamW"),
+    ("LAMB8bit", dict(amsgrad=True), "no AMSGrad"),
+    ("LAMB", dict(percentile_clipping=5), "no percentile clipping"),
+    ("LARS8bit", dict(lr=0.1, momentum=0.9, percentile_clipping=50), "no percentile clipping"),
+    ("LARS", dict(lr=0.1, momentum=0.9, max_unorm=-1.0), "max_unorm"),
 ]
 
 
@@ -260,6 +281,25 @@ def test_paged_classes_raise(name):
         getattr(bnb, name)(model().parameters())
     # and it points at what keeps states off the GPU: the offloader
     assert "memfit.optim.CPUOffloadOptimizer" in str(e.value)
+
+
+def max_unorm(opt):
+    return opt.param_groups[0]["max_unorm"]
+
+
+def test_lamb_lars_both_positional_spellings():
+    """After min_8bit_size: a float is 0.50's max_unorm, an int 0.49's percentile_clipping;
+    args.max_unorm sets max_unorm (bitsandbytes reads it from args)."""
+    head = (1e-3, True, (0.9, 0.999), 1e-8, 0, False, True, 8, None, 100)
+    assert max_unorm(bnb.LAMB(model().parameters(), *head, 0.5)) == 0.5  # 0.50
+    assert max_unorm(bnb.LAMB(model().parameters(), *head, 100, False, 0.25)) == 0.25  # 0.49
+    assert max_unorm(bnb.LARS8bit(model().parameters(), 0.1, 0.9, 0, 0, False, None, 100, 0.3)) == 0.3
+    assert max_unorm(bnb.LARS8bit(model().parameters(), 0.1, 0.9, 0, 0, False, None, 100, 100, 0.3)) == 0.3
+    assert max_unorm(bnb.LAMB8bit(model().parameters(), args=Args(max_unorm=0.7))) == 0.7
+    with pytest.raises(NotImplementedError, match="LARS without momentum"):
+        bnb.LARS(model().parameters(), 0.1)
+    with pytest.raises(TypeError, match="0.50's positional max_unorm"):
+        bnb.LAMB(model().parameters(), *head, 0.5, False, 0.25)
 
 
 def test_bool_after_min_8bit_size_with_more_positionals_is_refused():
@@ -291,6 +331,18 @@ SAME_STEP = {
                                          min_8bit_size=100), None),
     "Adagrad": (dict(lr=1e-2, weight_decay=0.1), mo.Adagrad, dict(lr=1e-2, weight_decay=0.1), None),
     "Adagrad32bit": (dict(lr=1e-2), mo.Adagrad, dict(lr=1e-2), None),
+    # bnb's LAMB/LARS: memfit's trust-ratio classes (which apply what bnb's kernels ignore)
+    "LAMB8bit": (dict(lr=1e-2, weight_decay=0.1, min_8bit_size=100, max_unorm=0.5), mo.LAMB8bit,
+                 dict(lr=1e-2, weight_decay=0.1, min_8bit_size=100, max_unorm=0.5), None),
+    "LAMB": (dict(lr=1e-2, adam_w_mode=False, weight_decay=0.1), mo.LAMB,
+             dict(lr=1e-2, adam_w_mode=False, weight_decay=0.1), None),
+    "LAMB-8": (dict(lr=1e-2, optim_bits=8, min_8bit_size=100), mo.LAMB8bit, dict(lr=1e-2, min_8bit_size=100), None),
+    "LAMB32bit": (dict(lr=1e-2, bias_correction=False), mo.LAMB, dict(lr=1e-2, bias_correction=False), None),
+    "LARS8bit": (dict(lr=0.1, momentum=0.9, nesterov=True, min_8bit_size=100), mo.LARS8bit,
+                 dict(lr=0.1, momentum=0.9, nesterov=True, min_8bit_size=100), None),
+    "LARS": (dict(lr=0.1, momentum=0.9, dampening=0.1), mo.LARS, dict(lr=0.1, momentum=0.9, dampening=0.1), None),
+    "LARS32bit": (dict(lr=0.1, momentum=0.9, max_unorm=0.1), mo.LARS, dict(lr=0.1, momentum=0.9, max_unorm=0.1), None),
+    "PytorchLARS": (dict(lr=0.1, momentum=0.9), mo.LARS, dict(lr=0.1, momentum=0.9, min_8bit_size=0), None),
 }
 
 
@@ -312,7 +364,7 @@ def test_step_is_memfits_own_class_bit_for_bit(case):
     b = cls(params if bits is None else [{"params": params, "bits": bits}], **mkw)
     train(a, ma), train(b, mb)
     assert_same_training(a, ma, b, mb)
-    want = 8 if case.endswith("8bit") or case == "AdamW-8" else 32
+    want = 8 if case.endswith("8bit") or case.endswith("-8") else 32
     assert a.state[ma[0].weight]["state1"].dtype == (torch.uint8 if want == 8 else torch.float32)
 
 

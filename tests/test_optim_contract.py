@@ -50,7 +50,8 @@ class Case:
 
     id: str
     impl: str  # "memfit" or "torch" (the reference mode)
-    family: str  # the update rule: "adamw", "adam", "lion", "sgd", "rmsprop", "adagrad", "muon"
+    family: str  # the update rule: "adamw", "adam", "lion", "sgd", "rmsprop", "adagrad", "lamb",
+    # "lars", "muon"
     cls: type
     kwargs: dict = field(default_factory=dict)
     bits: int = 32  # state format of the (64, 128) weight
@@ -85,7 +86,7 @@ class Case:
 
 
 _LR = {"adamw": 1e-2, "adam": 1e-2, "lion": 1e-3, "sgd": 1e-2, "rmsprop": 1e-4, "adagrad": 1e-2,
-       "muon": 1e-2}
+       "lamb": 1e-2, "lars": 1e-2, "muon": 1e-2}
 
 
 def _case(impl, family, cls, bits=32, tag="", **kw):
@@ -127,6 +128,15 @@ CASES = [
     _case("memfit", "adamw", bnb.AdamW8bit, 8),
     _case("memfit", "lion", bnb.Lion8bit, 8),
     _case("memfit", "adagrad", bnb.Adagrad8bit, 8),
+    # the trust ratio (LAMB, LARS; their bnb forms)
+    _case("memfit", "lamb", mo.LAMB8bit, 8),
+    _case("memfit", "lamb", mo.LAMB),
+    # (LARS at max_unorm 0.2, not 0.02: steps of 0.2% of the weight, whose float32
+    # rounding the 1e-5 bound of float32 states would otherwise not cover)
+    _case("memfit", "lars", mo.LARS8bit, 8, momentum=0.9, max_unorm=0.2),
+    _case("memfit", "lars", mo.LARS, momentum=0.9, max_unorm=0.2),
+    _case("memfit", "lamb", bnb.LAMB8bit, 8),
+    _case("memfit", "lars", bnb.LARS8bit, 8, momentum=0.9, max_unorm=0.2),
     # the reference mode: torch's own (torch has no Lion)
     _case("torch", "adamw", torch.optim.AdamW),
     _case("torch", "adam", torch.optim.Adam),
@@ -327,6 +337,9 @@ _RANGE_ERRORS["muon"] = [
     (dict(adjust_lr_fn="sqrt"), ValueError, "Adjust learning rate function sqrt is not "
      "supported", "adjust_lr_fn"),
 ]
+_MAX_UNORM = [(dict(max_unorm=-1.0), ValueError, None, "max_unorm")]
+_RANGE_ERRORS["lamb"] = _RANGE_ERRORS["adam"] + _MAX_UNORM
+_RANGE_ERRORS["lars"] = _RANGE_ERRORS["sgd"] + _MAX_UNORM
 
 
 def _range_error_cases():
@@ -555,17 +568,59 @@ class _LionReference(torch.optim.Optimizer):
                 m.mul_(b2).add_(p.grad, alpha=1 - b2)
 
 
+class _TrustReference(torch.optim.Optimizer):
+    """LAMB (bitsandbytes' LAMB math) and LARS (bitsandbytes' PytorchLARS), float64
+    comparisons: the update of each tensor scaled by max_unorm ||p|| / ||u|| where
+    ||u|| > max_unorm ||p||."""
+
+    lamb = True
+
+    def __init__(self, params, lr, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0,
+                 momentum=0.0, max_unorm=None):
+        super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
+                                      momentum=momentum,
+                                      max_unorm=max_unorm or (1.0 if self.lamb else 0.02)))
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            lr, wd = group["lr"], group["weight_decay"]
+            for p in group["params"]:
+                st = self.state[p]
+                t = st["t"] = st.get("t", 0) + 1
+                g = p.grad
+                if self.lamb:
+                    b1, b2 = group["betas"]
+                    m = st["m"] = b1 * st.get("m", 0) + (1 - b1) * g
+                    v = st["v"] = b2 * st.get("v", 0) + (1 - b2) * g * g
+                    u = (m / (1 - b1**t)) / ((v / (1 - b2**t)).sqrt() + group["eps"])
+                else:
+                    g = g + wd * p
+                    u = st["m"] = g.clone() if t == 1 else group["momentum"] * st["m"] + g
+                limit = group["max_unorm"] * p.norm()
+                scale = limit / u.norm() if u.norm() > limit else 1.0
+                if self.lamb:
+                    p.mul_(1 - lr * wd)
+                p.sub_(lr * scale * u)
+
+
+class _LarsReference(_TrustReference):
+    lamb = False
+
+
+_REFERENCE = {"lion": _LionReference, "lamb": _TrustReference, "lars": _LarsReference}
+
 _TORCH_CLASS = {"adamw": torch.optim.AdamW, "adam": torch.optim.Adam, "sgd": torch.optim.SGD,
                 "rmsprop": torch.optim.RMSprop, "adagrad": torch.optim.Adagrad}
 
 
 def _reference(case, params, **kw):
-    """The case's math as torch's optimizer (Lion: _LionReference) over ``params``. Muon:
+    """The case's math as torch's optimizer (Lion, LAMB, LARS: _REFERENCE) over ``params``. Muon:
     torch.optim.Muon for the matrices, torch.optim.AdamW with memfit's defaults of a
     use_muon=False group (lr and weight_decay: Muon's) for the rest."""
     kw = dict(case.kwargs, **kw)
-    if case.family == "lion":
-        return _LionReference(params, **kw)
+    if case.family in _REFERENCE:  # Lion, LAMB, LARS: torch has none
+        return _REFERENCE[case.family](params, **kw)
     if case.family != "muon":
         return _TORCH_CLASS[case.family](params, **kw)
     if _TORCH_MUON is None:

@@ -153,6 +153,42 @@ class Lion64:
             self.p.copy_(self.w.float())
 
 
+class _Trust64:
+    """LAMB and LARS (bitsandbytes' LAMB and PytorchLARS) in float64: the references of
+    LAMB8bit/LAMB and LARS8bit/LARS. The trust ratio scales the whole tensor's update by
+    max_unorm ||w|| / ||u|| where ||u|| > max_unorm ||w||."""
+
+    def __init__(self, params, lr, max_unorm, lamb, betas=(0.9, 0.999), eps=1e-8,
+                 weight_decay=0.0, momentum=0.9):
+        (self.p,) = params
+        self.lr, self.max_unorm, self.lamb, self.betas, self.eps = lr, max_unorm, lamb, betas, eps
+        self.wd, self.momentum, self.t = weight_decay, momentum, 0
+        self.m = torch.zeros_like(self.p, dtype=torch.float64)
+        self.v = torch.zeros_like(self.p, dtype=torch.float64)
+        self.w = self.p.detach().double().clone()
+
+    def step(self):
+        g = self.p.grad.double()
+        self.t += 1
+        if self.lamb:
+            b1, b2 = self.betas
+            self.m = b1 * self.m + (1 - b1) * g
+            self.v = b2 * self.v + (1 - b2) * g * g
+            u = (self.m / (1 - b1 ** self.t)) / ((self.v / (1 - b2 ** self.t)).sqrt() + self.eps)
+        else:
+            g = g + self.wd * self.w
+            self.m = g.clone() if self.t == 1 else self.momentum * self.m + g
+            u = self.m
+        pn, un = self.w.norm(), u.norm()
+        scale = self.max_unorm * pn / un if un > self.max_unorm * pn else 1.0
+        decay = 1 - self.lr * self.wd if self.lamb else 1.0
+        # the math in float64, the weight stored in float32 as the parameter is (torch's
+        # float32 optimizers round it the same way)
+        self.w = (self.w * decay - self.lr * scale * u).float().double()
+        with torch.no_grad():
+            self.p.copy_(self.w.float())
+
+
 # name -> (memfit, reference, bits, kind)
 OPTIMIZERS = {
     "AdamW8bit": (lambda p: mo.AdamW8bit(p, lr=1e-3, min_8bit_size=0),
@@ -172,12 +208,32 @@ OPTIMIZERS = {
     "AdamW": (lambda p: mo.AdamW(p, lr=1e-3), lambda p: torch.optim.AdamW(p, lr=1e-3, weight_decay=0.01),
               32, _core.ADAMW),
     "Adam": (lambda p: mo.Adam(p, lr=1e-3), lambda p: torch.optim.Adam(p, lr=1e-3), 32, _core.ADAM),
+    # the trust ratio clips at every step here (||u|| ~ ||w|| for these gradients)
+    "LAMB8bit": (lambda p: mo.LAMB8bit(p, lr=1e-3, weight_decay=0.01, max_unorm=0.5, min_8bit_size=0),
+                 lambda p: _Trust64(p, 1e-3, 0.5, True, weight_decay=0.01), 8, _core.ADAMW),
+    "LAMB": (lambda p: mo.LAMB(p, lr=1e-3, weight_decay=0.01, max_unorm=0.5),
+             lambda p: _Trust64(p, 1e-3, 0.5, True, weight_decay=0.01), 32, _core.ADAMW),
+    "LARS8bit": (lambda p: mo.LARS8bit(p, lr=1e-2, momentum=0.9, weight_decay=1e-3, min_8bit_size=0),
+                 lambda p: _Trust64(p, 1e-2, 0.02, False, weight_decay=1e-3), 8, _core.SGD),
+    "LARS": (lambda p: mo.LARS(p, lr=1e-2, momentum=0.9, weight_decay=1e-3),
+             lambda p: _Trust64(p, 1e-2, 0.02, False, weight_decay=1e-3), 32, _core.SGD),
 }
+
+
+# LAMB's float64 reference rounds the weight once per step; memfit's float32 update
+# rounds the decay and the step apart (as torch.optim.AdamW does, which the other
+# float32 classes are compared with): 2^-24 of a weight ~1, twice a step, against a
+# step of 5e-4 per element is 1e-4 of the movement (measured 1.3e-4, 5e-4 for the
+# embedding, whose untouched rows only decay)
+FLOAT64_REFERENCE_L2 = {"LAMB": 1e-3}
 
 
 def bounds(name):
     """(max bound, L2 bound for resolved patterns, L2 bound otherwise), as the module
     docstring derives them."""
+    if name in FLOAT64_REFERENCE_L2:
+        b = FLOAT64_REFERENCE_L2[name]
+        return 1 + b, b, b
     bits, kind = OPTIMIZERS[name][2], OPTIMIZERS[name][3]
     r1, r2 = radii(bits, kind)
     if kind == _core.LION:

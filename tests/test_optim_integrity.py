@@ -19,7 +19,7 @@ from memfit.optim import functional as F
 
 
 ALL = [mo.AdamW8bit, mo.Adam8bit, mo.Lion8bit, mo.SGD8bit, mo.RMSprop8bit, mo.AdamW4bit,
-       mo.AdamW, mo.Adam, mo.Adagrad8bit, mo.Adagrad]
+       mo.AdamW, mo.Adam, mo.Adagrad8bit, mo.Adagrad, mo.LAMB8bit, mo.LAMB, mo.LARS8bit, mo.LARS]
 
 
 def _params(seed=0):
@@ -32,7 +32,7 @@ def _params(seed=0):
 
 
 def _opt(cls, ps, **kw):
-    if cls is mo.SGD8bit:
+    if cls in (mo.SGD8bit, mo.LARS8bit, mo.LARS):
         kw.setdefault("momentum", 0.9)
     if cls is mo.RMSprop8bit:
         kw.setdefault("momentum", 0.5)

@@ -269,6 +269,10 @@ mf_status mf_optim_step_cpu(const mf_optim_hparams *h, mf_state_format fmt, int6
       qc.lut[k] = mf_code_lut_get(qc.code[k], qc.code_size, qc.keep_positive[k]);
     }
   }
+  if (h->max_unorm > 0.0) { /* pass 1 of the trust ratio (optim_trust.c) */
+    const mf_status st = mf_optim_trust_cpu(h, fmt, bs, code1, code2, ts, n, inv_scale);
+    if (st) return st;
+  }
   const block_fn block_step = pick_block_fn();
 #ifdef MF_X86_SIMD
   const fused_fn fused = pick_fused(h, fmt, ns, bs, &qc);
@@ -326,7 +330,12 @@ mf_status mf_optim_step_cpu(const mf_optim_hparams *h, mf_state_format fmt, int6
       const int64_t i = mf_mt_tensor_of(start, n, w);
       const mf_optim_tensor *t = &ts[i];
       if (i != cur) {
-        c = mf_optim_prepare(h, *(const float *)t->step.data + 1.0f, inv_scale);
+        const float step = *(const float *)t->step.data + 1.0f;
+        c = mf_optim_prepare(h, step, inv_scale);
+        if (h->max_unorm > 0.0) {
+          const double *tot = mf_optim_trust_totals(t->trust.data, t->param.numel);
+          mf_optim_trust_apply(h, &c, mf_optim_trust_scale(h, step, tot[0], tot[1]));
+        }
         cur = i;
       }
       /* item k of a tensor stepped row by row is item k % per_row of row k / per_row */

@@ -81,6 +81,13 @@ mf_status mf_optim_check_hparams(const mf_optim_hparams *h) {
   if (bad_num(h->weight_decay) || h->weight_decay < 0.0)
     return mf_error(MF_ERR_VALUE, "weight_decay: invalid value %g for %s (must be >= 0)",
                     h->weight_decay, k);
+  if (bad_num(h->max_unorm) || h->max_unorm < 0.0)
+    return mf_error(MF_ERR_VALUE, "max_unorm: invalid value %g for %s (must be >= 0)",
+                    h->max_unorm, k);
+  if (h->max_unorm > 0.0 && h->kind != MF_OPT_ADAMW && h->kind != MF_OPT_ADAM &&
+      h->kind != MF_OPT_SGD)
+    return mf_error(MF_ERR_VALUE, "max_unorm: the trust ratio (LAMB, LARS) is for AdamW, Adam "
+                    "and SGD, not %s; pass 0", k);
   switch (h->kind) {
     case MF_OPT_ADAMW:
     case MF_OPT_ADAM:
@@ -231,6 +238,13 @@ static mf_status check_call(const mf_optim_hparams *h, mf_state_format fmt, int6
     if (t->index_base < 0)
       return mf_error(MF_ERR_VALUE, "index_base[%lld]: must be >= 0, got %lld", (long long)i,
                       (long long)t->index_base);
+    if (h->max_unorm > 0.0 && pn > 0) {
+      if ((st = check_one(&t->trust, "trust", i, MF_FLOAT32, mf_optim_trust_numel(pn), dev)))
+        return st;
+      if ((uintptr_t)t->trust.data % 8 != 0)
+        return mf_error(MF_ERR_VALUE, "trust[%lld]: the trust ratio's scratch holds float64 "
+                        "values: its data must be 8-byte aligned", (long long)i);
+    }
     const mf_optim_layout L = layout_of(h, fmt, bs, pn, rows);
     const mf_tensor *states[2][2] = {{&t->state1, &t->absmax1}, {&t->state2, &t->absmax2}};
     static const char *const names[2][2] = {{"state1", "absmax1"}, {"state2", "absmax2"}};

@@ -22,6 +22,12 @@ mf_status mf_optim_step_cpu(const mf_optim_hparams *h, mf_state_format fmt, int6
                             const mf_optim_tensor *tensors, int64_t n,
                             const mf_tensor *grad_scale, const mf_tensor *found_inf);
 
+/* The trust ratio's norm pass (optim_trust.c; memfit/optim.h): fills every tensor's
+ * scratch. */
+mf_status mf_optim_trust_cpu(const mf_optim_hparams *h, mf_state_format fmt, int64_t block_size,
+                             const mf_tensor *code1, const mf_tensor *code2,
+                             const mf_optim_tensor *tensors, int64_t n, float inv_scale);
+
 typedef struct {
   const float *code[2];        /* code tables of state1, state2 */
   const mf_code_lut *lut[2];   /* their search tables (NULL: binary search) */

@@ -9,15 +9,18 @@
 #include "memfit/optim.h"
 
 /* The list arguments of optim_step: one array (or None, where optional) per parameter. */
-enum { L_PARAMS, L_GRADS, L_STATE1, L_ABSMAX1, L_STATE2, L_ABSMAX2, L_STEPS, L_COMPS, L_COUNT };
-static const char *const list_names[L_COUNT] = {"params", "grads", "state1", "absmax1",
-                                                "state2", "absmax2", "steps", "comps"};
+enum {
+  L_PARAMS, L_GRADS, L_STATE1, L_ABSMAX1, L_STATE2, L_ABSMAX2, L_STEPS, L_COMPS, L_TRUST, L_COUNT
+};
+static const char *const list_names[L_COUNT] = {"params", "grads", "state1", "absmax1", "state2",
+                                                "absmax2", "steps", "comps", "trust"};
 /* params, grads, the states and comps may be dense in any order (check_layouts) */
 static const int list_flags[L_COUNT] = {
     MF_PY_WRITABLE | MF_PY_DENSE, MF_PY_READ | MF_PY_DENSE,
     MF_PY_WRITABLE | MF_PY_OPTIONAL | MF_PY_DENSE, MF_PY_WRITABLE | MF_PY_OPTIONAL,
     MF_PY_WRITABLE | MF_PY_OPTIONAL | MF_PY_DENSE, MF_PY_WRITABLE | MF_PY_OPTIONAL,
-    MF_PY_WRITABLE, MF_PY_WRITABLE | MF_PY_OPTIONAL | MF_PY_DENSE};
+    MF_PY_WRITABLE, MF_PY_WRITABLE | MF_PY_OPTIONAL | MF_PY_DENSE,
+    MF_PY_WRITABLE | MF_PY_OPTIONAL};
 
 /* Where a parameter's arrays are dense but not row-major (channels_last, a transposed
  * weight), the core treats each as flat storage: right only when every array that
@@ -120,6 +123,7 @@ static PyObject *step_call(const mf_optim_hparams *h, int bits, long long block_
     ts[i].absmax2 = lists[L_ABSMAX2].t[i];
     ts[i].step = lists[L_STEPS].t[i];
     ts[i].comp = lists[L_COMPS].t[i];
+    ts[i].trust = lists[L_TRUST].t[i];
     ts[i].sr_stream = (int32_t)i;
   }
   if (int_list(orows, "rows", n, ts, offsetof(mf_optim_tensor, rows)) ||
@@ -144,7 +148,8 @@ finish:
  * False); sr_seed != 0 turns on stochastic rounding of half-precision parameters. */
 static int parse_hparams(int kind, PyObject *dict, mf_optim_hparams *h) {
   static char *kw[] = {"lr", "beta1", "beta2", "eps", "weight_decay", "momentum", "dampening",
-                       "alpha", "nesterov", "maximize", "sr_seed", "lr_decay", NULL};
+                       "alpha", "nesterov", "maximize", "sr_seed", "lr_decay", "max_unorm",
+                       "no_bias_correction", NULL};
   static PyObject *no_args;
   if (!no_args && !(no_args = PyTuple_New(0))) return -1;
   if (!PyDict_Check(dict)) {
@@ -152,14 +157,15 @@ static int parse_hparams(int kind, PyObject *dict, mf_optim_hparams *h) {
                  Py_TYPE(dict)->tp_name);
     return -1;
   }
-  int nesterov = 0, maximize = 0;
+  int nesterov = 0, maximize = 0, no_bias_correction = 0;
   unsigned long long sr_seed = 0;
   memset(h, 0, sizeof *h);
-  if (!PyArg_ParseTupleAndKeywords(no_args, dict, "|ddddddddppKd:hparams", kw, &h->lr, &h->beta1,
-                                   &h->beta2, &h->eps, &h->weight_decay, &h->momentum,
+  if (!PyArg_ParseTupleAndKeywords(no_args, dict, "|ddddddddppKddp:hparams", kw, &h->lr,
+                                   &h->beta1, &h->beta2, &h->eps, &h->weight_decay, &h->momentum,
                                    &h->dampening, &h->alpha, &nesterov, &maximize, &sr_seed,
-                                   &h->lr_decay))
+                                   &h->lr_decay, &h->max_unorm, &no_bias_correction))
     return -1;
+  h->no_bias_correction = no_bias_correction;
   h->kind = (mf_optim_kind)kind;
   h->nesterov = nesterov;
   h->maximize = maximize;
@@ -170,16 +176,19 @@ static int parse_hparams(int kind, PyObject *dict, mf_optim_hparams *h) {
 
 /* optim_step(kind, bits, block_size, hparams, params, grads, state1, absmax1, state2,
  *            absmax2, steps, code1=None, code2=None, grad_scale=None, found_inf=None,
- *            stream=0, comps=None, rows=None, index_base=None), any argument by name.
+ *            stream=0, comps=None, rows=None, index_base=None, trust=None), any argument
+ *            by name.
  * hparams: a dict (parse_hparams). Lists have one entry per parameter; state and absmax
  * entries may be None (states this optimizer does not keep). comps: None, or a list of
  * Kahan compensation buffers (None for a parameter without one; see optim.h). rows,
- * index_base: None (all whole tensors), or one int per parameter (mf_optim_tensor). */
+ * index_base: None (all whole tensors), or one int per parameter (mf_optim_tensor).
+ * trust: None, or per parameter the trust ratio's scratch (mf_optim_tensor.trust; needed
+ * with hparams max_unorm > 0). */
 static PyObject *py_optim_step(PyObject *self, PyObject *args, PyObject *kwargs) {
   (void)self;
   static char *kw[] = {"kind", "bits", "block_size", "hparams", "params", "grads", "state1",
                        "absmax1", "state2", "absmax2", "steps", "code1", "code2", "grad_scale",
-                       "found_inf", "stream", "comps", "rows", "index_base", NULL};
+                       "found_inf", "stream", "comps", "rows", "index_base", "trust", NULL};
   int kind, bits;
   long long block_size;
   mf_optim_hparams h;
@@ -188,11 +197,13 @@ static PyObject *py_optim_step(PyObject *self, PyObject *args, PyObject *kwargs)
   PyObject *orows = Py_None, *obase = Py_None;
   unsigned long long stream = 0;
   lists[L_COMPS] = Py_None;
-  if (!PyArg_ParseTupleAndKeywords(args, kwargs, "iiLOOOOOOOO|OOOOKOOO:optim_step", kw, &kind,
+  lists[L_TRUST] = Py_None;
+  if (!PyArg_ParseTupleAndKeywords(args, kwargs, "iiLOOOOOOOO|OOOOKOOOO:optim_step", kw, &kind,
                                    &bits, &block_size, &ohp, &lists[L_PARAMS], &lists[L_GRADS],
                                    &lists[L_STATE1], &lists[L_ABSMAX1], &lists[L_STATE2],
                                    &lists[L_ABSMAX2], &lists[L_STEPS], &ocode1, &ocode2, &oscale,
-                                   &oinf, &stream, &lists[L_COMPS], &orows, &obase))
+                                   &oinf, &stream, &lists[L_COMPS], &orows, &obase,
+                                   &lists[L_TRUST]))
     return NULL;
   if (parse_hparams(kind, ohp, &h)) return NULL;
   return step_call(&h, bits, block_size, lists, ocode1, ocode2, oscale, oinf, (uintptr_t)stream,

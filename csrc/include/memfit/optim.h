@@ -112,7 +112,8 @@ typedef enum { MF_STATE_FP32 = 32, MF_STATE_8BIT = 8, MF_STATE_4BIT = 4 } mf_sta
  *               the caller after Newton-Schulz)
  *   ADAGRAD:    lr, lr_decay, eps, weight_decay (torch's initial_accumulator_value is
  *               the caller's: the value its `sum` state starts at)
- * and maximize for all. */
+ * and maximize for all; ADAMW/ADAM also no_bias_correction, and ADAMW/ADAM and SGD
+ * max_unorm (the trust ratio below: LAMB and LARS). */
 typedef struct {
   mf_optim_kind kind;
   double lr, beta1, beta2, eps, weight_decay;
@@ -128,6 +129,12 @@ typedef struct {
    * and GPU. */
   int stochastic_round;
   uint64_t sr_seed;
+  /* ADAMW/ADAM: 1 drops both bias corrections (step_size = lr, no 1 / sqrt(1 - beta2^t)),
+   * as LAMB's bias_correction=False. */
+  int no_bias_correction;
+  /* > 0: scale each tensor's update by its trust ratio (LAMB, LARS; see "Trust ratio"
+   * below); 0: off (the update's bits are those without this field). */
+  double max_unorm;
 } mf_optim_hparams;
 
 /* Number of states kept per element for these hyperparameters (0, 1 or 2). */
@@ -193,7 +200,9 @@ static inline MF_HD mf_optim_consts mf_optim_prepare(const mf_optim_hparams *h, 
   switch (h->kind) {
     case MF_OPT_ADAMW:
     case MF_OPT_ADAM: {
-      double bc1 = 1.0 - mf_powi(h->beta1, n), bc2 = 1.0 - mf_powi(h->beta2, n);
+      const int bc = !h->no_bias_correction;
+      double bc1 = bc ? 1.0 - mf_powi(h->beta1, n) : 1.0;
+      double bc2 = bc ? 1.0 - mf_powi(h->beta2, n) : 1.0;
       c.b1 = (float)h->beta1;
       c.omb1 = (float)(1.0 - h->beta1);
       c.b2 = (float)h->beta2;
@@ -257,23 +266,31 @@ static inline MF_HD float mf_lerp_f32(float a, float b, float w) {
     if ((kind) == MF_OPT_ADAM) g = g + (c)->wd * (p0);                                    \
     an = (c)->b1 * (a) + (c)->omb1 * g;                                                  \
     bn = (c)->b2 * (b) + (c)->omb2 * (g * g);                                            \
-    pn = (p0) * (c)->decay - (c)->step_size * (an / (SQRT(bn) * (c)->inv_sqrt_bc2 + (c)->eps)); \
+    pn = (p0) * (c)->decay - (c)->step_size * MF_OPTIM_ADAM_DIR(c, SQRT, an, bn);         \
   } while (0)
+
+/* The direction Adam's step_size multiplies: m / (sqrt(v) / sqrt(bc2) + eps) (the trust
+ * ratio's norm pass sums its squares). */
+#define MF_OPTIM_ADAM_DIR(c, SQRT, an, bn) ((an) / (SQRT(bn) * (c)->inv_sqrt_bc2 + (c)->eps))
 
 /* One element of one update. p: parameter, g: raw gradient (scaled by gmul here), s1,
  * s2: the states (in/out; unused ones are ignored). Writes the new values, or the old
- * ones where the element is skipped (see the header comment). Returns 1 when updated. */
-static inline MF_HD int mf_optim_update_one(mf_optim_kind kind, const mf_optim_consts *c,
+ * ones where the element is skipped (see the header comment). Returns 1 when updated.
+ * *dir: the direction the update subtracts, times its coefficient (Adam:
+ * MF_OPTIM_ADAM_DIR, times step_size; SGD: d, times lr; 0 for the other kinds and where
+ * the element is skipped): what the trust ratio's norm pass sums. */
+static inline MF_HD int mf_optim_update_dir(mf_optim_kind kind, const mf_optim_consts *c,
                                             int nstates, float *p, float g, float *s1,
-                                            float *s2) {
+                                            float *s2, float *dir) {
   /* (Muon's `p` is its output: never read) */
   const float p0 = kind == MF_OPT_MUON ? 0.0f : *p, a = *s1, b = *s2;
-  float pn = p0, an = a, bn = b;
+  float pn = p0, an = a, bn = b, d = 0.0f;
   g = g * c->gmul;
   switch (kind) {
     case MF_OPT_ADAMW:
     case MF_OPT_ADAM:
       MF_OPTIM_ADAM_MATH(kind, c, sqrtf, p0, g, a, b, pn, an, bn);
+      d = MF_OPTIM_ADAM_DIR(c, sqrtf, an, bn);
       break;
     case MF_OPT_LION: {
       float u = c->b1 * a + c->omb1 * g;
@@ -284,7 +301,7 @@ static inline MF_HD int mf_optim_update_one(mf_optim_kind kind, const mf_optim_c
     }
     case MF_OPT_SGD: {
       g = g + c->wd * p0;
-      float d = g;
+      d = g;
       if (nstates > 0) {
         an = c->first ? g : c->b1 * a + c->omb1 * g;
         d = c->nesterov ? g + c->b1 * an : an;
@@ -295,12 +312,12 @@ static inline MF_HD int mf_optim_update_one(mf_optim_kind kind, const mf_optim_c
     case MF_OPT_RMSPROP: {
       g = g + c->wd * p0;
       an = c->b2 * a + c->omb2 * (g * g);
-      float d = g / (sqrtf(an) + c->eps);
+      float r = g / (sqrtf(an) + c->eps);
       if (nstates > 1) {
-        bn = c->b1 * b + d;
-        d = bn;
+        bn = c->b1 * b + r;
+        r = bn;
       }
-      pn = p0 - c->lr * d;
+      pn = p0 - c->lr * r;
       break;
     }
     case MF_OPT_MUON:
@@ -330,7 +347,16 @@ static inline MF_HD int mf_optim_update_one(mf_optim_kind kind, const mf_optim_c
   *p = mf_select_f32(!ok, p0, pn);
   *s1 = mf_select_f32(!ok, a, an);
   *s2 = mf_select_f32(!ok, b, bn);
+  *dir = mf_select_f32(!ok, 0.0f, d);
   return ok;
+}
+
+/* mf_optim_update_dir without the direction (every update loop). */
+static inline MF_HD int mf_optim_update_one(mf_optim_kind kind, const mf_optim_consts *c,
+                                            int nstates, float *p, float g, float *s1,
+                                            float *s2) {
+  float dir;
+  return mf_optim_update_dir(kind, c, nstates, p, g, s1, s2, &dir);
 }
 
 /* ---- code search for 16-entry (4-bit) codes ------------------------------------ */
@@ -411,6 +437,11 @@ typedef struct {
    * stochastic rounding of element i draws from index_base + i, so a shard (FSDP2)
    * rounds each element as the unsharded tensor does. 0 for a whole tensor. */
   int64_t index_base;
+  /* Scratch of the trust ratio (hparams.max_unorm > 0; ignored otherwise): float64
+   * values passed as a float32 array of mf_optim_trust_numel(n) elements (two float32
+   * words per float64; data 8-byte aligned), on the parameter's device. Written by the
+   * step; after it, its last two float64 are the sums of u^2 and p^2 (below). */
+  mf_tensor trust;
 } mf_optim_tensor;
 
 /* Kahan split of an updated value v into a half-precision pair (dt: float16 or
@@ -453,6 +484,101 @@ static inline MF_HD void mf_optim_store_param(void *p, void *comp, int64_t i, mf
   } else {
     mf_store_f32(p, i, dt, v);
   }
+}
+
+/* ---- trust ratio (LAMB, LARS) ------------------------------------------------- *
+ *
+ * With hparams.max_unorm > 0 (ADAMW/ADAM and SGD), each tensor's update is scaled by
+ *     scale = max_unorm * ||p|| / ||u||   if ||u|| > max_unorm * ||p||,  else 1
+ * where ||p|| is the norm of the parameter before the step (of p + comp with Kahan) and
+ * u the update direction of the new states without lr and without decoupled weight
+ * decay: Adam's bias-corrected m_hat / (sqrt(v_hat) + eps) (L2 decay included for ADAM),
+ * SGD's momentum buffer, or its Nesterov form (bitsandbytes' LAMB and PytorchLARS).
+ * ||p|| = 0 gives scale 0 (the tensor does not move) unless u = 0, as in bitsandbytes.
+ * The step runs two passes per tensor:
+ *  1. norms: every element's direction (mf_optim_trust_element: the update's own math,
+ *     mf_optim_update_dir, on the dequantized states; nothing written but the scratch).
+ *     An element the update skips (non-finite gradient or result) contributes 0 to
+ *     sum(u^2), as it does not move. The products are exact in float64 (float x float);
+ *     the sums run in float64 in one fixed order, so the CPU and the GPU get the same
+ *     bits for any thread count: chunk k of a tensor is its elements
+ *     [k*MF_OPTIM_TRUST_CHUNK, ...); lane l of MF_OPTIM_TRUST_LANES adds the chunk's
+ *     elements l, l + LANES, ... in turn; the lanes are then added as a tree
+ *     (mf_optim_trust_tree). The chunk sums are added the same way: lane l adds chunks
+ *     l, l + LANES, ..., then the tree. Scratch: per chunk (u, p), then the totals.
+ *  2. the update, with step_size (Adam) or lr (SGD) multiplied by scale in float64 and
+ *     rounded to float (mf_optim_trust_apply); scale = 1 leaves them, so the bits are
+ *     those of the update without the trust ratio whenever it does not clip.
+ * On CUDA pass 2 reads the totals on the device: no host synchronisation. */
+#define MF_OPTIM_TRUST_CHUNK 4096
+#define MF_OPTIM_TRUST_LANES 256
+
+static inline MF_HD int64_t mf_optim_trust_chunks(int64_t n) {
+  return (n + MF_OPTIM_TRUST_CHUNK - 1) / MF_OPTIM_TRUST_CHUNK;
+}
+
+/* float32 elements of the scratch for a tensor of n elements: 2 float64 per chunk and
+ * 2 for the totals. */
+static inline MF_HD int64_t mf_optim_trust_numel(int64_t n) {
+  return 4 * (mf_optim_trust_chunks(n) + 1);
+}
+
+/* The fixed reduction of MF_OPTIM_TRUST_LANES values (CPU form; the CUDA kernels do the
+ * same additions in shared memory): halve the width, v[l] += v[l + width]. */
+static inline MF_HD double mf_optim_trust_tree(double *v) {
+  for (int w = MF_OPTIM_TRUST_LANES / 2; w > 0; w /= 2)
+    for (int l = 0; l < w; l++) v[l] = v[l] + v[l + w];
+  return v[0];
+}
+
+/* State k's value at element i of a tensor of row_len-element rows (mf_optim_row),
+ * dequantized as the update dequantizes it. */
+static inline MF_HD float mf_optim_state_at(mf_state_format fmt, const void *q, const float *absmax,
+                                            const float *code, int64_t bs, int64_t row_len,
+                                            int64_t i) {
+  if (fmt == MF_STATE_FP32) return ((const float *)q)[i];
+  const int64_t r = i / row_len, j = i - r * row_len;
+  const mf_optim_row_start at = mf_optim_row(row_len, bs, r);
+  const float am = absmax[at.block + j / bs];
+  const uint8_t *b = (const uint8_t *)q;
+  const uint8_t c = fmt == MF_STATE_8BIT ? b[i] : (uint8_t)((b[at.code4 + j / 2] >> ((j & 1) * 4)) & 15);
+  return mf_dequantize_one(code, c, am);
+}
+
+/* Element i's contribution to pass 1: *u2 = u^2 (float64, exact; u the direction with
+ * its coefficient's lr left out: see mf_optim_trust_scale), *p2 = p^2. */
+static inline MF_HD void mf_optim_trust_element(mf_optim_kind kind, const mf_optim_consts *c,
+                                                int ns, float p, float g, float s1, float s2,
+                                                double *u2, double *p2) {
+  float x = p, dir;
+  mf_optim_update_dir(kind, c, ns, &x, g, &s1, &s2, &dir);
+  *u2 = (double)dir * (double)dir;
+  *p2 = (double)p * (double)p;
+}
+
+/* The scale of pass 2 from the totals of pass 1 at step t. Adam's direction in pass 1
+ * lacks the bias correction of the first moment (step_size = lr / bc1 carries it):
+ * ||u|| = sqrt(sum) / bc1. */
+static inline MF_HD double mf_optim_trust_scale(const mf_optim_hparams *h, float t, double sum_u2,
+                                                double sum_p2) {
+  double unorm = sqrt(sum_u2);
+  if ((h->kind == MF_OPT_ADAMW || h->kind == MF_OPT_ADAM) && !h->no_bias_correction)
+    unorm = unorm / (1.0 - mf_powi(h->beta1, (int64_t)t));
+  const double limit = h->max_unorm * sqrt(sum_p2);
+  return unorm > limit ? limit / unorm : 1.0;
+}
+
+/* Scales the update term of c (pass 2). */
+static inline MF_HD void mf_optim_trust_apply(const mf_optim_hparams *h, mf_optim_consts *c,
+                                              double scale) {
+  if (scale == 1.0) return;
+  if (h->kind == MF_OPT_SGD) c->lr = (float)((double)c->lr * scale);
+  else c->step_size = (float)((double)c->step_size * scale);
+}
+
+/* The totals a step left in a tensor's scratch (pass 1), as (sum u^2, sum p^2). */
+static inline MF_HD const double *mf_optim_trust_totals(const void *trust, int64_t n) {
+  return (const double *)trust + 2 * mf_optim_trust_chunks(n);
 }
 
 /* Default block sizes: 256 for 8-bit states, 128 for 4-bit. */

@@ -30,6 +30,10 @@ __all__ = [
     "AdamW4bit",
     "AdamW8bit",
     "CPUOffloadOptimizer",
+    "LAMB",
+    "LAMB8bit",
+    "LARS",
+    "LARS8bit",
     "Lion8bit",
     "Muon",
     "Muon8bit",
@@ -50,6 +54,7 @@ _TORCH_NAMES = {
     "AdamW4bit": "optimizers", "AdamW8bit": "optimizers", "Lion8bit": "optimizers",
     "RMSprop8bit": "optimizers", "SGD8bit": "optimizers", "dequantized_state": "_format",
     "Muon": "muon", "Muon8bit": "muon", "muon_param_groups": "muon",
+    "LAMB": "trust", "LAMB8bit": "trust", "LARS": "trust", "LARS8bit": "trust",
     "to_torch_state_dict": "convert", "CPUOffloadOptimizer": "offload",
 }
 

@@ -84,16 +84,19 @@ def code_like(bits: int, signed: bool, like):
 
 def hparams(lr=0.0, beta1=0.0, beta2=0.0, eps=0.0, weight_decay=0.0, momentum=0.0,
             dampening=0.0, alpha=0.0, nesterov=False, maximize=False, sr_seed=0,
-            lr_decay=0.0) -> dict:
+            lr_decay=0.0, max_unorm=0.0, bias_correction=True) -> dict:
     """The hyperparameters by name, as the C binding parses them (mf_optim_hparams).
     ``sr_seed`` != 0 writes half-precision parameters with stochastic rounding seeded
-    by it."""
+    by it; ``max_unorm`` > 0 scales each tensor's update by its trust ratio (LAMB, LARS:
+    :func:`step` then needs ``trust``)."""
     return {"lr": _real("lr", lr), "beta1": _real("beta1", beta1), "beta2": _real("beta2", beta2),
             "eps": _real("eps", eps), "weight_decay": _real("weight_decay", weight_decay),
             "momentum": _real("momentum", momentum), "dampening": _real("dampening", dampening),
             "alpha": _real("alpha", alpha), "lr_decay": _real("lr_decay", lr_decay),
             "nesterov": bool(nesterov),
-            "maximize": bool(maximize), "sr_seed": int(sr_seed) & ((1 << 64) - 1)}
+            "maximize": bool(maximize), "sr_seed": int(sr_seed) & ((1 << 64) - 1),
+            "max_unorm": _real("max_unorm", max_unorm),
+            "no_bias_correction": not bias_correction}
 
 
 def _real(name: str, value) -> float:
@@ -168,16 +171,29 @@ def codes_for(kind: int, bits: int, hp: dict, like) -> tuple:
 
 def step(kind, bits, block_size, hp, params, grads, state1, absmax1, state2, absmax2,
          steps, grad_scale=None, found_inf=None, stream=0, comps=None, rows=None,
-         index_base=None):
+         index_base=None, trust=None):
     """One fused step over lists of arrays on one device (see mf_optim_step). ``hp``: a
     dict from :func:`hparams`. ``comps``: None, or one Kahan compensation buffer (or
     None) per parameter: an array of the parameter's float16/bfloat16 dtype and size
     (see csrc/include/memfit/optim.h). ``rows``: None (whole tensors) or the rows of each
     parameter's quantization blocks; ``index_base``: None, or per parameter the number
-    of its element 0 in the tensor it is a shard of (stochastic rounding draws by it)."""
+    of its element 0 in the tensor it is a shard of (stochastic rounding draws by it).
+    ``trust``: with ``hp["max_unorm"]`` > 0, per parameter a float32 array of
+    :func:`trust_numel` elements, 8-byte aligned (a float64 array viewed as float32): the
+    trust ratio's scratch."""
     code1, code2 = codes_for(kind, bits, hp, params[0]) if params else (None, None)
     if comps is not None and all(c is None for c in comps):
         comps = None
     _C.optim_step(kind, bits, block_size, hp, params, grads, state1, absmax1, state2, absmax2,
                   steps, code1=code1, code2=code2, grad_scale=grad_scale, found_inf=found_inf,
-                  stream=stream, comps=comps, rows=rows, index_base=index_base)
+                  stream=stream, comps=comps, rows=rows, index_base=index_base, trust=trust)
+
+
+# mf_optim_trust_numel (csrc/include/memfit/optim.h): float32 words of the trust ratio's
+# scratch, two float64 per chunk of TRUST_CHUNK elements and two for the totals
+TRUST_CHUNK = 4096
+
+
+def trust_numel(numel: int) -> int:
+    """float32 elements of the trust ratio's scratch for a parameter of ``numel``."""
+    return 4 * (-(-int(numel) // TRUST_CHUNK) + 1)

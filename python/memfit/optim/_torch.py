@@ -429,8 +429,11 @@ class _MemfitOptimizer(torch.optim.Optimizer, _format.MemfitOptimizerBase):
         gs = _on(grad_scale, device)
         fi = _on(found_inf, device)
         stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
+        # the trust ratio's scratch (memfit.optim.trust: LAMB, LARS)
+        trust = self._trust_scratch(params) if hp.get("max_unorm", 0.0) > 0 else None
         _core.step(self._group_kind(group), fmt, group["block_size"], hp, params, grads, s1, a1, s2, a2,
-                   steps, gs, fi, stream, comps, rows=rows, index_base=bases if any(bases) else None)
+                   steps, gs, fi, stream, comps, rows=rows, index_base=bases if any(bases) else None,
+                   trust=trust)
 
     # -- state dict ------------------------------------------------------------------------
 

@@ -43,6 +43,15 @@ memfit does instead; none is ignored:
 - ``Adagrad``/``Adagrad8bit``/``Adagrad32bit``: torch.optim.Adagrad's math, where
   bitsandbytes refuses ``lr_decay`` != 0 and ``initial_accumulator_value`` != 0: memfit
   does both, as torch does. ``Adagrad8bit`` takes ``optim_bits=8`` (its default there).
+- ``LAMB``/``LARS`` (and their ``8bit``/``32bit`` forms, ``PytorchLARS``): memfit's
+  :mod:`memfit.optim.trust` classes, which apply the trust ratio (``max_unorm``) in 8 and
+  32 bits, and LAMB's ``bias_correction``/``adam_w_mode`` and LARS' ``dampening``/``nesterov``
+  as documented, where bitsandbytes' 8-bit kernels have no trust ratio (its LAMB8bit
+  refuses ``max_unorm != 1``) and its 32-bit ones ignore those options. Both spellings:
+  a float after ``min_8bit_size`` is 0.50's ``max_unorm``, an int 0.49's
+  ``percentile_clipping``; LAMB's ``block_wise`` (0.49's default False, which bitsandbytes
+  needed for an 8-bit trust ratio) may be either: memfit applies the trust ratio to its
+  blockwise states. ``args.max_unorm`` sets their ``max_unorm``.
 - ``Adam``/``Adam8bit``/``Adam32bit``: bitsandbytes applies their ``weight_decay``
   decoupled, as AdamW (``p *= 1 - lr * weight_decay``), not torch.optim.Adam's L2; so
   do these (memfit's AdamW math, with Adam's default ``weight_decay=0``). memfit's own
@@ -67,13 +76,16 @@ import torch
 
 from memfit.optim import convert as _convert
 from memfit.optim import optimizers as _m
+from memfit.optim import trust as _trust
 from memfit.optim._torch import _MemfitOptimizer
 
 __all__ = [
     "Adagrad", "Adagrad8bit", "Adagrad32bit",
-    "Adam", "Adam8bit", "Adam32bit", "AdamW", "AdamW8bit", "AdamW32bit", "GlobalOptimManager", "Lion", "Lion8bit", "Lion32bit",
+    "Adam", "Adam8bit", "Adam32bit", "AdamW", "AdamW8bit", "AdamW32bit",
+    "GlobalOptimManager", "LAMB", "LAMB8bit", "LAMB32bit", "LARS", "LARS8bit", "LARS32bit",
+    "Lion", "Lion8bit", "Lion32bit",
     "PagedAdam", "PagedAdam8bit", "PagedAdam32bit", "PagedAdamW", "PagedAdamW8bit",
-    "PagedAdamW32bit", "PagedLion", "PagedLion8bit", "PagedLion32bit",
+    "PagedAdamW32bit", "PagedLion", "PagedLion8bit", "PagedLion32bit", "PytorchLARS",
     "RMSprop", "RMSprop8bit", "RMSprop32bit", "SGD", "SGD8bit", "SGD32bit",
 ]
 
@@ -81,7 +93,7 @@ __all__ = [
 optim = sys.modules[__name__]
 
 # bitsandbytes optimizers memfit has no counterpart of (module __getattr__ says so)
-_NOT_IN_MEMFIT = ("LAMB", "LARS", "AdEMAMix", "PytorchLARS")
+_NOT_IN_MEMFIT = ("AdEMAMix",)
 
 _CLIP_ADVICE = ("clip by the gradient norm before the step instead: "
                 "memfit.amp.clip_grad_norm_(model.parameters(), max_norm) (or torch.nn.utils.clip_grad_norm_)")
@@ -139,10 +151,11 @@ def _check_bnb_options(name, *, percentile_clipping=100, block_wise=True, is_pag
 
 
 def _resolve(name, *, optim_bits, args, min_8bit_size, percentile_clipping=100, block_wise=True,
-             is_paged=False, fixed_bits=None, fixed_default=32):
+             is_paged=False, fixed_bits=None, fixed_default=32, trust=False):
     """The checked (bits, min_8bit_size) of a bitsandbytes constructor call. ``fixed_bits``:
     the class's own format (the *8bit and *32bit classes), None where optim_bits says;
-    ``fixed_default``: the optim_bits default of such a class (32, but Adagrad8bit's 8)."""
+    ``fixed_default``: the optim_bits default of such a class (32, but Adagrad8bit's 8).
+    ``trust``: LAMB and LARS, which take args.max_unorm (their caller reads it)."""
     percentile_clipping, block_wise, is_paged = _tail(name, percentile_clipping, block_wise, is_paged)
     if fixed_bits is not None and not (_is_int(optim_bits) and optim_bits == fixed_default):
         # bitsandbytes' *8bit classes raise for another optim_bits, its *32bit ones ignore it
@@ -158,7 +171,7 @@ def _resolve(name, *, optim_bits, args, min_8bit_size, percentile_clipping=100, 
         min_8bit_size = _get(args, "min_8bit_size", min_8bit_size)
         percentile_clipping = _get(args, "percentile_clipping", percentile_clipping)
         block_wise = _get(args, "block_wise", block_wise)
-        max_unorm = _get(args, "max_unorm", 0.0)
+        max_unorm = 0.0 if trust else _get(args, "max_unorm", 0.0)
         skip_zeros = _get(args, "skip_zeros", False)
     _check_bnb_options(name, percentile_clipping=percentile_clipping, block_wise=block_wise,
                        is_paged=is_paged, max_unorm=max_unorm, skip_zeros=skip_zeros)
@@ -421,6 +434,121 @@ def _adagrad_class(name, fixed_bits):
 Adagrad = _adagrad_class("Adagrad", None)
 Adagrad8bit = _adagrad_class("Adagrad8bit", 8)
 Adagrad32bit = _adagrad_class("Adagrad32bit", 32)
+# -- LAMB and LARS (memfit.optim.trust) -----------------------------------------------------
+
+def _trust_options(name, optim_bits, args, min_8bit_size, percentile_clipping, block_wise,
+                   max_unorm, default_unorm, fixed_bits):
+    """(bits, min_8bit_size, max_unorm) of a LAMB/LARS call, either spelling: 0.49's
+    ``(..., min_8bit_size, percentile_clipping, [block_wise,] max_unorm)`` and 0.50's
+    ``(..., min_8bit_size, max_unorm)``, whose positional max_unorm lands in 0.49's
+    percentile_clipping slot (a float there is 0.50's max_unorm). 0.49 made these
+    non-blockwise (block_wise=False: its 8-bit trust ratio needed it); memfit applies the
+    trust ratio to its blockwise states, so either value means the same here."""
+    if isinstance(percentile_clipping, float):
+        if max_unorm != default_unorm:
+            raise TypeError(f"{name}: got a float for percentile_clipping (bitsandbytes 0.50's "
+                            "positional max_unorm) together with max_unorm")
+        percentile_clipping, max_unorm = 100, percentile_clipping
+    if block_wise not in (True, False):
+        raise ValueError(f"{name}: block_wise: expected True or False, got {block_wise!r}")
+    bits, min8 = _resolve(name, optim_bits=optim_bits, args=args, min_8bit_size=min_8bit_size,
+                          percentile_clipping=percentile_clipping, fixed_bits=fixed_bits,
+                          trust=True)
+    if args is not None:
+        max_unorm = _get(args, "max_unorm", max_unorm)
+    return bits, min8, max_unorm
+
+
+def _lamb_class(name, fixed_bits):
+    if fixed_bits is None:
+        def __init__(self, params, lr=1e-3, bias_correction=True, betas=(0.9, 0.999), eps=1e-8,
+                     weight_decay=0, amsgrad=False, adam_w_mode=True, optim_bits=32, args=None,
+                     min_8bit_size=4096, percentile_clipping=100, block_wise=False,
+                     max_unorm=1.0):
+            _init_lamb(self, name, params, lr, bias_correction, betas, eps, weight_decay, amsgrad,
+                       adam_w_mode, optim_bits, args, min_8bit_size, percentile_clipping,
+                       block_wise, max_unorm, None)
+    else:
+        def __init__(self, params, lr=1e-3, bias_correction=True, betas=(0.9, 0.999), eps=1e-8,
+                     weight_decay=0, amsgrad=False, adam_w_mode=True, args=None,
+                     min_8bit_size=4096, percentile_clipping=100, block_wise=False,
+                     max_unorm=1.0):
+            _init_lamb(self, name, params, lr, bias_correction, betas, eps, weight_decay, amsgrad,
+                       adam_w_mode, 32, args, min_8bit_size, percentile_clipping, block_wise,
+                       max_unorm, fixed_bits)
+    doc = (f"bitsandbytes' ``{name}`` on ``memfit.optim.LAMB8bit``'s math (the trust ratio, "
+           "bias_correction and adam_w_mode applied in 8 and 32 bits). See :mod:`memfit.optim.bnb`.")
+    return type(name, (_BnbOptimizer, _trust.LAMB8bit), {"__init__": __init__, "__doc__": doc,
+                                                         "__module__": __name__})
+
+
+def _init_lamb(self, name, params, lr, bias_correction, betas, eps, weight_decay, amsgrad,
+               adam_w_mode, optim_bits, args, min_8bit_size, percentile_clipping, block_wise,
+               max_unorm, fixed_bits):
+    _no_amsgrad(name, amsgrad)
+    bits, min8, max_unorm = _trust_options(name, optim_bits, args, min_8bit_size,
+                                           percentile_clipping, block_wise, max_unorm, 1.0,
+                                           fixed_bits)
+    self._set_bits(bits)
+    _trust.LAMB8bit.__init__(self, params, lr, bias_correction, _string_betas(name, betas, True),
+                             eps, weight_decay, False, adam_w_mode, max_unorm=max_unorm,
+                             min_8bit_size=min8)
+
+
+LAMB = _lamb_class("LAMB", None)
+LAMB8bit = _lamb_class("LAMB8bit", 8)
+LAMB32bit = _lamb_class("LAMB32bit", 32)
+
+
+def _lars_class(name, fixed_bits):
+    if fixed_bits is None:
+        def __init__(self, params, lr, momentum=0, dampening=0, weight_decay=0, nesterov=False,
+                     optim_bits=32, args=None, min_8bit_size=4096, percentile_clipping=100,
+                     max_unorm=0.02):
+            _init_lars(self, name, params, lr, momentum, dampening, weight_decay, nesterov,
+                       optim_bits, args, min_8bit_size, percentile_clipping, max_unorm, None)
+    else:
+        def __init__(self, params, lr, momentum=0, dampening=0, weight_decay=0, nesterov=False,
+                     args=None, min_8bit_size=4096, percentile_clipping=100, max_unorm=0.02):
+            _init_lars(self, name, params, lr, momentum, dampening, weight_decay, nesterov, 32,
+                       args, min_8bit_size, percentile_clipping, max_unorm, fixed_bits)
+    doc = (f"bitsandbytes' ``{name}`` on ``memfit.optim.LARS8bit``'s math (PytorchLARS': the "
+           "trust ratio, dampening and nesterov applied in 8 and 32 bits; momentum=0 raises "
+           "NotImplementedError as in bitsandbytes). See :mod:`memfit.optim.bnb`.")
+    return type(name, (_BnbOptimizer, _trust.LARS8bit), {"__init__": __init__, "__doc__": doc,
+                                                         "__module__": __name__})
+
+
+def _init_lars(self, name, params, lr, momentum, dampening, weight_decay, nesterov, optim_bits,
+               args, min_8bit_size, percentile_clipping, max_unorm, fixed_bits):
+    if momentum == 0:  # before the arguments' checks, as bitsandbytes
+        raise NotImplementedError("LARS without momentum is not supported!")
+    bits, min8, max_unorm = _trust_options(name, optim_bits, args, min_8bit_size,
+                                           percentile_clipping, False, max_unorm, 0.02,
+                                           fixed_bits)
+    self._set_bits(bits)
+    _trust.LARS8bit.__init__(self, params, lr, momentum, dampening, weight_decay, nesterov,
+                             max_unorm=max_unorm, min_8bit_size=min8)
+
+
+LARS = _lars_class("LARS", None)
+LARS8bit = _lars_class("LARS8bit", 8)
+LARS32bit = _lars_class("LARS32bit", 32)
+
+
+class PytorchLARS(_BnbOptimizer, _trust.LARS):
+    """bitsandbytes' ``PytorchLARS`` (its pure-torch LARS) on ``memfit.optim.LARS``'s math,
+    float32 states, every parameter (no min_8bit_size). As there, ``momentum=0`` is
+    accepted: the update is the (L2-decayed) gradient, scaled by the trust ratio
+    (bitsandbytes' own step fails on it). See :mod:`memfit.optim.bnb`."""
+
+    _needs_momentum = False
+
+    def __init__(self, params, lr=0.01, momentum=0, dampening=0, weight_decay=0, nesterov=False,
+                 max_unorm=0.02):
+        self._set_bits(32)
+        _trust.LARS.__init__(self, params, lr, momentum, dampening, weight_decay, nesterov,
+                             max_unorm=max_unorm, min_8bit_size=0)
 
 
 # -- per-parameter overrides -----------------------------------------------------------------
@@ -531,5 +659,6 @@ def __getattr__(name):
     base = name.replace("Paged", "").replace("8bit", "").replace("32bit", "")
     if base in _NOT_IN_MEMFIT:
         raise AttributeError(f"module 'memfit.optim.bnb' has no attribute {name!r}: memfit has no "
-                             f"{base} optimizer (its optimizers: AdamW, Adam, Lion, SGD, RMSprop, Adagrad)")
+                             f"{base} optimizer (its optimizers: AdamW, Adam, Lion, SGD, RMSprop, "
+                             "Adagrad, LAMB, LARS)")
     raise AttributeError(f"module 'memfit.optim.bnb' has no attribute {name!r}")

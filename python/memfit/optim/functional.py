@@ -112,7 +112,8 @@ def _check_state_arg(kind: str, state) -> None:
 
 def step(kind: str, param, grad, state: dict, *, grad_scale=None, found_inf=None, **hp) -> None:
     """One step of optimizer ``kind`` with hyperparameters ``hp`` (lr, beta1, beta2,
-    eps, weight_decay, momentum, dampening, alpha, nesterov, maximize)."""
+    eps, weight_decay, momentum, dampening, alpha, nesterov, maximize; adamw/adam and sgd
+    also max_unorm, the trust ratio of LAMB and LARS, and adamw/adam bias_correction)."""
     if kind not in _KINDS:
         raise ValueError(f"kind: expected one of {', '.join(_KINDS)}, got {kind!r}")
     _check_state_arg(kind, state)
@@ -129,7 +130,9 @@ def step(kind: str, param, grad, state: dict, *, grad_scale=None, found_inf=None
     _core.step(k, state["bits"], state["block_size"], h, [p], [g],
                [state["state1"]], [state["absmax1"]], [state["state2"]], [state["absmax2"]],
                [state["step"]], grad_scale, found_inf, _arrays.stream_of(p),
-               [state.get("kahan_comp")], rows=[state.get("rows", 1)])
+               [state.get("kahan_comp")], rows=[state.get("rows", 1)],
+               trust=[_zeros(p, (_core.trust_numel(_numel(p)),), "float32")]
+               if h["max_unorm"] > 0 else None)
 
 
 def _check_grad_shape(param, grad) -> None:
