@@ -19,7 +19,7 @@ from memfit.optim import functional as F
 
 
 ALL = [mo.AdamW8bit, mo.Adam8bit, mo.Lion8bit, mo.SGD8bit, mo.RMSprop8bit, mo.AdamW4bit,
-       mo.AdamW, mo.Adam]
+       mo.AdamW, mo.Adam, mo.AdEMAMix8bit, mo.AdEMAMix]
 
 
 def _params(seed=0):

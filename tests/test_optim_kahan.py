@@ -20,10 +20,11 @@ import memfit.optim as mo  # noqa: E402
 from memfit.optim import functional as F  # noqa: E402
 
 ALL = [mo.AdamW8bit, mo.Adam8bit, mo.Lion8bit, mo.SGD8bit, mo.RMSprop8bit, mo.AdamW4bit,
-       mo.AdamW, mo.Adam]
+       mo.AdamW, mo.Adam, mo.AdEMAMix8bit, mo.AdEMAMix]
 HALF = [torch.bfloat16, torch.float16]
 KIND = {mo.AdamW8bit: "adamw", mo.Adam8bit: "adam", mo.Lion8bit: "lion", mo.SGD8bit: "sgd",
-        mo.RMSprop8bit: "rmsprop", mo.AdamW4bit: "adamw", mo.AdamW: "adamw", mo.Adam: "adam"}
+        mo.RMSprop8bit: "rmsprop", mo.AdamW4bit: "adamw", mo.AdamW: "adamw", mo.Adam: "adam",
+        mo.AdEMAMix8bit: "ademamix", mo.AdEMAMix: "ademamix"}
 
 
 def make(cls, params, **kw):
@@ -59,6 +60,13 @@ def ref_update(kind, group, x, g, st, t):
         denom = np.sqrt(v) / np.sqrt(1 - b2**t) + group["eps"]
         decay = 1 - lr * wd if kind == "adamw" else 1.0
         return x * decay - lr / (1 - b1**t) * m / denom
+    if kind == "ademamix":  # no schedulers (t_alpha, t_beta3 None): tests/test_optim_ademamix.py has them
+        b1, b2, b3 = group["betas"]
+        m1 = b1 * st["exp_avg"] + (1 - b1) * g
+        m2 = b3 * st["exp_avg_slow"] + (1 - b3) * g
+        v = b2 * st["exp_avg_sq"] + (1 - b2) * g * g
+        denom = np.sqrt(v) / np.sqrt(1 - b2**t) + group["eps"]
+        return x * (1 - lr * wd) - lr * (m1 / (1 - b1**t) + group["alpha"] * m2) / denom
     if kind == "lion":
         b1, _ = group["betas"]
         return x * (1 - lr * wd) - lr * np.sign(b1 * st["exp_avg"] + (1 - b1) * g)
@@ -105,7 +113,8 @@ def test_one_step_matches_float64_reference(cls, dtype):
             t = opt.state[p]["step"].item() + 1
         else:
             x, t = p.detach().double().numpy(), 1
-            st = {"exp_avg": 0.0, "exp_avg_sq": 0.0, "momentum_buffer": 0.0, "square_avg": 0.0}
+            st = {"exp_avg": 0.0, "exp_avg_sq": 0.0, "momentum_buffer": 0.0, "square_avg": 0.0,
+                  "exp_avg_slow": 0.0}
         x_ref = ref_update(kind, group, x, g.double().numpy(), st, t)
         p.grad = g
         opt.step()
@@ -168,7 +177,7 @@ def push(cls, dtype, steps, lr, rounding, shape=(32, 257)):
     for _ in range(steps):
         p.grad = -torch.ones_like(p)
         opt.step()
-    if cls not in (mo.AdamW, mo.Adam):  # the quantized states are what is tested
+    if cls._bits != 32:  # the quantized states are what is tested
         assert opt.state[p]["state1"].dtype == torch.uint8
     x = p.detach().double()
     if "kahan_comp" in opt.state[p]:
