@@ -1,7 +1,7 @@
 """memfit.optim.bnb: a bitsandbytes user's optimizer lines run after an import swap.
 
 Signatures are checked against bitsandbytes' own (recorded below from the 0.49.2 and
-0.50.2 wheels' bitsandbytes/optim/{adamw,adam,lion,rmsprop,sgd}.py), every argument is
+0.50.2 wheels' bitsandbytes/optim/{adamw,adam,lion,rmsprop,sgd,ademamix}.py), every argument is
 passed in both spellings, what memfit cannot do raises ValueError, and a step is
 bit-identical to memfit's own class built with the translated arguments."""
 
@@ -21,6 +21,9 @@ _LION = "lr=0.0001, betas=(0.9, 0.99), weight_decay=0"
 _RMS = "lr=0.01, alpha=0.99, eps=1e-08, weight_decay=0, momentum=0, centered=False"
 _SGD = "lr, momentum=0, dampening=0, weight_decay=0, nesterov=False"
 _049 = "percentile_clipping=100, block_wise=True"
+# AdEMAMix never had percentile_clipping or block_wise: both versions' signatures are 0.50's
+_ADEMAMIX = ("lr=0.001, betas=(0.9, 0.999, 0.9999), alpha=5.0, t_alpha=None, t_beta3=None, eps=1e-08, "
+             "weight_decay=0.01")
 # class -> (0.49 signature, 0.50 signature), without `params`
 SIGNATURES = {
     "AdamW": (f"{_ADAMW}, {_049}, is_paged=False", f"{_ADAMW}, is_paged=False"),
@@ -53,6 +56,12 @@ SIGNATURES = {
             f"{_SGD}, optim_bits=32, args=None, min_8bit_size=4096"),
     "SGD8bit": (f"{_SGD}, args=None, min_8bit_size=4096, {_049}", f"{_SGD}, args=None, min_8bit_size=4096"),
     "SGD32bit": (f"{_SGD}, args=None, min_8bit_size=4096, {_049}", f"{_SGD}, args=None, min_8bit_size=4096"),
+    "AdEMAMix": (f"{_ADEMAMIX}, optim_bits=32, min_8bit_size=4096, is_paged=False",) * 2,
+    "AdEMAMix8bit": (f"{_ADEMAMIX}, min_8bit_size=4096, is_paged=False",) * 2,
+    "AdEMAMix32bit": (f"{_ADEMAMIX}, min_8bit_size=4096, is_paged=False",) * 2,
+    "PagedAdEMAMix": (f"{_ADEMAMIX}, optim_bits=32, min_8bit_size=4096",) * 2,
+    "PagedAdEMAMix8bit": (f"{_ADEMAMIX}, min_8bit_size=4096",) * 2,
+    "PagedAdEMAMix32bit": (f"{_ADEMAMIX}, min_8bit_size=4096",) * 2,
 }
 PAGED = [n for n in SIGNATURES if n.startswith("Paged")]
 UNPAGED = [n for n in SIGNATURES if not n.startswith("Paged")]
@@ -92,6 +101,7 @@ def test_import_forms():
     assert bnb.optim is bnb and mo.bnb is bnb
     assert bnb.optim.AdamW8bit is bnb.AdamW8bit
     assert issubclass(bnb.AdamW8bit, mo.AdamW8bit) and issubclass(bnb.Lion8bit, mo.Lion8bit)
+    assert issubclass(bnb.AdEMAMix8bit, mo.AdEMAMix8bit) and issubclass(bnb.AdEMAMix32bit, mo.AdEMAMix)
     with pytest.raises(AttributeError, match="memfit has no Adagrad optimizer"):
         bnb.optim.Adagrad8bit  # noqa: B018
     with pytest.raises(AttributeError, match="memfit has no LAMB"):
@@ -217,6 +227,11 @@ ERRORS = [
     ("AdamW8bit", dict(betas="__import__('os').getcwd()"), "betas: expected two numbers"),
     ("Adam", dict(betas="(0.9, '0.9')"), "betas: expected two numbers"),
     ("Lion8bit", dict(betas="(0.9, 0.99)"), "parses string betas only for Adam and AdamW"),
+    ("AdEMAMix8bit", dict(is_paged=True), "AdEMAMix8bit: memfit has no paged optimizers"),
+    ("AdEMAMix", dict(optim_bits=16), "AdEMAMix: optim_bits: expected 8 or 32"),
+    ("AdEMAMix", dict(betas="(0.9, 0.999)"), "AdEMAMix: betas: expected three numbers"),
+    ("AdEMAMix32bit", dict(t_alpha=0), "t_alpha: expected None or a positive int"),
+    ("AdEMAMix8bit", dict(betas=(0.9, 0.999)), "betas: expected three betas"),
 ]
 
 
@@ -258,6 +273,13 @@ SAME_STEP = {
     "RMSprop8bit": (dict(lr=1e-3, momentum=0.5, min_8bit_size=100), mo.RMSprop8bit, dict(lr=1e-3, momentum=0.5, min_8bit_size=100), None),
     "RMSprop": (dict(lr=1e-3), mo.RMSprop8bit, dict(lr=1e-3), 32),
     "RMSprop32bit": (dict(lr=1e-3), mo.RMSprop8bit, dict(lr=1e-3), 32),
+    "AdEMAMix8bit": (dict(lr=1e-2, t_alpha=2, t_beta3=2, min_8bit_size=100), mo.AdEMAMix8bit,
+                     dict(lr=1e-2, t_alpha=2, t_beta3=2, min_8bit_size=100), None),
+    "AdEMAMix": (dict(lr=1e-2, alpha=3.0, betas="(0.8, 0.99, 0.995)"), mo.AdEMAMix,
+                 dict(lr=1e-2, alpha=3.0, betas=(0.8, 0.99, 0.995)), None),
+    "AdEMAMix-8": (dict(lr=1e-2, optim_bits=8, weight_decay=0.1, min_8bit_size=100), mo.AdEMAMix8bit,
+                   dict(lr=1e-2, weight_decay=0.1, min_8bit_size=100), None),
+    "AdEMAMix32bit": (dict(lr=1e-2, t_beta3=2), mo.AdEMAMix, dict(lr=1e-2, t_beta3=2), None),
 }
 
 
@@ -279,7 +301,7 @@ def test_step_is_memfits_own_class_bit_for_bit(case):
     b = cls(params if bits is None else [{"params": params, "bits": bits}], **mkw)
     train(a, ma), train(b, mb)
     assert_same_training(a, ma, b, mb)
-    want = 8 if case.endswith("8bit") or case == "AdamW-8" else 32
+    want = 8 if case.endswith(("8bit", "-8")) else 32
     assert a.state[ma[0].weight]["state1"].dtype == (torch.uint8 if want == 8 else torch.float32)
 
 
