@@ -34,6 +34,7 @@ from torch.optim.swa_utils import SWALR, AveragedModel
 
 import memfit.optim as mo
 from memfit.optim import bnb
+from test_optim_gradient_patterns import AdEMAMix64
 
 # torch's constructor flags that memfit accepts for a one-line swap (issue 30 §4), and the
 # group flags an older state dict may lack (torch's test_can_load_older_state_dict)
@@ -60,7 +61,7 @@ class Case:
         return self.impl == "memfit"
 
 
-_LR = {"adamw": 1e-2, "adam": 1e-2, "lion": 1e-3, "sgd": 1e-2, "rmsprop": 1e-4}
+_LR = {"adamw": 1e-2, "adam": 1e-2, "lion": 1e-3, "sgd": 1e-2, "rmsprop": 1e-4, "ademamix": 1e-2}
 
 
 def _case(impl, family, cls, bits=32, tag="", **kw):
@@ -80,6 +81,8 @@ CASES = [
     _case("memfit", "sgd", mo.SGD8bit, 8, "-m0.9", momentum=0.9),
     _case("memfit", "rmsprop", mo.RMSprop8bit, 8, "-m0"),
     _case("memfit", "rmsprop", mo.RMSprop8bit, 8, "-m0.9", momentum=0.9),
+    _case("memfit", "ademamix", mo.AdEMAMix8bit, 8, t_alpha=3, t_beta3=4),
+    _case("memfit", "ademamix", mo.AdEMAMix),
     # bitsandbytes' signatures on the same optimizers (no maximize/fused keywords)
     _case("memfit", "adamw", bnb.AdamW8bit, 8),
     _case("memfit", "lion", bnb.Lion8bit, 8),
@@ -200,6 +203,12 @@ _RANGE_ERRORS = {
         (dict(momentum=-0.5), ValueError, "Invalid momentum value: -0.5", "momentum"),
         (dict(momentum=0.9, dampening=0.5, nesterov=True), ValueError,
          "Nesterov momentum requires a momentum and zero dampening", "nesterov"),
+    ],
+    "ademamix": [  # no torch counterpart: memfit's own ranges
+        (dict(betas=(1.0, 0.9, 0.99)), ValueError, None, "betas"),
+        (dict(betas=(0.9, 0.99)), ValueError, None, "betas"),
+        (dict(alpha=-1.0), ValueError, None, "alpha"),
+        (dict(t_beta3=0), ValueError, None, "t_beta3"),
     ],
     "rmsprop": [
         (dict(momentum=-1.0), ValueError, "Invalid momentum value: -1.0", "momentum"),
@@ -397,7 +406,8 @@ def test_matches_float64_reference(case):
     opt = case.make(params, weight_decay=0.05)
     _run(opt, params, grads)
     ref_kwargs = dict(case.kwargs, weight_decay=0.05)
-    ref_cls = _LionReference if case.family == "lion" else _TORCH_CLASS[case.family]
+    ref_cls = {"lion": _LionReference, "ademamix": _AdEMAMixReference}.get(case.family) \
+        or _TORCH_CLASS[case.family]
     _run(ref_cls(p64, **ref_kwargs), p64, [[g.double() for g in gs] for gs in grads])
     start = [p.detach().double() for p in _linear().parameters()]
     for p, r, s in zip(params, p64, start):
@@ -416,6 +426,20 @@ def test_matches_float64_reference(case):
         _assert_bits_equal([params[1].detach()], [sparams[1].detach()], "bias")
         if case.family == "sgd" and not case.kwargs.get("momentum"):  # no state to quantize
             _assert_bits_equal([params[0].detach()], [sparams[0].detach()], "weight")
+
+
+class _AdEMAMixReference:
+    """AdEMAMix in float64, a parameter at a time (test_optim_gradient_patterns.AdEMAMix64)."""
+
+    def __init__(self, params, lr, weight_decay=0.01, betas=(0.9, 0.999, 0.9999), alpha=5.0,
+                 t_alpha=None, t_beta3=None, eps=1e-8):
+        hp = dict(lr=lr, betas=betas, alpha=alpha, t_alpha=t_alpha, t_beta3=t_beta3, eps=eps,
+                  wd=weight_decay)
+        self.each = [AdEMAMix64([p], **hp) for p in params]
+
+    def step(self):
+        for opt in self.each:
+            opt.step()
 
 
 class _LionReference(torch.optim.Optimizer):
