@@ -9,7 +9,7 @@
  * torch._foreach pattern), and a 1B-parameter tensor is one launch of 250k blocks. All
  * launches go to the caller's stream.
  *
- * optim_quant_kernel<BS, BITS>: quantized states (8-bit: one code per byte; 4-bit: two
+ * optim_quant_kernel<BS, BITS, S3>: quantized states (8-bit: one code per byte; 4-bit: two
  * per byte). A tile of max(BS, 256) elements is spread over the 256 threads, so each
  * quantization block is owned by one thread block: every thread dequantizes its
  * elements, applies mf_optim_update_one() (optim.h, the same function as the CPU loop),
@@ -19,7 +19,9 @@
  * bit; keep_positive for non-negative states; values scaled by mf_absmax_scale). The
  * absmax reduction is a warp shuffle, then one value per warp in shared memory: one
  * barrier per tile. 4-bit codes of elements 2j and 2j+1 live in
- * neighbouring lanes and are packed with one shuffle.
+ * neighbouring lanes and are packed with one shuffle. S3: the third state (AdEMAMix,
+ * mf_optim_update_one3; signed, code1); the instantiations without it are the two-state
+ * kernel as it was.
  * optim_fp32_kernel: float32 states, element-wise.
  * Both read and write parameters through mf_optim_load_param/mf_optim_store_param
  * (optim.h): the Kahan compensation buffer and stochastic rounding live there.
@@ -57,7 +59,6 @@
 namespace {
 
 constexpr int kThreads = 256;
-constexpr int kMaxTensors = 32;
 /* Elements one thread block updates: a whole number of tiles (a tile is max(BS, 256)
  * elements, BS <= 4096), so quantization blocks never straddle two thread blocks. */
 constexpr int64_t kItem = 4096;
@@ -65,9 +66,9 @@ constexpr int64_t kItem = 4096;
 struct TensorSlot {
   void *p;
   const void *g;
-  void *s1, *s2;
+  void *s1, *s2, *s3;
   void *c; /* Kahan compensation, or null */
-  float *a1, *a2;
+  float *a1, *a2, *a3;
   const float *step;
   int64_t numel;
   int64_t rows;       /* rows stepped one by one (mf_optim_split_rows); 1: the whole tensor */
@@ -78,6 +79,12 @@ struct TensorSlot {
   int block_size;
   const double *trust; /* the trust ratio's totals (mf_optim_trust_totals), or null */
 };
+
+/* As many tensors as one launch's arguments hold: a LaunchList (a slot and a start per
+ * tensor, one more start, n and its padding) and the hparams stay below the 4 KB of
+ * kernel parameters every CUDA version takes. */
+constexpr int kMaxTensors = (int)((4096 - 64 - sizeof(mf_optim_hparams) - 2 * sizeof(int64_t)) /
+                                  (sizeof(TensorSlot) + sizeof(int64_t)));
 
 /* Up to kMaxTensors tensors; thread block b works on tensor i with
  * start[i] <= b < start[i + 1], item b - start[i] of it. */
@@ -108,8 +115,10 @@ __device__ __forceinline__ TensorSlot locate(const LaunchList &L, int64_t *start
     if (t.c) t.c = (char *)t.c + at.elem * esize;
     if (t.s1) t.s1 = (uint8_t *)t.s1 + code;
     if (t.s2) t.s2 = (uint8_t *)t.s2 + code;
+    if (t.s3) t.s3 = (uint8_t *)t.s3 + code;
     if (t.a1) t.a1 += at.block;
     if (t.a2) t.a2 += at.block;
+    if (t.a3) t.a3 += at.block;
     t.numel = row_len;
     t.index_base += at.elem;
   }
@@ -283,7 +292,13 @@ __device__ __forceinline__ uint32_t warp_max_u32(uint32_t v) {
   return v;
 }
 
-template <int BS, int BITS>
+/* Code index of state element i (8-bit: its byte; 4-bit: its nibble). */
+template <int BITS>
+__device__ __forceinline__ uint8_t code_at(const void *s, int64_t i) {
+  return BITS == 8 ? ((const uint8_t *)s)[i] : (((const uint8_t *)s)[i >> 1] >> ((i & 1) * 4)) & 15;
+}
+
+template <int BS, int BITS, bool S3>
 __global__ void __launch_bounds__(kThreads)
     optim_quant_kernel(LaunchList L, mf_optim_hparams h, const float *__restrict__ code1,
                        const float *__restrict__ code2, const float *grad_scale,
@@ -297,7 +312,7 @@ __global__ void __launch_bounds__(kThreads)
   __shared__ float c1s[CS], c2s[CS];
   /* per-warp absmax, double-buffered by tile parity: tile k + 2 writes a buffer only
    * after tile k + 1's barrier, when every thread has read tile k's values */
-  __shared__ uint32_t red1[2][kThreads / 32], red2[2][kThreads / 32];
+  __shared__ uint32_t red1[2][kThreads / 32], red2[2][kThreads / 32], red3[2][S3 ? kThreads / 32 : 1];
   __shared__ mf_optim_consts cs;
 
   if (skipped(found_inf)) return;
@@ -319,12 +334,12 @@ __global__ void __launch_bounds__(kThreads)
 
   int parity = 0;
   for (int64_t base = cstart; base < cend; base += TILE, parity ^= 1) {
-    float s1v[ITEMS], s2v[ITEMS];
-    uint32_t m1 = 0, m2 = 0;
+    float s1v[ITEMS], s2v[ITEMS], s3v[S3 ? ITEMS : 1];
+    uint32_t m1 = 0, m2 = 0, m3 = 0;
 #pragma unroll
     for (int k = 0; k < ITEMS; k++) {
       const int64_t i = base + (int64_t)k * kThreads + tid;
-      float s1 = 0.0f, s2 = 0.0f;
+      float s1 = 0.0f, s2 = 0.0f, s3 = 0.0f;
       if (i < cend) {
         const int64_t blk = i / BS;
         if (ns >= 1) {
@@ -337,12 +352,21 @@ __global__ void __launch_bounds__(kThreads)
                                 : (((const uint8_t *)t.s2)[i >> 1] >> ((i & 1) * 4)) & 15;
           s2 = mf_dequantize_one(c2s, q, t.a2[blk]);
         }
+        if (S3) s3 = mf_dequantize_one(c1s, code_at<BITS>(t.s3, i), t.a3[blk]);
         float p = mf_optim_load_param(t.p, t.c, i, dt);
-        mf_optim_update_one(h.kind, &c, ns, &p, mf_load_f32(t.g, i, dt), &s1, &s2);
+        if (S3)
+          mf_optim_update_one3(h.kind, &c, ns, &p, mf_load_f32(t.g, i, dt), &s1, &s2, &s3);
+        else
+          mf_optim_update_one(h.kind, &c, ns, &p, mf_load_f32(t.g, i, dt), &s1, &s2);
         mf_optim_store_param(t.p, t.c, i, dt, p, &h, t.sr_stream, t.index_base);
       }
       s1v[k] = s1;
       s2v[k] = s2;
+      if (S3) {
+        s3v[S3 ? k : 0] = s3;
+        const uint32_t b3 = mf_f32_bits(s3) & 0x7fffffffu;
+        m3 = b3 > m3 ? b3 : m3;
+      }
       const uint32_t b1 = mf_f32_bits(s1) & 0x7fffffffu, b2 = mf_f32_bits(s2) & 0x7fffffffu;
       m1 = b1 > m1 ? b1 : m1;
       m2 = b2 > m2 ? b2 : m2;
@@ -351,44 +375,58 @@ __global__ void __launch_bounds__(kThreads)
      * the WARPS warps that own the block */
     m1 = warp_max_u32(m1);
     m2 = warp_max_u32(m2);
+    if (S3) m3 = warp_max_u32(m3);
     if (tid % 32 == 0) {
       red1[parity][warp] = m1;
       red2[parity][warp] = m2;
+      if (S3) red3[parity][warp] = m3;
     }
     __syncthreads();
     const int lead = warp & ~(WARPS - 1);
     m1 = red1[parity][lead];
     m2 = red2[parity][lead];
+    if (S3) m3 = red3[parity][lead];
 #pragma unroll
     for (int w = 1; w < WARPS; w++) {
       const uint32_t o1 = red1[parity][lead + w], o2 = red2[parity][lead + w];
       m1 = o1 > m1 ? o1 : m1;
       m2 = o2 > m2 ? o2 : m2;
+      if (S3) {
+        const uint32_t o3 = red3[parity][lead + w];
+        m3 = o3 > m3 ? o3 : m3;
+      }
     }
-    const float am1 = mf_f32_from_bits(m1), am2 = mf_f32_from_bits(m2);
+    const float am1 = mf_f32_from_bits(m1), am2 = mf_f32_from_bits(m2), am3 = mf_f32_from_bits(m3);
     const int64_t first = base + tid; /* element of this thread in item 0 */
     if ((tid & (GROUP - 1)) == 0 && first < cend) {
       const int64_t blk = first / BS;
       if (ns >= 1) t.a1[blk] = am1;
       if (ns >= 2) t.a2[blk] = am2;
+      if (S3) t.a3[blk] = am3;
     }
     const mf_block_scale sc1 = mf_absmax_scale(am1), sc2 = mf_absmax_scale(am2);
+    const mf_block_scale sc3 = mf_absmax_scale(am3);
 #pragma unroll
     for (int k = 0; k < ITEMS; k++) {
       const int64_t i = base + (int64_t)k * kThreads + tid;
       const bool in = i < cend;
       uint8_t q1 = (in && ns >= 1) ? mf_optim_quantize(c1s, CS, mf_block_normalize(s1v[k], sc1), keep1) : 0;
       uint8_t q2 = (in && ns >= 2) ? mf_optim_quantize(c2s, CS, mf_block_normalize(s2v[k], sc2), keep2) : 0;
+      /* the third state is signed: code1, nearest */
+      uint8_t q3 = (S3 && in) ? mf_optim_quantize(c1s, CS, mf_block_normalize(s3v[S3 ? k : 0], sc3), 0) : 0;
       if (BITS == 8) {
         if (in && ns >= 1) ((uint8_t *)t.s1)[i] = q1;
         if (in && ns >= 2) ((uint8_t *)t.s2)[i] = q2;
+        if (S3 && in) ((uint8_t *)t.s3)[i] = q3;
       } else {
         /* lanes 2j and 2j+1 hold neighbouring elements (base and kThreads are even) */
         const uint8_t o1 = (uint8_t)__shfl_xor_sync(0xffffffffu, q1, 1);
         const uint8_t o2 = (uint8_t)__shfl_xor_sync(0xffffffffu, q2, 1);
+        const uint8_t o3 = S3 ? (uint8_t)__shfl_xor_sync(0xffffffffu, q3, 1) : 0;
         if (in && (tid & 1) == 0) {
           if (ns >= 1) ((uint8_t *)t.s1)[i >> 1] = (uint8_t)(q1 | (o1 << 4));
           if (ns >= 2) ((uint8_t *)t.s2)[i >> 1] = (uint8_t)(q2 | (o2 << 4));
+          if (S3) ((uint8_t *)t.s3)[i >> 1] = (uint8_t)(q3 | (o3 << 4));
         }
       }
     }
@@ -408,14 +446,16 @@ __global__ void __launch_bounds__(kThreads)
   __syncthreads();
   const mf_optim_consts c = cs;
   const mf_dtype dt = (mf_dtype)t.dtype;
-  float *s1p = (float *)t.s1, *s2p = (float *)t.s2;
+  float *s1p = (float *)t.s1, *s2p = (float *)t.s2, *s3p = (float *)t.s3;
   for (int64_t i = cstart + threadIdx.x; i < cend; i += kThreads) {
     float s1 = ns >= 1 ? s1p[i] : 0.0f, s2 = ns >= 2 ? s2p[i] : 0.0f;
+    float s3 = ns >= 3 ? s3p[i] : 0.0f;
     float p = mf_optim_load_param(t.p, t.c, i, dt);
-    mf_optim_update_one(h.kind, &c, ns, &p, mf_load_f32(t.g, i, dt), &s1, &s2);
+    mf_optim_update_one3(h.kind, &c, ns, &p, mf_load_f32(t.g, i, dt), &s1, &s2, &s3);
     mf_optim_store_param(t.p, t.c, i, dt, p, &h, t.sr_stream, t.index_base);
     if (ns >= 1) s1p[i] = s1;
     if (ns >= 2) s2p[i] = s2;
+    if (ns >= 3) s3p[i] = s3;
   }
 }
 
@@ -435,12 +475,19 @@ mf_status launch(const LaunchList &L, const mf_optim_hparams *h, mf_state_format
   if (fmt == MF_STATE_FP32) {
     optim_fp32_kernel<<<grid, block, 0, stream>>>(L, *h, scale, inf);
   } else {
-#define MF_LAUNCH_QUANT(BS)                                                                   \
-  case BS:                                                                                    \
-    if (fmt == MF_STATE_8BIT)                                                                 \
-      optim_quant_kernel<BS, 8><<<grid, block, 0, stream>>>(L, *h, code1, code2, scale, inf); \
-    else                                                                                      \
-      optim_quant_kernel<BS, 4><<<grid, block, 0, stream>>>(L, *h, code1, code2, scale, inf); \
+    const bool three = mf_optim_num_states(h) > 2;
+#define MF_LAUNCH_QUANT_S(BS, S3)                                                                \
+  if (fmt == MF_STATE_8BIT)                                                                      \
+    optim_quant_kernel<BS, 8, S3><<<grid, block, 0, stream>>>(L, *h, code1, code2, scale, inf);  \
+  else                                                                                           \
+    optim_quant_kernel<BS, 4, S3><<<grid, block, 0, stream>>>(L, *h, code1, code2, scale, inf);
+#define MF_LAUNCH_QUANT(BS)                                                                      \
+  case BS:                                                                                       \
+    if (three) {                                                                                 \
+      MF_LAUNCH_QUANT_S(BS, true)                                                                \
+    } else {                                                                                     \
+      MF_LAUNCH_QUANT_S(BS, false)                                                               \
+    }                                                                                            \
     break;
     switch (bs) {
       MF_LAUNCH_QUANT(64)
@@ -453,6 +500,7 @@ mf_status launch(const LaunchList &L, const mf_optim_hparams *h, mf_state_format
       default: return mf_error(MF_ERR_INTERNAL, "optimizer step: unexpected block size %lld", (long long)bs);
     }
 #undef MF_LAUNCH_QUANT
+#undef MF_LAUNCH_QUANT_S
   }
   return mf_cuda_status(cudaGetLastError(), "optimizer step");
 }
@@ -499,9 +547,11 @@ extern "C" mf_status mf_cuda_optim_step(const mf_optim_hparams *h, mf_state_form
       s.g = x.grad.data;
       s.s1 = x.state1.data;
       s.s2 = x.state2.data;
+      s.s3 = x.state3.data;
       s.c = x.comp.data;
       s.a1 = (float *)x.absmax1.data;
       s.a2 = (float *)x.absmax2.data;
+      s.a3 = (float *)x.absmax3.data;
       s.step = (const float *)x.step.data;
       s.numel = x.param.numel;
       s.rows = split[first + k];

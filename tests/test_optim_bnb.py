@@ -1,7 +1,7 @@
 """memfit.optim.bnb: a bitsandbytes user's optimizer lines run after an import swap.
 
 Signatures are checked against bitsandbytes' own (recorded below from the 0.49.2 and
-0.50.2 wheels' bitsandbytes/optim/{adamw,adam,lion,rmsprop,sgd,adagrad,lamb,lars}.py), every argument is
+0.50.2 wheels' bitsandbytes/optim/{adamw,adam,lion,rmsprop,sgd,adagrad,lamb,lars,ademamix}.py), every argument is
 passed in both spellings, what memfit cannot do raises ValueError, and a step is
 bit-identical to memfit's own class built with the translated arguments."""
 
@@ -23,6 +23,9 @@ _SGD = "lr, momentum=0, dampening=0, weight_decay=0, nesterov=False"
 _049 = "percentile_clipping=100, block_wise=True"
 _ADAGRAD = "lr=0.01, lr_decay=0, weight_decay=0, initial_accumulator_value=0, eps=1e-10"
 _LAMB = "lr=0.001, bias_correction=True, betas=(0.9, 0.999), eps=1e-08, weight_decay=0, amsgrad=False, adam_w_mode=True"
+# AdEMAMix never had percentile_clipping or block_wise: both versions' signatures are 0.50's
+_ADEMAMIX = ("lr=0.001, betas=(0.9, 0.999, 0.9999), alpha=5.0, t_alpha=None, t_beta3=None, eps=1e-08, "
+             "weight_decay=0.01")
 # class -> (0.49 signature, 0.50 signature), without `params`
 SIGNATURES = {
     "AdamW": (f"{_ADAMW}, {_049}, is_paged=False", f"{_ADAMW}, is_paged=False"),
@@ -75,6 +78,12 @@ SIGNATURES = {
     "LARS32bit": (f"{_SGD}, args=None, min_8bit_size=4096, percentile_clipping=100, max_unorm=0.02",
                   f"{_SGD}, args=None, min_8bit_size=4096, max_unorm=0.02"),
     "PytorchLARS": ("lr=0.01, momentum=0, dampening=0, weight_decay=0, nesterov=False, max_unorm=0.02",) * 2,
+    "AdEMAMix": (f"{_ADEMAMIX}, optim_bits=32, min_8bit_size=4096, is_paged=False",) * 2,
+    "AdEMAMix8bit": (f"{_ADEMAMIX}, min_8bit_size=4096, is_paged=False",) * 2,
+    "AdEMAMix32bit": (f"{_ADEMAMIX}, min_8bit_size=4096, is_paged=False",) * 2,
+    "PagedAdEMAMix": (f"{_ADEMAMIX}, optim_bits=32, min_8bit_size=4096",) * 2,
+    "PagedAdEMAMix8bit": (f"{_ADEMAMIX}, min_8bit_size=4096",) * 2,
+    "PagedAdEMAMix32bit": (f"{_ADEMAMIX}, min_8bit_size=4096",) * 2,
 }
 PAGED = [n for n in SIGNATURES if n.startswith("Paged")]
 UNPAGED = [n for n in SIGNATURES if not n.startswith("Paged")]
@@ -115,10 +124,11 @@ def test_import_forms():
     assert bnb.optim.AdamW8bit is bnb.AdamW8bit
     assert issubclass(bnb.AdamW8bit, mo.AdamW8bit) and issubclass(bnb.Lion8bit, mo.Lion8bit)
     assert issubclass(bnb.optim.Adagrad8bit, mo.Adagrad8bit)
-    with pytest.raises(AttributeError, match="memfit has no AdEMAMix"):
-        bnb.AdEMAMix8bit  # noqa: B018
+    assert issubclass(bnb.AdEMAMix8bit, mo.AdEMAMix8bit) and issubclass(bnb.AdEMAMix32bit, mo.AdEMAMix)
     assert issubclass(bnb.LAMB8bit, mo.LAMB8bit) and issubclass(bnb.LARS32bit, mo.LARS8bit)
     assert issubclass(bnb.PytorchLARS, mo.LARS)
+    with pytest.raises(AttributeError, match="has no attribute 'PagedLAMB'"):
+        bnb.PagedLAMB  # noqa: B018 (bitsandbytes has none either)
 
 
 @pytest.mark.parametrize("name", SIGNATURES)
@@ -266,6 +276,11 @@ ERRORS = [
     ("LAMB", dict(percentile_clipping=5), "no percentile clipping"),
     ("LARS8bit", dict(lr=0.1, momentum=0.9, percentile_clipping=50), "no percentile clipping"),
     ("LARS", dict(lr=0.1, momentum=0.9, max_unorm=-1.0), "max_unorm"),
+    ("AdEMAMix8bit", dict(is_paged=True), "AdEMAMix8bit: memfit has no paged optimizers"),
+    ("AdEMAMix", dict(optim_bits=16), "AdEMAMix: optim_bits: expected 8 or 32"),
+    ("AdEMAMix", dict(betas="(0.9, 0.999)"), "AdEMAMix: betas: expected three numbers"),
+    ("AdEMAMix32bit", dict(t_alpha=0), "t_alpha: expected None or a positive int"),
+    ("AdEMAMix8bit", dict(betas=(0.9, 0.999)), "betas: expected three betas"),
 ]
 
 
@@ -343,6 +358,13 @@ SAME_STEP = {
     "LARS": (dict(lr=0.1, momentum=0.9, dampening=0.1), mo.LARS, dict(lr=0.1, momentum=0.9, dampening=0.1), None),
     "LARS32bit": (dict(lr=0.1, momentum=0.9, max_unorm=0.1), mo.LARS, dict(lr=0.1, momentum=0.9, max_unorm=0.1), None),
     "PytorchLARS": (dict(lr=0.1, momentum=0.9), mo.LARS, dict(lr=0.1, momentum=0.9, min_8bit_size=0), None),
+    "AdEMAMix8bit": (dict(lr=1e-2, t_alpha=2, t_beta3=2, min_8bit_size=100), mo.AdEMAMix8bit,
+                     dict(lr=1e-2, t_alpha=2, t_beta3=2, min_8bit_size=100), None),
+    "AdEMAMix": (dict(lr=1e-2, alpha=3.0, betas="(0.8, 0.99, 0.995)"), mo.AdEMAMix,
+                 dict(lr=1e-2, alpha=3.0, betas=(0.8, 0.99, 0.995)), None),
+    "AdEMAMix-8": (dict(lr=1e-2, optim_bits=8, weight_decay=0.1, min_8bit_size=100), mo.AdEMAMix8bit,
+                   dict(lr=1e-2, weight_decay=0.1, min_8bit_size=100), None),
+    "AdEMAMix32bit": (dict(lr=1e-2, t_beta3=2), mo.AdEMAMix, dict(lr=1e-2, t_beta3=2), None),
 }
 
 
@@ -364,7 +386,7 @@ def test_step_is_memfits_own_class_bit_for_bit(case):
     b = cls(params if bits is None else [{"params": params, "bits": bits}], **mkw)
     train(a, ma), train(b, mb)
     assert_same_training(a, ma, b, mb)
-    want = 8 if case.endswith("8bit") or case.endswith("-8") else 32
+    want = 8 if case.endswith(("8bit", "-8")) else 32
     assert a.state[ma[0].weight]["state1"].dtype == (torch.uint8 if want == 8 else torch.float32)
 
 

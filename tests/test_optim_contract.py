@@ -38,6 +38,7 @@ from torch.optim.swa_utils import SWALR, AveragedModel
 
 import memfit.optim as mo
 from memfit.optim import bnb, muon
+from test_optim_gradient_patterns import AdEMAMix64
 
 # torch's constructor flags that memfit accepts for a one-line swap (issue 30 §4), and the
 # group flags an older state dict may lack (torch's test_can_load_older_state_dict)
@@ -86,7 +87,7 @@ class Case:
 
 
 _LR = {"adamw": 1e-2, "adam": 1e-2, "lion": 1e-3, "sgd": 1e-2, "rmsprop": 1e-4, "adagrad": 1e-2,
-       "lamb": 1e-2, "lars": 1e-2, "muon": 1e-2}
+       "lamb": 1e-2, "lars": 1e-2, "muon": 1e-2, "ademamix": 1e-2}
 
 
 def _case(impl, family, cls, bits=32, tag="", **kw):
@@ -124,6 +125,8 @@ CASES = [
     _muon_case("memfit", mo.Muon, muon="mixed"),
     _case("memfit", "adagrad", mo.Adagrad8bit, 8),
     _case("memfit", "adagrad", mo.Adagrad, tag="-decay", lr_decay=0.1, initial_accumulator_value=0.5),
+    _case("memfit", "ademamix", mo.AdEMAMix8bit, 8, t_alpha=3, t_beta3=4),
+    _case("memfit", "ademamix", mo.AdEMAMix),
     # bitsandbytes' signatures on the same optimizers (no maximize/fused keywords)
     _case("memfit", "adamw", bnb.AdamW8bit, 8),
     _case("memfit", "lion", bnb.Lion8bit, 8),
@@ -313,6 +316,12 @@ _RANGE_ERRORS = {
         (dict(momentum=-0.5), ValueError, "Invalid momentum value: -0.5", "momentum"),
         (dict(momentum=0.9, dampening=0.5, nesterov=True), ValueError,
          "Nesterov momentum requires a momentum and zero dampening", "nesterov"),
+    ],
+    "ademamix": [  # no torch counterpart: memfit's own ranges
+        (dict(betas=(1.0, 0.9, 0.99)), ValueError, None, "betas"),
+        (dict(betas=(0.9, 0.99)), ValueError, None, "betas"),
+        (dict(alpha=-1.0), ValueError, None, "alpha"),
+        (dict(t_beta3=0), ValueError, None, "t_beta3"),
     ],
     "rmsprop": [
         (dict(momentum=-1.0), ValueError, "Invalid momentum value: -1.0", "momentum"),
@@ -551,6 +560,20 @@ def test_matches_float64_reference(case):
             _assert_bits_equal([params[0].detach()], [sparams[0].detach()], "weight")
 
 
+class _AdEMAMixReference:
+    """AdEMAMix in float64, a parameter at a time (test_optim_gradient_patterns.AdEMAMix64)."""
+
+    def __init__(self, params, lr, weight_decay=0.01, betas=(0.9, 0.999, 0.9999), alpha=5.0,
+                 t_alpha=None, t_beta3=None, eps=1e-8):
+        hp = dict(lr=lr, betas=betas, alpha=alpha, t_alpha=t_alpha, t_beta3=t_beta3, eps=eps,
+                  wd=weight_decay)
+        self.each = [AdEMAMix64([p], **hp) for p in params]
+
+    def step(self):
+        for opt in self.each:
+            opt.step()
+
+
 class _LionReference(torch.optim.Optimizer):
     """Lion as published (Chen et al. 2023), for float64 comparisons."""
 
@@ -608,18 +631,19 @@ class _LarsReference(_TrustReference):
     lamb = False
 
 
-_REFERENCE = {"lion": _LionReference, "lamb": _TrustReference, "lars": _LarsReference}
+_REFERENCE = {"lion": _LionReference, "lamb": _TrustReference, "lars": _LarsReference,
+              "ademamix": _AdEMAMixReference}
 
 _TORCH_CLASS = {"adamw": torch.optim.AdamW, "adam": torch.optim.Adam, "sgd": torch.optim.SGD,
                 "rmsprop": torch.optim.RMSprop, "adagrad": torch.optim.Adagrad}
 
 
 def _reference(case, params, **kw):
-    """The case's math as torch's optimizer (Lion, LAMB, LARS: _REFERENCE) over ``params``. Muon:
-    torch.optim.Muon for the matrices, torch.optim.AdamW with memfit's defaults of a
+    """The case's math as torch's optimizer (Lion, LAMB, LARS, AdEMAMix: _REFERENCE) over
+    ``params``. Muon: torch.optim.Muon for the matrices, torch.optim.AdamW with memfit's defaults of a
     use_muon=False group (lr and weight_decay: Muon's) for the rest."""
     kw = dict(case.kwargs, **kw)
-    if case.family in _REFERENCE:  # Lion, LAMB, LARS: torch has none
+    if case.family in _REFERENCE:  # Lion, LAMB, LARS, AdEMAMix: torch has none
         return _REFERENCE[case.family](params, **kw)
     if case.family != "muon":
         return _TORCH_CLASS[case.family](params, **kw)

@@ -687,6 +687,10 @@ BNB_HYPER = {  # memfit kind -> (bitsandbytes' group, what memfit's group takes 
     _core.ADAGRAD: (dict(lr=2e-2, betas=(0.0, 0.0), eps=1e-10, weight_decay=0.01),
                     dict(lr=2e-2, eps=1e-10, weight_decay=0.01, lr_decay=0.0,
                          initial_accumulator_value=0.0)),
+    _core.ADEMAMIX: (dict(lr=2e-3, betas=(0.8, 0.99, 0.995), eps=1e-7, weight_decay=0.02,
+                          alpha=4.0, t_alpha=6, t_beta3=5),
+                     dict(lr=2e-3, betas=(0.8, 0.99, 0.995), eps=1e-7, weight_decay=0.02,
+                          alpha=4.0, t_alpha=6, t_beta3=5)),
 }
 BNB_WRAPPED = "__bnb_optimizer_quant_state__"
 
@@ -701,9 +705,11 @@ def bnb_state_dict(source, group=None, opt_bits=8, min_8bit_size=500):
     unsigned dynamic maps: memfit's 8-bit codes, which are bitsandbytes' map to within
     an ulp; the converter reads the dict's own); all but 'step' nested under
     __bnb_optimizer_quant_state__ (hidden from FSDP); param groups {lr, betas, eps,
-    weight_decay} (and Adam's AdEMAMix keys), from BNB_HYPER or ``group``."""
+    weight_decay} (and Adam's AdEMAMix keys), from BNB_HYPER or ``group``. AdEMAMix's
+    'state1' stacks exp_avg and exp_avg_slow, (2, *shape), with 'absmax1' (2, blocks)."""
     kind = source._kind
-    names = _core.STATE_NAMES[kind][:2 if kind in (_core.ADAMW, _core.ADAM) else 1]
+    names = _core.STATE_NAMES[kind][:2 if kind in (_core.ADAMW, _core.ADAM, _core.ADEMAMIX) else 1]
+    stacked = kind == _core.ADEMAMIX
     signed = _core.state_layout(kind, 8, 256, 0, 0.5)["signed"]
     state, ids = {}, []
     params = [p for g in source.param_groups for p in g["params"]]
@@ -715,11 +721,15 @@ def bnb_state_dict(source, group=None, opt_bits=8, min_8bit_size=500):
         inner = {}
         for k, nm in enumerate(names, start=1):
             x = floats[nm].contiguous()
+            halves = 2 if stacked and k == 1 else 1
+            if halves == 2:
+                x = torch.stack([x, floats["exp_avg_slow"]])
             if opt_bits == 8 and p.numel() >= min_8bit_size:
                 code = torch.as_tensor(_core.code_table(8, signed[k - 1]))
-                codes, absmax = _blocks.quantize_state(x, 8, code, 256, 1,
+                codes, absmax = _blocks.quantize_state(x, 8, code, 256, halves,
                                                        keep_positive=not signed[k - 1])
-                inner.update({f"state{k}": codes, f"absmax{k}": absmax.reshape(-1),
+                absmax = absmax.reshape(halves, -1) if halves == 2 else absmax.reshape(-1)
+                inner.update({f"state{k}": codes, f"absmax{k}": absmax,
                               f"qmap{k}": code.clone()})
             else:
                 inner[f"state{k}"] = x
@@ -735,8 +745,13 @@ def bnb_floats(saved, k):
     s = inner[f"state{k}"]
     if s.dtype != torch.uint8:
         return s
+    absmax = inner[f"absmax{k}"]
+    if absmax.dim() == 2:  # AdEMAMix's stacked state1: each half its own blocks
+        return torch.stack([bnb_floats({BNB_WRAPPED: {f"state{k}": s[h], f"absmax{k}": absmax[h],
+                                                      f"qmap{k}": inner[f"qmap{k}"]}}, k)
+                            for h in range(2)])
     flat = inner[f"qmap{k}"][s.reshape(-1).long()]
-    flat = flat * inner[f"absmax{k}"].repeat_interleave(256)[:flat.numel()]
+    flat = flat * absmax.repeat_interleave(256)[:flat.numel()]
     return flat.reshape(s.shape)
 
 
@@ -851,7 +866,8 @@ def test_bitsandbytes_refusals_name_the_parameter_and_bitsandbytes():
                                                   "or Adagrad.*AdamW8bit keeps exp_avg, exp_avg_sq") as e:
         opt.load_state_dict(one_state)
     assert "torch.optim" not in str(e.value)
-    assert_refused(lion, good, r"two states per parameter \(state1, state2: bitsandbytes' Adam or AdamW\)")
+    assert_refused(lion, good, r"two states per parameter \(state1, state2: bitsandbytes' Adam, AdamW "
+                               r"or AdEMAMix\)")
     adam = mo.Adam8bit(m.parameters(), min_8bit_size=500)
     train(m, adam, 1)
     assert_refused(adam, good, r"param_groups\[0\] was saved by a bitsandbytes Adam or AdamW \(both "
@@ -859,8 +875,78 @@ def test_bitsandbytes_refusals_name_the_parameter_and_bitsandbytes():
                                r"L2.*load it into memfit.optim.AdamW8bit instead")
     mo.Adam8bit(model().parameters(), min_8bit_size=500).load_state_dict(
         bnb_state_dict(opt, {"weight_decay": 0.0}))  # without decay the math is the same
-    assert_refused(opt, bnb_state_dict(opt, {"alpha": 5.0}), "AdEMAMix")
-    assert_refused(opt, bnb_state_dict(opt, {"betas": (0.9, 0.99, 0.999)}), "AdEMAMix")
+    assert_refused(opt, bnb_state_dict(opt, {"alpha": 5.0}),
+                   "AdEMAMix.*load it into memfit.optim.AdEMAMix8bit or AdEMAMix")
+    assert_refused(opt, bnb_state_dict(opt, {"betas": (0.9, 0.99, 0.999)}),
+                   "three betas: bitsandbytes' AdEMAMix; load it into memfit.optim.AdEMAMix8bit")
+
+
+AD_KW = dict(betas=(0.8, 0.99, 0.995), alpha=4.0, t_alpha=6, t_beta3=5, lr=2e-3, eps=1e-7,
+             weight_decay=0.02)
+
+
+@pytest.mark.parametrize("cls", [mo.AdEMAMix8bit, mo.AdEMAMix])
+def test_ademamix_to_torch_state_dict_and_back(cls):
+    """torch has no AdEMAMix: to_torch_state_dict gives the three dequantized float32
+    states under memfit's names, the step and bitsandbytes' group keys, and memfit's
+    AdEMAMix classes load it back (mid-schedule): quantize_state of those floats, and for
+    32-bit states a continuation bit-identical to the source's."""
+    m, opt = trained(cls, 3, **AD_KW)
+    sd = mo.to_torch_state_dict(opt)
+    g = sd["param_groups"][0]
+    assert {k: (tuple(v) if k == "betas" else v) for k, v in g.items() if k != "params"} == \
+        {**AD_KW, "maximize": False}
+    for pid, p in enumerate(m.parameters()):
+        st, deq = sd["state"][pid], mo.dequantized_state(opt, p)
+        assert set(st) == {"step", "exp_avg", "exp_avg_sq", "exp_avg_slow"}
+        assert all(st[k].dtype == torch.float32 and torch.equal(st[k], deq[k]) for k in deq)
+        assert st["step"].item() == 3
+    m2 = clone_model(m)
+    opt2 = cls(m2.parameters(), min_8bit_size=500)
+    opt2.load_state_dict(sd)
+    assert {k: opt2.param_groups[0][k] for k in ("alpha", "t_alpha", "t_beta3", "lr")} == \
+        {k: AD_KW[k] for k in ("alpha", "t_alpha", "t_beta3", "lr")}
+    quantized = sum(assert_quantized_from(opt2, q, sd["state"][pid])
+                    for pid, q in enumerate(m2.parameters()))
+    assert quantized == (6 if cls is mo.AdEMAMix8bit else 0)  # three states of two weights
+    train(m, opt, 3, seed=2)
+    train(m2, opt2, 3, seed=2)
+    for p, q in zip(m.parameters(), m2.parameters()):
+        assert torch.equal(p, q) if cls is mo.AdEMAMix else torch.isfinite(q).all()
+    # a to_torch_state_dict without the step cannot resume the bias correction
+    sd["state"][0].pop("step")
+    assert_refused(opt2, sd, f"{W0}: has no state 'step'")
+
+
+@pytest.mark.parametrize("bits", [8, 32])
+def test_bitsandbytes_ademamix_state_dict_loads(bits):
+    """bitsandbytes' AdEMAMix dict (state1: exp_avg and exp_avg_slow stacked, absmax1 one
+    row per half) loads into AdEMAMix8bit with its hyperparameters; 32-bit states cross
+    bit for bit. An Adam dict does not load into AdEMAMix8bit, nor this one into AdamW8bit."""
+    _, source = trained(mo.AdEMAMix8bit, 2, **AD_KW)
+    sd = bnb_state_dict(source, opt_bits=bits)
+    assert tuple(sd["state"][0][BNB_WRAPPED]["state1"].shape) == (2, 96, 64)
+    m = model()
+    opt = mo.AdEMAMix8bit(m.parameters(), min_8bit_size=500)
+    opt.load_state_dict(sd)
+    g = opt.param_groups[0]
+    want = BNB_HYPER[_core.ADEMAMIX][1]
+    assert {k: (tuple(g[k]) if k == "betas" else g[k]) for k in want} == want
+    for pid, p in enumerate(m.parameters()):
+        s1 = bnb_floats(sd["state"][pid], 1)
+        floats = {"exp_avg": s1[0], "exp_avg_slow": s1[1],
+                  "exp_avg_sq": bnb_floats(sd["state"][pid], 2)}
+        assert opt.state[p]["step"].item() == 2
+        assert assert_quantized_from(opt, p, floats) == (3 if p.dim() == 2 else 0)
+    train(m, opt, 1, seed=2)
+    assert all(torch.isfinite(p).all() for p in m.parameters())
+    _, adamw = trained(mo.AdamW8bit)
+    assert_refused(opt, bnb_state_dict(adamw), r"not three betas.*two betas: bitsandbytes' Adam or AdamW")
+    assert_refused(adamw, sd, "three betas: bitsandbytes' AdEMAMix; load it into memfit.optim.AdEMAMix8bit")
+    bad = {**sd, "state": {**sd["state"], 0: {**sd["state"][0], BNB_WRAPPED: {
+        **sd["state"][0][BNB_WRAPPED], "state1": sd["state"][0][BNB_WRAPPED]["state1"][0]}}}}
+    assert_refused(opt, bad, rf"{W0}: state1 of bitsandbytes' AdEMAMix \(exp_avg and exp_avg_slow "
+                             r"stacked\) has shape \(96, 64\), expected \(2, 96, 64\)")
 
 
 def test_memfit_state_dicts_are_taken_by_the_math_not_the_class_name():

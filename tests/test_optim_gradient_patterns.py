@@ -1,5 +1,6 @@
 """The gradient patterns real training produces, for every memfit optimizer and state
-width, against torch's fp32 optimizer (Lion: float64 lines below) on the same gradients.
+width, against torch's fp32 optimizer (Lion, AdEMAMix: float64 references below) on the
+same gradients.
 
 Patterns (20 steps each): rows that are zero for a while and come back, whole
 quantization blocks of zeros, dead units (columns always zero, ReLU columns zero most
@@ -36,6 +37,7 @@ import torch
 
 import memfit.optim as mo
 from memfit.optim import _core
+from test_optim_ademamix import reference as ademamix_reference
 
 STEPS = 20
 ROWS, COLS = 64, 256
@@ -55,7 +57,7 @@ def radii(bits, kind):
     if bits == 32:
         return FP32_RADIUS, FP32_RADIUS
     layout = _core.state_layout(kind, bits, 256 if bits == 8 else 128, 0, 0.9 if kind == _core.SGD else 0.0)
-    ns = layout["num_states"]
+    ns = min(layout["num_states"], 2)  # AdEMAMix's third state (m2) has state1's signed code: r1
     return tuple(code_radius(_core.code_table(bits, s), s) for s in layout["signed"][:ns]) + (0.0,) * (2 - ns)
 
 
@@ -189,6 +191,26 @@ class _Trust64:
             self.p.copy_(self.w.float())
 
 
+class AdEMAMix64:
+    """AdEMAMix in float64 (test_optim_ademamix.reference, rerun over the gradients so
+    far at each step): the reference for AdEMAMix8bit and AdEMAMix."""
+
+    def __init__(self, params, **hp):
+        (self.p,) = params
+        self.hp, self.grads = hp, []
+        self.p0 = self.p.detach().numpy().copy()
+
+    def step(self):
+        self.grads.append(self.p.grad.numpy().copy())
+        with torch.no_grad():
+            self.p.copy_(torch.from_numpy(ademamix_reference(self.p0, self.grads, **self.hp)))
+
+
+# both schedulers on, saturating within the 20 steps
+ADEMAMIX_HP = dict(lr=1e-3, betas=(0.9, 0.999, 0.9999), alpha=5.0, t_alpha=10, t_beta3=10, eps=1e-8,
+                   wd=0.01)
+_AD_KW = {("weight_decay" if k == "wd" else k): v for k, v in ADEMAMIX_HP.items()}
+
 # name -> (memfit, reference, bits, kind)
 OPTIMIZERS = {
     "AdamW8bit": (lambda p: mo.AdamW8bit(p, lr=1e-3, min_8bit_size=0),
@@ -217,6 +239,10 @@ OPTIMIZERS = {
                  lambda p: _Trust64(p, 1e-2, 0.02, False, weight_decay=1e-3), 8, _core.SGD),
     "LARS": (lambda p: mo.LARS(p, lr=1e-2, momentum=0.9, weight_decay=1e-3),
              lambda p: _Trust64(p, 1e-2, 0.02, False, weight_decay=1e-3), 32, _core.SGD),
+    "AdEMAMix8bit": (lambda p: mo.AdEMAMix8bit(p, min_8bit_size=0, **_AD_KW),
+                     lambda p: AdEMAMix64(p, **ADEMAMIX_HP), 8, _core.ADEMAMIX),
+    # (AdEMAMix, 32-bit, is not here: its float32 parameter's rounding each step is beyond
+    # the float32 radius against a float64 reference; test_optim_ademamix bounds it)
 }
 
 

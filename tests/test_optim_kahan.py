@@ -20,12 +20,14 @@ import memfit.optim as mo  # noqa: E402
 from memfit.optim import functional as F  # noqa: E402
 
 ALL = [mo.AdamW8bit, mo.Adam8bit, mo.Lion8bit, mo.SGD8bit, mo.RMSprop8bit, mo.AdamW4bit,
-       mo.AdamW, mo.Adam, mo.Adagrad8bit, mo.Adagrad, mo.LAMB8bit, mo.LAMB, mo.LARS8bit, mo.LARS]
+       mo.AdamW, mo.Adam, mo.Adagrad8bit, mo.Adagrad, mo.LAMB8bit, mo.LAMB, mo.LARS8bit, mo.LARS,
+       mo.AdEMAMix8bit, mo.AdEMAMix]
 HALF = [torch.bfloat16, torch.float16]
 KIND = {mo.AdamW8bit: "adamw", mo.Adam8bit: "adam", mo.Lion8bit: "lion", mo.SGD8bit: "sgd",
         mo.RMSprop8bit: "rmsprop", mo.AdamW4bit: "adamw", mo.AdamW: "adamw", mo.Adam: "adam",
         mo.Adagrad8bit: "adagrad", mo.Adagrad: "adagrad",
-        mo.LAMB8bit: "adamw", mo.LAMB: "adamw", mo.LARS8bit: "sgd", mo.LARS: "sgd"}
+        mo.LAMB8bit: "adamw", mo.LAMB: "adamw", mo.LARS8bit: "sgd", mo.LARS: "sgd",
+        mo.AdEMAMix8bit: "ademamix", mo.AdEMAMix: "ademamix"}
 
 
 def make(cls, params, **kw):
@@ -81,6 +83,13 @@ def _update(kind, group, x, g, st, t):
         denom = np.sqrt(v) / np.sqrt(1 - b2**t) + group["eps"]
         decay = 1 - lr * wd if kind == "adamw" else 1.0
         return x * decay - lr / (1 - b1**t) * m / denom
+    if kind == "ademamix":  # no schedulers (t_alpha, t_beta3 None): tests/test_optim_ademamix.py has them
+        b1, b2, b3 = group["betas"]
+        m1 = b1 * st["exp_avg"] + (1 - b1) * g
+        m2 = b3 * st["exp_avg_slow"] + (1 - b3) * g
+        v = b2 * st["exp_avg_sq"] + (1 - b2) * g * g
+        denom = np.sqrt(v) / np.sqrt(1 - b2**t) + group["eps"]
+        return x * (1 - lr * wd) - lr * (m1 / (1 - b1**t) + group["alpha"] * m2) / denom
     if kind == "lion":
         b1, _ = group["betas"]
         return x * (1 - lr * wd) - lr * np.sign(b1 * st["exp_avg"] + (1 - b1) * g)
@@ -132,7 +141,7 @@ def test_one_step_matches_float64_reference(cls, dtype):
         else:
             x, t = p.detach().double().numpy(), 1
             st = {"exp_avg": 0.0, "exp_avg_sq": 0.0, "momentum_buffer": 0.0, "square_avg": 0.0,
-                  "sum": group.get("initial_accumulator_value", 0.0)}
+                  "sum": group.get("initial_accumulator_value", 0.0), "exp_avg_slow": 0.0}
         x_ref = ref_update(kind, group, x, g.double().numpy(), st, t)
         p.grad = g
         opt.step()

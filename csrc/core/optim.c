@@ -83,7 +83,7 @@ MF_INLINE void block_step_impl(const mf_optim_hparams *h, const mf_optim_consts 
                                const mf_optim_tensor *t, int64_t first, int64_t n,
                                thread_bufs *b, const int isa) {
   const mf_dtype dt = t->param.dtype;
-  float *p, *g, *s[2];
+  float *p, *g, *s[3];
   if (dt == MF_FLOAT32) {
     p = (float *)t->param.data + first;
     g = (float *)t->grad.data + first;
@@ -93,12 +93,12 @@ MF_INLINE void block_step_impl(const mf_optim_hparams *h, const mf_optim_consts 
     load_params(t, first, n, p);
     widen(t->grad.data, dt, first, n, g);
   }
-  const mf_tensor *st[2] = {&t->state1, &t->state2};
-  const mf_tensor *am[2] = {&t->absmax1, &t->absmax2};
+  const mf_tensor *st[3] = {&t->state1, &t->state2, &t->state3};
+  const mf_tensor *am[3] = {&t->absmax1, &t->absmax2, &t->absmax3};
   /* the chunk [first, first + n) holds whole quantization blocks (but the last) */
   const int64_t blk0 = fmt == MF_STATE_FP32 ? 0 : first / bs;
   const int64_t nsub = fmt == MF_STATE_FP32 ? 0 : (n + bs - 1) / bs;
-  for (int k = 0; k < 2; k++) {
+  for (int k = 0; k < 3; k++) {
     if (k >= ns) {
       s[k] = b->zero;
       continue;
@@ -120,11 +120,15 @@ MF_INLINE void block_step_impl(const mf_optim_hparams *h, const mf_optim_consts 
       }
     }
   }
+  if (h->kind == MF_OPT_ADEMAMIX) {
+    update_ademamix(c, n, p, g, s[0], s[1], s[2]);
+  } else {
 #ifdef MF_X86_SIMD
-  if (isa == ISA_AVX2) update_avx2(h->kind, c, ns, n, p, g, s[0], s[1]);
-  else
+    if (isa == ISA_AVX2) update_avx2(h->kind, c, ns, n, p, g, s[0], s[1]);
+    else
 #endif
-    update_any(h->kind, c, ns, n, p, g, s[0], s[1]);
+      update_any(h->kind, c, ns, n, p, g, s[0], s[1]);
+  }
   if (dt != MF_FLOAT32) store_params(h, t, p, first, n);
   for (int k = 0; k < ns && fmt != MF_STATE_FP32; k++) {
     float *absmax = (float *)am[k]->data + blk0;
@@ -198,8 +202,9 @@ static block_fn pick_block_fn(void) {
 #ifdef MF_X86_SIMD
 static fused_fn pick_fused(const mf_optim_hparams *h, mf_state_format fmt, int ns, int64_t bs,
                            const quant_ctx *qc) {
-  const int kind_ok = fmt == MF_STATE_8BIT ||
-                      (fmt == MF_STATE_4BIT && (h->kind == MF_OPT_ADAMW || h->kind == MF_OPT_ADAM));
+  /* (it keeps at most two states: AdEMAMix's three take the block kernel) */
+  const int kind_ok = ns <= 2 && (fmt == MF_STATE_8BIT ||
+                      (fmt == MF_STATE_4BIT && (h->kind == MF_OPT_ADAMW || h->kind == MF_OPT_ADAM)));
   /* the fused search has no binary-search fallback: tables with slow buckets (codes
    * closer than 1/128 of a binade; none of memfit's own) take the block kernel */
   if (!kind_ok || ns < 1 || bs % 64 != 0 || !qc->lut[0] || qc->lut[0]->has_slow ||
@@ -244,8 +249,10 @@ static mf_optim_tensor row_view(const mf_optim_tensor *t, mf_state_format fmt, i
   if (t->comp.data) v.comp.data = (char *)t->comp.data + at.elem * esize;
   if (t->state1.data) v.state1.data = (uint8_t *)t->state1.data + code;
   if (t->state2.data) v.state2.data = (uint8_t *)t->state2.data + code;
+  if (t->state3.data) v.state3.data = (uint8_t *)t->state3.data + code;
   if (t->absmax1.data) v.absmax1.data = (float *)t->absmax1.data + at.block;
   if (t->absmax2.data) v.absmax2.data = (float *)t->absmax2.data + at.block;
+  if (t->absmax3.data) v.absmax3.data = (float *)t->absmax3.data + at.block;
   v.param.numel = v.grad.numel = row_len;
   v.rows = 1;
   v.index_base = t->index_base + at.elem;
@@ -259,10 +266,10 @@ mf_status mf_optim_step_cpu(const mf_optim_hparams *h, mf_state_format fmt, int6
   if (found_inf && *(const float *)found_inf->data != 0.0f) return MF_OK; /* skipped step */
   const float inv_scale = grad_scale ? 1.0f / *(const float *)grad_scale->data : 1.0f;
   const int ns = mf_optim_num_states(h);
-  quant_ctx qc = {{NULL, NULL}, {NULL, NULL}, {0, 0},
+  quant_ctx qc = {{NULL, NULL, NULL}, {NULL, NULL, NULL}, {0, 0, 0},
                   fmt == MF_STATE_4BIT ? MF_CODE4_SIZE : MF_CODE_SIZE, 0};
   if (fmt != MF_STATE_FP32) {
-    const mf_tensor *codes[2] = {code1, code2};
+    const mf_tensor *codes[3] = {code1, code2, code1}; /* state3 is signed: code1 */
     for (int k = 0; k < ns; k++) {
       qc.code[k] = (const float *)codes[k]->data;
       qc.keep_positive[k] = !mf_optim_state_signed(h->kind, k + 1);
@@ -307,7 +314,7 @@ mf_status mf_optim_step_cpu(const mf_optim_hparams *h, mf_state_format fmt, int6
     /* Every region is written before it is read, but for `zero` (the missing second
      * state of one-state kinds, which the update rewrites with its own zeros): zero only
      * that, not the whole ~330 KB a calloc would clear on every call. */
-    float *mem = (float *)malloc((size_t)(5 * chunk + 4 * bs) * sizeof(float));
+    float *mem = (float *)malloc((size_t)((ns > 2 ? 6 : 5) * chunk + 4 * bs) * sizeof(float));
     if (mem) memset(mem + 4 * chunk, 0, (size_t)chunk * sizeof(float));
     uint8_t *qmem = (uint8_t *)malloc((size_t)chunk);
     if (!mem || !qmem) {
@@ -320,6 +327,7 @@ mf_status mf_optim_step_cpu(const mf_optim_hparams *h, mf_state_format fmt, int6
     b.s[1] = mem ? mem + 3 * chunk : NULL;
     b.zero = mem ? mem + 4 * chunk : NULL;
     b.ring = mem ? mem + 5 * chunk : NULL;
+    b.s[2] = mem && ns > 2 ? mem + 5 * chunk + 4 * bs : NULL;
     b.q = qmem;
     b.fused_ready = 0;
     int64_t cur = -1; /* the tensor whose constants c holds */

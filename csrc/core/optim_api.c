@@ -4,6 +4,7 @@
  * one (cuda/optim.cu). Every check runs here once per call, before either step reads
  * anything, so a bad argument leaves every tensor as it was.
  */
+#include <math.h>
 #include <stdio.h>
 
 #include "optim_cpu.h"
@@ -19,6 +20,7 @@ static mf_optim_layout layout_of(const mf_optim_hparams *h, mf_state_format fmt,
   l.num_states = mf_optim_num_states(h);
   l.is_signed[0] = mf_optim_state_signed(h->kind, 1);
   l.is_signed[1] = mf_optim_state_signed(h->kind, 2);
+  l.is_signed[2] = mf_optim_state_signed(h->kind, 3);
   l.state_dtype = fmt == MF_STATE_FP32 ? MF_FLOAT32 : MF_UINT8;
   l.rows = rows;
   l.state_row_numel = fmt == MF_STATE_4BIT ? (row_len + 1) / 2 : row_len;
@@ -41,11 +43,26 @@ static mf_status check_format(mf_state_format fmt, int64_t bs) {
   return MF_OK;
 }
 
+/* The kind's name, or NULL for a number that is no kind. */
+static const char *kind_name(mf_optim_kind k) {
+  switch (k) {
+    case MF_OPT_ADAMW: return "AdamW";
+    case MF_OPT_ADAM: return "Adam";
+    case MF_OPT_LION: return "Lion";
+    case MF_OPT_SGD: return "SGD";
+    case MF_OPT_RMSPROP: return "RMSprop";
+    case MF_OPT_MUON: return "Muon";
+    case MF_OPT_ADAGRAD: return "Adagrad";
+    case MF_OPT_ADEMAMIX: return "AdEMAMix";
+  }
+  return NULL;
+}
+
 mf_status mf_optim_state_layout(const mf_optim_hparams *h, mf_state_format fmt,
                                 int64_t block_size, int64_t n, int64_t rows,
                                 mf_optim_layout *out) {
   mf_status st;
-  if (h->kind < MF_OPT_ADAMW || h->kind > MF_OPT_LAST)
+  if (!kind_name(h->kind))
     return mf_error(MF_ERR_VALUE, "kind: unknown optimizer %d", (int)h->kind);
   if ((st = check_format(fmt, block_size))) return st;
   if (n < 0) return mf_error(MF_ERR_VALUE, "numel: must be >= 0, got %lld", (long long)n);
@@ -57,23 +74,10 @@ mf_status mf_optim_state_layout(const mf_optim_hparams *h, mf_state_format fmt,
   return MF_OK;
 }
 
-static const char *kind_name(mf_optim_kind k) {
-  switch (k) {
-    case MF_OPT_ADAMW: return "AdamW";
-    case MF_OPT_ADAM: return "Adam";
-    case MF_OPT_LION: return "Lion";
-    case MF_OPT_SGD: return "SGD";
-    case MF_OPT_RMSPROP: return "RMSprop";
-    case MF_OPT_MUON: return "Muon";
-    case MF_OPT_ADAGRAD: return "Adagrad";
-  }
-  return "unknown";
-}
-
 static int bad_num(double x) { return !(x == x) || x > 1e300 || x < -1e300; }
 
 mf_status mf_optim_check_hparams(const mf_optim_hparams *h) {
-  if (h->kind < MF_OPT_ADAMW || h->kind > MF_OPT_LAST)
+  if (!kind_name(h->kind))
     return mf_error(MF_ERR_VALUE, "kind: unknown optimizer %d", (int)h->kind);
   const char *k = kind_name(h->kind);
   if (bad_num(h->lr) || h->lr < 0.0)
@@ -117,6 +121,29 @@ mf_status mf_optim_check_hparams(const mf_optim_hparams *h) {
       if (bad_num(h->momentum) || h->momentum < 0.0)
         return mf_error(MF_ERR_VALUE, "momentum: invalid value %g (must be >= 0)", h->momentum);
       break;
+    case MF_OPT_ADEMAMIX: {
+      const double b[3] = {h->beta1, h->beta2, h->beta3};
+      for (int i = 0; i < 3; i++)
+        if (bad_num(b[i]) || b[i] < 0.0 || b[i] >= 1.0)
+          return mf_error(MF_ERR_VALUE, "betas: invalid beta parameter at index %d: %g (must be "
+                          "in [0, 1))", i, b[i]);
+      if (bad_num(h->eps) || h->eps < 0.0)
+        return mf_error(MF_ERR_VALUE, "eps: invalid epsilon value %g (must be >= 0)", h->eps);
+      if (bad_num(h->alpha) || h->alpha < 0.0)
+        return mf_error(MF_ERR_VALUE, "alpha: invalid value %g for AdEMAMix (must be >= 0)",
+                        h->alpha);
+      if (bad_num(h->t_alpha) || h->t_alpha < 0.0)
+        return mf_error(MF_ERR_VALUE, "t_alpha: invalid value %g (must be > 0, or 0 for no "
+                        "scheduler)", h->t_alpha);
+      if (bad_num(h->t_beta3) || h->t_beta3 < 0.0)
+        return mf_error(MF_ERR_VALUE, "t_beta3: invalid value %g (must be > 0, or 0 for no "
+                        "scheduler)", h->t_beta3);
+      /* the beta3 scheduler takes their logarithms */
+      if (h->t_beta3 > 0.0 && (h->beta1 <= 0.0 || h->beta3 <= 0.0))
+        return mf_error(MF_ERR_VALUE, "betas: the beta3 scheduler (t_beta3) needs beta1 > 0 and "
+                        "beta3 > 0, got %g and %g", h->beta1, h->beta3);
+      break;
+    }
     case MF_OPT_MUON: /* torch.optim.Muon's check */
       if (bad_num(h->momentum) || h->momentum < 0.0)
         return mf_error(MF_ERR_VALUE, "momentum: invalid value %g for Muon (must be >= 0)",
@@ -246,8 +273,10 @@ static mf_status check_call(const mf_optim_hparams *h, mf_state_format fmt, int6
                         "values: its data must be 8-byte aligned", (long long)i);
     }
     const mf_optim_layout L = layout_of(h, fmt, bs, pn, rows);
-    const mf_tensor *states[2][2] = {{&t->state1, &t->absmax1}, {&t->state2, &t->absmax2}};
-    static const char *const names[2][2] = {{"state1", "absmax1"}, {"state2", "absmax2"}};
+    const mf_tensor *states[3][2] = {
+        {&t->state1, &t->absmax1}, {&t->state2, &t->absmax2}, {&t->state3, &t->absmax3}};
+    static const char *const names[3][2] = {
+        {"state1", "absmax1"}, {"state2", "absmax2"}, {"state3", "absmax3"}};
     for (int k = 0; k < L.num_states; k++) {
       if ((st = check_one(states[k][0], names[k][0], i, L.state_dtype, L.state_numel, dev)))
         return st;
@@ -267,6 +296,12 @@ mf_status mf_optim_step(const mf_optim_hparams *h, mf_state_format fmt, int64_t 
                         const mf_tensor *found_inf, void *stream) {
   mf_status st = check_call(h, fmt, block_size, code1, code2, tensors, n, grad_scale, found_inf);
   if (st || n == 0) return st;
+  /* AdEMAMix's beta3 scheduler needs ln(beta1), ln(beta3) on the device: computed once
+   * here, by the host's libm, for the CPU and the CUDA step alike */
+  mf_optim_hparams hl = *h;
+  hl.ln_beta1 = h->kind == MF_OPT_ADEMAMIX && h->beta1 > 0.0 ? log(h->beta1) : 0.0;
+  hl.ln_beta3 = h->kind == MF_OPT_ADEMAMIX && h->beta3 > 0.0 ? log(h->beta3) : 0.0;
+  h = &hl;
   if (tensors[0].param.device == MF_CUDA) {
 #ifdef MEMFIT_WITH_CUDA
     return mf_cuda_optim_step(h, fmt, block_size, code1, code2, tensors, n, grad_scale,

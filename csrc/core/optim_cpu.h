@@ -29,9 +29,9 @@ mf_status mf_optim_trust_cpu(const mf_optim_hparams *h, mf_state_format fmt, int
                              const mf_optim_tensor *tensors, int64_t n, float inv_scale);
 
 typedef struct {
-  const float *code[2];        /* code tables of state1, state2 */
-  const mf_code_lut *lut[2];   /* their search tables (NULL: binary search) */
-  int keep_positive[2];        /* the state is non-negative (mf_optim_quantize) */
+  const float *code[3];        /* code tables of state1, state2, state3 */
+  const mf_code_lut *lut[3];   /* their search tables (NULL: binary search) */
+  int keep_positive[3];        /* the state is non-negative (mf_optim_quantize) */
   int code_size;               /* 256 or 16 */
   int search;                  /* the fused kernels' code search on this CPU: flags below */
 } quant_ctx;
@@ -44,11 +44,12 @@ typedef struct {
 #define SEARCH_FAST 1
 #define SEARCH_TREE4 2
 
-/* Per-thread scratch, `chunk` floats each (ring: 4 quantization blocks), and the
+/* Per-thread scratch, `chunk` floats each (ring: 4 quantization blocks; s[2] only for
+ * three-state kinds), and the
  * fused kernel's byte-plane code tables (built on its first item of a step call;
  * fused_ready = 0 before). */
 typedef struct {
-  float *p, *g, *s[2], *zero, *ring;
+  float *p, *g, *s[3], *zero, *ring;
   uint8_t *q;
   int fused_ready;
   _Alignas(64) unsigned char fused_tables[2][1088];
@@ -77,7 +78,16 @@ MF_INLINE void update_any(mf_optim_kind kind, const mf_optim_consts *c, int ns, 
     case MF_OPT_RMSPROP: update_loop(MF_OPT_RMSPROP, c, ns, n, p, g, s1, s2); break;
     case MF_OPT_MUON: update_loop(MF_OPT_MUON, c, ns, n, p, g, s1, s2); break;
     case MF_OPT_ADAGRAD: update_loop(MF_OPT_ADAGRAD, c, ns, n, p, g, s1, s2); break;
+    case MF_OPT_ADEMAMIX: break; /* three states: update_ademamix */
   }
+}
+
+/* AdEMAMix's update loop (the one three-state kind). */
+MF_INLINE void update_ademamix(const mf_optim_consts *c, int64_t n, float *restrict p,
+                               const float *restrict g, float *restrict s1,
+                               float *restrict s2, float *restrict s3) {
+  for (int64_t i = 0; i < n; i++)
+    mf_optim_update_one3(MF_OPT_ADEMAMIX, c, 3, &p[i], g[i], &s1[i], &s2[i], &s3[i]);
 }
 
 /* max |s[i]| as the max of the bit patterns with the sign cleared (same order as the

@@ -10,17 +10,20 @@
 
 /* The list arguments of optim_step: one array (or None, where optional) per parameter. */
 enum {
-  L_PARAMS, L_GRADS, L_STATE1, L_ABSMAX1, L_STATE2, L_ABSMAX2, L_STEPS, L_COMPS, L_TRUST, L_COUNT
+  L_PARAMS, L_GRADS, L_STATE1, L_ABSMAX1, L_STATE2, L_ABSMAX2, L_STEPS, L_COMPS, L_TRUST,
+  L_STATE3, L_ABSMAX3, L_COUNT
 };
 static const char *const list_names[L_COUNT] = {"params", "grads", "state1", "absmax1", "state2",
-                                                "absmax2", "steps", "comps", "trust"};
+                                                "absmax2", "steps", "comps", "trust",
+                                                "state3", "absmax3"};
 /* params, grads, the states and comps may be dense in any order (check_layouts) */
 static const int list_flags[L_COUNT] = {
     MF_PY_WRITABLE | MF_PY_DENSE, MF_PY_READ | MF_PY_DENSE,
     MF_PY_WRITABLE | MF_PY_OPTIONAL | MF_PY_DENSE, MF_PY_WRITABLE | MF_PY_OPTIONAL,
     MF_PY_WRITABLE | MF_PY_OPTIONAL | MF_PY_DENSE, MF_PY_WRITABLE | MF_PY_OPTIONAL,
     MF_PY_WRITABLE, MF_PY_WRITABLE | MF_PY_OPTIONAL | MF_PY_DENSE,
-    MF_PY_WRITABLE | MF_PY_OPTIONAL};
+    MF_PY_WRITABLE | MF_PY_OPTIONAL,
+    MF_PY_WRITABLE | MF_PY_OPTIONAL | MF_PY_DENSE, MF_PY_WRITABLE | MF_PY_OPTIONAL};
 
 /* Where a parameter's arrays are dense but not row-major (channels_last, a transposed
  * weight), the core treats each as flat storage: right only when every array that
@@ -29,7 +32,7 @@ static const int list_flags[L_COUNT] = {
  * API's flat states): a flat array over the storage. Checked only where a view is
  * permuted. */
 static int check_layouts(const mf_py_view_list *lists, Py_ssize_t i, int fmt) {
-  static const int per_element[] = {L_GRADS, L_STATE1, L_STATE2, L_COMPS};
+  static const int per_element[] = {L_GRADS, L_STATE1, L_STATE2, L_COMPS, L_STATE3};
   const mf_py_view *p = &lists[L_PARAMS].v[i];
   int permuted = p->permuted;
   for (size_t k = 0; k < sizeof per_element / sizeof *per_element; k++)
@@ -38,7 +41,8 @@ static int check_layouts(const mf_py_view_list *lists, Py_ssize_t i, int fmt) {
   for (size_t k = 0; k < sizeof per_element / sizeof *per_element; k++) {
     const int l = per_element[k];
     const mf_py_view *x = &lists[l].v[i];
-    if (!x->owner || ((l == L_STATE1 || l == L_STATE2) && fmt == MF_STATE_4BIT)) continue;
+    if (!x->owner || ((l == L_STATE1 || l == L_STATE2 || l == L_STATE3) && fmt == MF_STATE_4BIT))
+      continue;
     if (l != L_GRADS && !x->permuted) {
       const int nd = mf_py_torch_ndim(x->owner);
       if (nd < 0) return -1;
@@ -121,6 +125,8 @@ static PyObject *step_call(const mf_optim_hparams *h, int bits, long long block_
     ts[i].absmax1 = lists[L_ABSMAX1].t[i];
     ts[i].state2 = lists[L_STATE2].t[i];
     ts[i].absmax2 = lists[L_ABSMAX2].t[i];
+    ts[i].state3 = lists[L_STATE3].t[i];
+    ts[i].absmax3 = lists[L_ABSMAX3].t[i];
     ts[i].step = lists[L_STEPS].t[i];
     ts[i].comp = lists[L_COMPS].t[i];
     ts[i].trust = lists[L_TRUST].t[i];
@@ -149,7 +155,7 @@ finish:
 static int parse_hparams(int kind, PyObject *dict, mf_optim_hparams *h) {
   static char *kw[] = {"lr", "beta1", "beta2", "eps", "weight_decay", "momentum", "dampening",
                        "alpha", "nesterov", "maximize", "sr_seed", "lr_decay", "max_unorm",
-                       "no_bias_correction", NULL};
+                       "no_bias_correction", "beta3", "t_alpha", "t_beta3", NULL};
   static PyObject *no_args;
   if (!no_args && !(no_args = PyTuple_New(0))) return -1;
   if (!PyDict_Check(dict)) {
@@ -160,10 +166,11 @@ static int parse_hparams(int kind, PyObject *dict, mf_optim_hparams *h) {
   int nesterov = 0, maximize = 0, no_bias_correction = 0;
   unsigned long long sr_seed = 0;
   memset(h, 0, sizeof *h);
-  if (!PyArg_ParseTupleAndKeywords(no_args, dict, "|ddddddddppKddp:hparams", kw, &h->lr,
+  if (!PyArg_ParseTupleAndKeywords(no_args, dict, "|ddddddddppKddpddd:hparams", kw, &h->lr,
                                    &h->beta1, &h->beta2, &h->eps, &h->weight_decay, &h->momentum,
                                    &h->dampening, &h->alpha, &nesterov, &maximize, &sr_seed,
-                                   &h->lr_decay, &h->max_unorm, &no_bias_correction))
+                                   &h->lr_decay, &h->max_unorm, &no_bias_correction, &h->beta3,
+                                   &h->t_alpha, &h->t_beta3))
     return -1;
   h->no_bias_correction = no_bias_correction;
   h->kind = (mf_optim_kind)kind;
@@ -183,12 +190,14 @@ static int parse_hparams(int kind, PyObject *dict, mf_optim_hparams *h) {
  * Kahan compensation buffers (None for a parameter without one; see optim.h). rows,
  * index_base: None (all whole tensors), or one int per parameter (mf_optim_tensor).
  * trust: None, or per parameter the trust ratio's scratch (mf_optim_tensor.trust; needed
- * with hparams max_unorm > 0). */
+ * with hparams max_unorm > 0).
+ * state3, absmax3: None, or the third state's lists (AdEMAMix). */
 static PyObject *py_optim_step(PyObject *self, PyObject *args, PyObject *kwargs) {
   (void)self;
   static char *kw[] = {"kind", "bits", "block_size", "hparams", "params", "grads", "state1",
                        "absmax1", "state2", "absmax2", "steps", "code1", "code2", "grad_scale",
-                       "found_inf", "stream", "comps", "rows", "index_base", "trust", NULL};
+                       "found_inf", "stream", "comps", "rows", "index_base", "trust", "state3",
+                       "absmax3", NULL};
   int kind, bits;
   long long block_size;
   mf_optim_hparams h;
@@ -196,14 +205,13 @@ static PyObject *py_optim_step(PyObject *self, PyObject *args, PyObject *kwargs)
                                   *oinf = Py_None;
   PyObject *orows = Py_None, *obase = Py_None;
   unsigned long long stream = 0;
-  lists[L_COMPS] = Py_None;
-  lists[L_TRUST] = Py_None;
-  if (!PyArg_ParseTupleAndKeywords(args, kwargs, "iiLOOOOOOOO|OOOOKOOOO:optim_step", kw, &kind,
+  lists[L_COMPS] = lists[L_TRUST] = lists[L_STATE3] = lists[L_ABSMAX3] = Py_None;
+  if (!PyArg_ParseTupleAndKeywords(args, kwargs, "iiLOOOOOOOO|OOOOKOOOOOO:optim_step", kw, &kind,
                                    &bits, &block_size, &ohp, &lists[L_PARAMS], &lists[L_GRADS],
                                    &lists[L_STATE1], &lists[L_ABSMAX1], &lists[L_STATE2],
                                    &lists[L_ABSMAX2], &lists[L_STEPS], &ocode1, &ocode2, &oscale,
                                    &oinf, &stream, &lists[L_COMPS], &orows, &obase,
-                                   &lists[L_TRUST]))
+                                   &lists[L_TRUST], &lists[L_STATE3], &lists[L_ABSMAX3]))
     return NULL;
   if (parse_hparams(kind, ohp, &h)) return NULL;
   return step_call(&h, bits, block_size, lists, ocode1, ocode2, oscale, oinf, (uintptr_t)stream,
@@ -243,9 +251,10 @@ static PyObject *py_optim_state_layout(PyObject *self, PyObject *args, PyObject 
   mf_status st = mf_optim_state_layout(&h, (mf_state_format)bits, (int64_t)block_size,
                                        (int64_t)numel, (int64_t)rows, &l);
   if (st) return mf_py_raise(st);
-  return Py_BuildValue("{s:i,s:(OO),s:s,s:L,s:L,s:L,s:L,s:L}", "num_states", l.num_states,
+  return Py_BuildValue("{s:i,s:(OOO),s:s,s:L,s:L,s:L,s:L,s:L}", "num_states", l.num_states,
                        "signed", l.is_signed[0] ? Py_True : Py_False,
-                       l.is_signed[1] ? Py_True : Py_False, "state_dtype",
+                       l.is_signed[1] ? Py_True : Py_False, l.is_signed[2] ? Py_True : Py_False,
+                       "state_dtype",
                        mf_dtype_name(l.state_dtype), "rows", (long long)l.rows, "state_row_numel",
                        (long long)l.state_row_numel, "blocks_per_row", (long long)l.blocks_per_row,
                        "state_numel", (long long)l.state_numel, "absmax_numel",
@@ -257,10 +266,10 @@ static PyObject *py_optim_state_layout(PyObject *self, PyObject *args, PyObject 
 static PyObject *py_optim_constants(PyObject *self, PyObject *noargs) {
   (void)self;
   (void)noargs;
-  return Py_BuildValue("{s:{s:i,s:i,s:i,s:i,s:i,s:i,s:i},s:(iii),s:{i:i,i:i,i:i}}", "kinds",
+  return Py_BuildValue("{s:{s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i},s:(iii),s:{i:i,i:i,i:i}}", "kinds",
                        "AdamW", MF_OPT_ADAMW, "Adam", MF_OPT_ADAM, "Lion", MF_OPT_LION, "SGD",
                        MF_OPT_SGD, "RMSprop", MF_OPT_RMSPROP, "Muon", MF_OPT_MUON, "Adagrad",
-                       MF_OPT_ADAGRAD, "formats",
+                       MF_OPT_ADAGRAD, "AdEMAMix", MF_OPT_ADEMAMIX, "formats",
                        MF_STATE_8BIT, MF_STATE_4BIT, MF_STATE_FP32, "default_block_size", MF_STATE_8BIT, MF_OPTIM_BLOCK_8BIT,
                        MF_STATE_4BIT, MF_OPTIM_BLOCK_4BIT, MF_STATE_FP32, MF_OPTIM_BLOCK_8BIT);
 }
@@ -269,7 +278,7 @@ PyMethodDef mf_optim_methods[] = {
     {"optim_step", (PyCFunction)(void (*)(void))py_optim_step, METH_VARARGS | METH_KEYWORDS,
      "optim_step(kind, bits, block_size, hparams, params, grads, state1, absmax1, state2, "
      "absmax2, steps, code1=None, code2=None, grad_scale=None, found_inf=None, stream=0, "
-     "comps=None)"},
+     "comps=None, rows=None, index_base=None, trust=None, state3=None, absmax3=None)"},
     {"optim_check", py_optim_check, METH_VARARGS, "optim_check(kind, hparams)"},
     {"optim_state_layout", (PyCFunction)(void (*)(void))py_optim_state_layout,
      METH_VARARGS | METH_KEYWORDS, "optim_state_layout(kind, bits, block_size, numel, momentum=0.0, rows=1)"},

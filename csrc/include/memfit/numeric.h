@@ -129,6 +129,55 @@ static inline MF_HD void mf_store_f32(void *p, int64_t i, mf_dtype dt, float v) 
   }
 }
 
+/* ---- a deterministic exp ----------------------------------------------- */
+
+/* A double's bits as a uint64 and back (as mf_f32_bits). */
+#ifdef __CUDA_ARCH__
+static inline MF_HD uint64_t mf_f64_bits(double d) { return (uint64_t)__double_as_longlong(d); }
+static inline MF_HD double mf_f64_from_bits(uint64_t u) { return __longlong_as_double((long long)u); }
+#else
+static inline MF_HD uint64_t mf_f64_bits(double d) { uint64_t u; memcpy(&u, &d, sizeof u); return u; }
+static inline MF_HD double mf_f64_from_bits(uint64_t u) { double d; memcpy(&d, &u, sizeof d); return d; }
+#endif
+
+/* e^x in double from IEEE + - * / only, so the host and the device compute the same
+ * bits (glibc's exp and CUDA's differ in the last place): x = k ln2 + r with |r| <=
+ * ln2/2 (Cody-Waite: ln2 split into a head with 11 trailing zero bits, so k * head is
+ * exact for |k| < 2^11, and a tail), e^r by its Taylor series to degree 13 in Horner
+ * form (truncation below 5e-18 relative), then times 2^k through the exponent bits (in
+ * two factors where 2^k alone would be subnormal). Within a few ulp of the exact value
+ * (tests/test_optim_ademamix.py checks it against math.exp). x > 709.78: +Inf;
+ * x < -745.2: 0; NaN: NaN. Used by AdEMAMix's beta3 scheduler (optim.h). */
+static inline MF_HD double mf_exp_f64(double x) {
+  if (!(x == x)) return x;
+  if (x > 709.782712893384) return mf_f64_from_bits(0x7ff0000000000000ull);
+  if (x < -745.2) return 0.0;
+  const double ln2_hi = 6.93147180369123816490e-01, ln2_lo = 1.90821492927058770002e-10;
+  const double inv_ln2 = 1.44269504088896338700e+00;
+  const double kd = x * inv_ln2;
+  const int64_t k = (int64_t)(kd < 0.0 ? kd - 0.5 : kd + 0.5); /* nearest, ties away */
+  const double r = (x - (double)k * ln2_hi) - (double)k * ln2_lo;
+  double s = 1.0 / 6227020800.0; /* 1/13! */
+  s = s * r + 1.0 / 479001600.0;
+  s = s * r + 1.0 / 39916800.0;
+  s = s * r + 1.0 / 3628800.0;
+  s = s * r + 1.0 / 362880.0;
+  s = s * r + 1.0 / 40320.0;
+  s = s * r + 1.0 / 5040.0;
+  s = s * r + 1.0 / 720.0;
+  s = s * r + 1.0 / 120.0;
+  s = s * r + 1.0 / 24.0;
+  s = s * r + 1.0 / 6.0;
+  s = s * r + 0.5;
+  s = s * r + 1.0;
+  s = s * r + 1.0;
+  /* 2^k = 2^k1 * 2^(k - k1), both factors normal: exact but for the last product's
+   * rounding into the subnormal range */
+  const int64_t k1 = k < -1000 ? -1000 : (k > 1000 ? 1000 : k);
+  s = s * mf_f64_from_bits((uint64_t)(k1 + 1023) << 52);
+  return s * mf_f64_from_bits((uint64_t)(k - k1 + 1023) << 52);
+}
+
 /* ---- counter-based random numbers --------------------------------------- */
 
 /* splitmix64's finaliser over (seed, counter): stateless, so element i gets the same

@@ -1,6 +1,6 @@
 /*
- * memfit core: optimizer updates (AdamW/Adam, Lion, SGD with momentum, RMSprop, Adagrad
- * and Muon's momentum pass) with fp32 or blockwise-quantized (8-bit, 4-bit) states.
+ * memfit core: optimizer updates (AdamW/Adam, Lion, SGD with momentum, RMSprop, Adagrad,
+ * AdEMAMix and Muon's momentum pass) with fp32 or blockwise-quantized (8-bit, 4-bit) states.
  *
  * The element math is written once here (MF_HD) and used by the CPU loops in
  * csrc/core/optim.c and the CUDA kernels in cuda/optim.cu. All of it is plain IEEE
@@ -8,7 +8,7 @@
  * contraction (-ffp-contract=off, nvcc --fmad=false; see CMakeLists.txt), so the CPU
  * and the GPU compute the same bits.
  *
- * States. Each optimizer keeps 0, 1 or 2 states per element ("state1", "state2"):
+ * States. Each optimizer keeps 0 to 3 states per element ("state1", "state2", "state3"):
  *   kind       state1 (code)              state2 (code)
  *   ADAMW/ADAM exp_avg (signed)           exp_avg_sq (unsigned)
  *   LION       exp_avg (signed)           -
@@ -16,6 +16,12 @@
  *   RMSPROP    square_avg (unsigned)      momentum_buffer (signed, only if momentum > 0)
  *   MUON       momentum_buffer (signed)   -
  *   ADAGRAD    sum (unsigned)             -
+ *   ADEMAMIX   exp_avg (signed)           exp_avg_sq (unsigned)
+ *              and state3: exp_avg_slow (signed; quantized with code1, the code of the
+ *              other signed state, as bitsandbytes quantizes both of its EMAs)
+ * AdEMAMix is the only kind with a third state; every 2-state path (the element update
+ * mf_optim_update_one, the fused CPU kernel, the CUDA kernel instantiations without it)
+ * is the same code as before it was added.
  * A state is stored as float32 (MF_STATE_FP32) or blockwise quantized: one code index
  * per element (MF_STATE_8BIT: uint8, 256-entry code; MF_STATE_4BIT: two indices per
  * byte, element 2j in the low nibble and 2j+1 in the high nibble, 16-entry code) plus
@@ -95,11 +101,12 @@ typedef enum {
   MF_OPT_SGD = 3,     /* SGD with (Nesterov) momentum, L2 weight decay (torch.optim.SGD) */
   MF_OPT_RMSPROP = 4, /* RMSprop, not centered, optional momentum (torch.optim.RMSprop) */
   MF_OPT_MUON = 5,    /* Muon's momentum pass: writes the update, not the parameter (above) */
-  MF_OPT_ADAGRAD = 6  /* Adagrad, L2 weight decay, lr decay (torch.optim.Adagrad) */
+  MF_OPT_ADAGRAD = 6, /* Adagrad, L2 weight decay, lr decay (torch.optim.Adagrad) */
+  MF_OPT_ADEMAMIX = 7 /* AdEMAMix (Pagliardini et al. 2024), decoupled weight decay */
 } mf_optim_kind;
 
 /* The last kind: every kind lies in [MF_OPT_ADAMW, MF_OPT_LAST]. */
-#define MF_OPT_LAST MF_OPT_ADAGRAD
+#define MF_OPT_LAST MF_OPT_ADEMAMIX
 
 typedef enum { MF_STATE_FP32 = 32, MF_STATE_8BIT = 8, MF_STATE_4BIT = 4 } mf_state_format;
 
@@ -112,8 +119,18 @@ typedef enum { MF_STATE_FP32 = 32, MF_STATE_8BIT = 8, MF_STATE_4BIT = 4 } mf_sta
  *               the caller after Newton-Schulz)
  *   ADAGRAD:    lr, lr_decay, eps, weight_decay (torch's initial_accumulator_value is
  *               the caller's: the value its `sum` state starts at)
+ *   ADEMAMIX:   lr, beta1, beta2, beta3, alpha, t_alpha, t_beta3, eps, weight_decay
  * and maximize for all; ADAMW/ADAM also no_bias_correction, and ADAMW/ADAM and SGD
- * max_unorm (the trust ratio below: LAMB and LARS). */
+ * max_unorm (the trust ratio below: LAMB and LARS).
+ * AdEMAMix at step t (bitsandbytes' AdEMAMix, which is the paper's):
+ *   m1 = b1*m1 + (1-b1)*g;  m2 = b3_t*m2 + (1-b3_t)*g;  nu = b2*nu + (1-b2)*g*g
+ *   p  = p*(1 - lr*wd) - lr * (m1/(1-b1^t) + alpha_t*m2) / (sqrt(nu)/sqrt(1-b2^t) + eps)
+ *   alpha_t = min(t*alpha/t_alpha, alpha)                    (alpha when t_alpha = 0)
+ *   b3_t    = min(exp(ln(b1)*ln(b3) / ((1 - t/t_beta3)*ln(b3) + (t/t_beta3)*ln(b1))), b3)
+ *                                                            (b3 when t_beta3 = 0)
+ * t lives on the device (the step counter), so both schedulers are computed in
+ * mf_optim_prepare, with mf_exp_f64 (numeric.h) and the logarithms ln_beta1, ln_beta3
+ * that mf_optim_step fills in once on the host (callers leave them 0). */
 typedef struct {
   mf_optim_kind kind;
   double lr, beta1, beta2, eps, weight_decay;
@@ -135,9 +152,12 @@ typedef struct {
   /* > 0: scale each tensor's update by its trust ratio (LAMB, LARS; see "Trust ratio"
    * below); 0: off (the update's bits are those without this field). */
   double max_unorm;
+  /* AdEMAMix (above); t_alpha, t_beta3: steps, 0 for no scheduler */
+  double beta3, t_alpha, t_beta3;
+  double ln_beta1, ln_beta3; /* filled by mf_optim_step: log(beta1), log(beta3) */
 } mf_optim_hparams;
 
-/* Number of states kept per element for these hyperparameters (0, 1 or 2). */
+/* Number of states kept per element for these hyperparameters (0 to 3). */
 static inline MF_HD int mf_optim_num_states(const mf_optim_hparams *h) {
   switch (h->kind) {
     case MF_OPT_ADAMW:
@@ -147,13 +167,15 @@ static inline MF_HD int mf_optim_num_states(const mf_optim_hparams *h) {
     case MF_OPT_RMSPROP: return h->momentum != 0.0 ? 2 : 1;
     case MF_OPT_MUON: return 1;
     case MF_OPT_ADAGRAD: return 1;
+    case MF_OPT_ADEMAMIX: return 3;
   }
   return 0;
 }
 
-/* Whether state k (1 or 2) of this kind is signed (signed code) or non-negative. */
+/* Whether state k (1 to 3) of this kind is signed (signed code) or non-negative. */
 static inline MF_HD int mf_optim_state_signed(mf_optim_kind kind, int k) {
   if (kind == MF_OPT_RMSPROP || kind == MF_OPT_ADAGRAD) return k == 2;
+  if (kind == MF_OPT_ADEMAMIX) return k != 2;
   return k == 1;
 }
 
@@ -168,6 +190,8 @@ typedef struct {
   float gmul;        /* 1/grad_scale, negated under maximize */
   int first;         /* t == 1 (SGD initialises its momentum buffer with the gradient) */
   int nesterov;
+  /* AdEMAMix: b3_t and 1 - b3_t, alpha_t, 1 - beta1^t, sqrt(1 - beta2^t) */
+  float b3, omb3, alpha, bc1, sqrt_bc2;
 } mf_optim_consts;
 
 /* beta^n by binary exponentiation in double: only IEEE multiplications, so host and
@@ -197,6 +221,8 @@ static inline MF_HD mf_optim_consts mf_optim_prepare(const mf_optim_hparams *h, 
   c.first = n <= 1;
   c.nesterov = h->nesterov;
   c.gmul = h->maximize ? -inv_scale : inv_scale;
+  c.b3 = c.omb3 = c.alpha = 0.0f;
+  c.bc1 = c.sqrt_bc2 = 1.0f;
   switch (h->kind) {
     case MF_OPT_ADAMW:
     case MF_OPT_ADAM: {
@@ -242,6 +268,31 @@ static inline MF_HD mf_optim_consts mf_optim_prepare(const mf_optim_hparams *h, 
       c.step_size = c.lr;
       c.b1 = c.omb1 = c.b2 = c.omb2 = 0.0f;
       break;
+    case MF_OPT_ADEMAMIX: { /* the order of bitsandbytes' 32-bit update */
+      const double td = (double)n;
+      double b3 = h->beta3, alpha = h->alpha;
+      if (h->t_alpha > 0.0) {
+        const double a = td * h->alpha / h->t_alpha;
+        alpha = a < alpha ? a : alpha;
+      }
+      if (h->t_beta3 > 0.0) {
+        const double x = td / h->t_beta3;
+        const double e = mf_exp_f64((h->ln_beta1 * h->ln_beta3) /
+                                    ((1.0 - x) * h->ln_beta3 + x * h->ln_beta1));
+        b3 = e < b3 ? e : b3;
+      }
+      c.b1 = (float)h->beta1;
+      c.omb1 = (float)(1.0 - h->beta1);
+      c.b2 = (float)h->beta2;
+      c.omb2 = (float)(1.0 - h->beta2);
+      c.b3 = (float)b3;
+      c.omb3 = (float)(1.0 - b3);
+      c.alpha = (float)alpha;
+      c.bc1 = (float)(1.0 - mf_powi(h->beta1, n));
+      c.sqrt_bc2 = (float)sqrt(1.0 - mf_powi(h->beta2, n));
+      c.decay = (float)(1.0 - h->lr * h->weight_decay);
+      break;
+    }
   }
   return c;
 }
@@ -329,6 +380,8 @@ static inline MF_HD int mf_optim_update_dir(mf_optim_kind kind, const mf_optim_c
       an = a + g * g;
       pn = p0 - c->lr * g / (sqrtf(an) + c->eps);
       break;
+    case MF_OPT_ADEMAMIX: /* three states: mf_optim_update_one3 (never called with it) */
+      break;
   }
   int ok;
   if (kind == MF_OPT_ADAMW || kind == MF_OPT_ADAM) {
@@ -357,6 +410,29 @@ static inline MF_HD int mf_optim_update_one(mf_optim_kind kind, const mf_optim_c
                                             float *s2) {
   float dir;
   return mf_optim_update_dir(kind, c, nstates, p, g, s1, s2, &dir);
+}
+
+/* One element of a step of any kind, with a third state s3 (AdEMAMix's exp_avg_slow;
+ * ignored by the other kinds, which go to mf_optim_update_one unchanged). Same contract:
+ * an element with a non-finite gradient, state or parameter update keeps its old values. */
+static inline MF_HD int mf_optim_update_one3(mf_optim_kind kind, const mf_optim_consts *c,
+                                             int nstates, float *p, float g, float *s1,
+                                             float *s2, float *s3) {
+  if (kind != MF_OPT_ADEMAMIX) return mf_optim_update_one(kind, c, nstates, p, g, s1, s2);
+  const float p0 = *p, a = *s1, b = *s2, m = *s3;
+  g = g * c->gmul;
+  const float an = c->b1 * a + c->omb1 * g;
+  const float mn = c->b3 * m + c->omb3 * g;
+  const float bn = c->b2 * b + c->omb2 * (g * g);
+  const float mixed = an / c->bc1 + c->alpha * mn;
+  const float pn = p0 * c->decay - c->lr * (mixed / (sqrtf(bn) / c->sqrt_bc2 + c->eps));
+  const int ok = mf_isfinite_f32(g) & mf_isfinite_f32(pn) & mf_isfinite_f32(an) &
+                 mf_isfinite_f32(bn) & mf_isfinite_f32(mn);
+  *p = mf_select_f32(!ok, p0, pn);
+  *s1 = mf_select_f32(!ok, a, an);
+  *s2 = mf_select_f32(!ok, b, bn);
+  *s3 = mf_select_f32(!ok, m, mn);
+  return ok;
 }
 
 /* ---- code search for 16-entry (4-bit) codes ------------------------------------ */
@@ -422,8 +498,8 @@ static inline MF_HD int64_t mf_optim_split_rows(mf_state_format fmt, int64_t bs,
 /* One parameter tensor and its states. Unused states: data NULL, numel 0. With R rows
  * of L elements (n = R*L; see mf_optim_row):
  *   param, grad: float32/float16/bfloat16, same dtype, same numel n
- *   state1/2:    FP32: float32[n];  8BIT: uint8[n];  4BIT: uint8[R * ceil(L/2)]
- *   absmax1/2:   float32[R * ceil(L / block_size)] (quantized formats only)
+ *   state1/2/3:  FP32: float32[n];  8BIT: uint8[n];  4BIT: uint8[R * ceil(L/2)]
+ *   absmax1/2/3: float32[R * ceil(L / block_size)] (quantized formats only)
  *   step:        float32[1]
  *   comp:        optional, dtype of param, numel n (Kahan compensation) */
 typedef struct {
@@ -442,6 +518,7 @@ typedef struct {
    * words per float64; data 8-byte aligned), on the parameter's device. Written by the
    * step; after it, its last two float64 are the sums of u^2 and p^2 (below). */
   mf_tensor trust;
+  mf_tensor state3, absmax3; /* AdEMAMix's third state (see the header comment) */
 } mf_optim_tensor;
 
 /* Kahan split of an updated value v into a half-precision pair (dt: float16 or
@@ -587,7 +664,8 @@ static inline MF_HD const double *mf_optim_trust_totals(const void *trust, int64
 
 /* Applies one optimizer step to `n` tensors, all on one device, states in format
  * `fmt`. code1/code2: float32 code tables (256 entries for 8-bit, 16 for 4-bit, sorted
- * ascending, in [-1, 1]) on that device for quantized states; NULL for FP32.
+ * ascending, in [-1, 1]) on that device for quantized states; NULL for FP32. A third
+ * state (AdEMAMix) is signed and uses code1.
  * grad_scale, found_inf: NULL or float32[1] on that device (see the header comment).
  * CUDA: one launch sequence for all tensors on `stream`, no host synchronisation. */
 mf_status mf_optim_step(const mf_optim_hparams *h, mf_state_format fmt, int64_t block_size,
@@ -616,8 +694,8 @@ const char *mf_optim_cpu_kernel(void);
  * elements of state_dtype (float32 for FP32, else uint8 codes) and, when quantized,
  * rows * blocks_per_row float32 block maxima. */
 typedef struct {
-  int num_states;          /* 0, 1 or 2: mf_optim_num_states */
-  int is_signed[2];        /* state k uses the signed code: mf_optim_state_signed */
+  int num_states;          /* 0 to 3: mf_optim_num_states */
+  int is_signed[3];        /* state k + 1 uses the signed code: mf_optim_state_signed */
   mf_dtype state_dtype;
   int64_t rows;            /* as given (n = rows * row_len) */
   int64_t state_row_numel; /* L for FP32/8BIT, ceil(L/2) for 4BIT */

@@ -24,6 +24,8 @@ array-level API for NumPy, CuPy and JAX users, does not need torch.
 __all__ = [
     "Adagrad",
     "Adagrad8bit",
+    "AdEMAMix",
+    "AdEMAMix8bit",
     "Adam",
     "Adam8bit",
     "AdamW",
@@ -50,6 +52,7 @@ __all__ = [
 
 _TORCH_NAMES = {
     "Adagrad": "optimizers", "Adagrad8bit": "optimizers",
+    "AdEMAMix": "optimizers", "AdEMAMix8bit": "optimizers",
     "Adam": "optimizers", "Adam8bit": "optimizers", "AdamW": "optimizers",
     "AdamW4bit": "optimizers", "AdamW8bit": "optimizers", "Lion8bit": "optimizers",
     "RMSprop8bit": "optimizers", "SGD8bit": "optimizers", "dequantized_state": "_format",

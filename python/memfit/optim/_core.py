@@ -17,11 +17,11 @@ _CONSTANTS = _C.optim_constants()
 
 # Kinds, as numbered in csrc/include/memfit/optim.h (mf_optim_kind).
 _KIND = _CONSTANTS["kinds"]
-ADAMW, ADAM, LION, SGD, RMSPROP, MUON, ADAGRAD = (
-    _KIND[k] for k in ("AdamW", "Adam", "Lion", "SGD", "RMSprop", "Muon", "Adagrad"))
+ADAMW, ADAM, LION, SGD, RMSPROP, MUON, ADAGRAD, ADEMAMIX = (
+    _KIND[k] for k in ("AdamW", "Adam", "Lion", "SGD", "RMSprop", "Muon", "Adagrad", "AdEMAMix"))
 KIND_NAMES = {number: name for name, number in _KIND.items()}
 
-# torch's names for state1 / state2 of each kind (what dequantized_state returns).
+# torch's names for state1 / state2 (/ state3) of each kind (what dequantized_state returns).
 STATE_NAMES = {
     ADAMW: ("exp_avg", "exp_avg_sq"),
     ADAM: ("exp_avg", "exp_avg_sq"),
@@ -30,6 +30,8 @@ STATE_NAMES = {
     RMSPROP: ("square_avg", "momentum_buffer"),
     MUON: ("momentum_buffer",),  # its step writes the update into `params` (optim.h)
     ADAGRAD: ("sum",),
+    # the names of the AdEMAMix paper's reference implementation
+    ADEMAMIX: ("exp_avg", "exp_avg_sq", "exp_avg_slow"),
 }
 
 # {bits: default block size} (MF_OPTIM_BLOCK_8BIT/4BIT) and the block sizes the kernels take.
@@ -41,8 +43,8 @@ def state_layout(kind: int, bits: int, block_size: int, numel: int, momentum: fl
                  rows: int = 1) -> dict:
     """The states a parameter of ``numel`` elements in ``rows`` rows needs, as the C core
     defines and checks them (mf_optim_state_layout; the rows of the quantization blocks
-    are described in csrc/include/memfit/optim.h, mf_optim_row): ``num_states`` (0, 1
-    or 2), ``signed`` (per state), ``state_dtype`` ("float32" or "uint8"), ``rows``,
+    are described in csrc/include/memfit/optim.h, mf_optim_row): ``num_states`` (0 to
+    3), ``signed`` (a triple: per state), ``state_dtype`` ("float32" or "uint8"), ``rows``,
     ``state_row_numel`` and ``blocks_per_row``, and their products ``state_numel`` and
     ``absmax_numel`` (per state; 0 for float32 states)."""
     return _C.optim_state_layout(kind, bits, block_size, numel, float(momentum), rows)
@@ -84,11 +86,13 @@ def code_like(bits: int, signed: bool, like):
 
 def hparams(lr=0.0, beta1=0.0, beta2=0.0, eps=0.0, weight_decay=0.0, momentum=0.0,
             dampening=0.0, alpha=0.0, nesterov=False, maximize=False, sr_seed=0,
-            lr_decay=0.0, max_unorm=0.0, bias_correction=True) -> dict:
+            lr_decay=0.0, max_unorm=0.0, bias_correction=True, beta3=0.0, t_alpha=0,
+            t_beta3=0) -> dict:
     """The hyperparameters by name, as the C binding parses them (mf_optim_hparams).
     ``sr_seed`` != 0 writes half-precision parameters with stochastic rounding seeded
     by it; ``max_unorm`` > 0 scales each tensor's update by its trust ratio (LAMB, LARS:
-    :func:`step` then needs ``trust``)."""
+    :func:`step` then needs ``trust``). ``beta3``, ``t_alpha``, ``t_beta3``: AdEMAMix's
+    (0: no scheduler)."""
     return {"lr": _real("lr", lr), "beta1": _real("beta1", beta1), "beta2": _real("beta2", beta2),
             "eps": _real("eps", eps), "weight_decay": _real("weight_decay", weight_decay),
             "momentum": _real("momentum", momentum), "dampening": _real("dampening", dampening),
@@ -96,7 +100,9 @@ def hparams(lr=0.0, beta1=0.0, beta2=0.0, eps=0.0, weight_decay=0.0, momentum=0.
             "nesterov": bool(nesterov),
             "maximize": bool(maximize), "sr_seed": int(sr_seed) & ((1 << 64) - 1),
             "max_unorm": _real("max_unorm", max_unorm),
-            "no_bias_correction": not bias_correction}
+            "no_bias_correction": not bias_correction,
+            "beta3": _real("beta3", beta3), "t_alpha": _real("t_alpha", t_alpha),
+            "t_beta3": _real("t_beta3", t_beta3)}
 
 
 def _real(name: str, value) -> float:
@@ -161,7 +167,8 @@ def check(kind: int, hp: dict) -> None:
 
 def codes_for(kind: int, bits: int, hp: dict, like) -> tuple:
     """(code1, code2): the code tables of the quantized states of this optimizer, in
-    ``like``'s framework and device (None where there is no such state)."""
+    ``like``'s framework and device (None where there is no such state). A third state
+    (AdEMAMix) is signed and uses code1 (csrc/include/memfit/optim.h)."""
     if bits == 32:
         return None, None
     layout = state_layout(kind, bits, DEFAULT_BLOCK[bits], 0, hp["momentum"])
@@ -171,7 +178,7 @@ def codes_for(kind: int, bits: int, hp: dict, like) -> tuple:
 
 def step(kind, bits, block_size, hp, params, grads, state1, absmax1, state2, absmax2,
          steps, grad_scale=None, found_inf=None, stream=0, comps=None, rows=None,
-         index_base=None, trust=None):
+         index_base=None, trust=None, state3=None, absmax3=None):
     """One fused step over lists of arrays on one device (see mf_optim_step). ``hp``: a
     dict from :func:`hparams`. ``comps``: None, or one Kahan compensation buffer (or
     None) per parameter: an array of the parameter's float16/bfloat16 dtype and size
@@ -180,13 +187,15 @@ def step(kind, bits, block_size, hp, params, grads, state1, absmax1, state2, abs
     of its element 0 in the tensor it is a shard of (stochastic rounding draws by it).
     ``trust``: with ``hp["max_unorm"]`` > 0, per parameter a float32 array of
     :func:`trust_numel` elements, 8-byte aligned (a float64 array viewed as float32): the
-    trust ratio's scratch."""
+    trust ratio's scratch. ``state3``, ``absmax3``: None, or the third state's lists
+    (AdEMAMix)."""
     code1, code2 = codes_for(kind, bits, hp, params[0]) if params else (None, None)
     if comps is not None and all(c is None for c in comps):
         comps = None
     _C.optim_step(kind, bits, block_size, hp, params, grads, state1, absmax1, state2, absmax2,
                   steps, code1=code1, code2=code2, grad_scale=grad_scale, found_inf=found_inf,
-                  stream=stream, comps=comps, rows=rows, index_base=index_base, trust=trust)
+                  stream=stream, comps=comps, rows=rows, index_base=index_base, trust=trust,
+                  state3=state3, absmax3=absmax3)
 
 
 # mf_optim_trust_numel (csrc/include/memfit/optim.h): float32 words of the trust ratio's

@@ -15,7 +15,8 @@ from memfit.optim._blocks import state_rows
 # isinstance(x, _DTENSOR): whether x is a DTensor (always False without torch.distributed)
 _DTENSOR = _dtensor.DTensor or ()
 # A parameter's state tensors in the order the step passes them to the core (absent: None).
-_STATE_KEYS = ("state1", "absmax1", "state2", "absmax2", "step", "kahan_comp")
+_STATE_KEYS = ("state1", "absmax1", "state2", "absmax2", "step", "kahan_comp", "state3",
+               "absmax3")
 
 
 class _MemfitOptimizer(torch.optim.Optimizer, _format.MemfitOptimizerBase):
@@ -31,7 +32,8 @@ class _MemfitOptimizer(torch.optim.Optimizer, _format.MemfitOptimizerBase):
         the elements per row (see :func:`state_rows`; quantization blocks never cross a
         row, so sharding p along dim 0 shards every state with it), or float32 tensors
         of p's shape for 1-D tensors, tensors smaller than ``min_8bit_size`` and 32-bit
-        optimizers. Use :func:`memfit.optim.dequantized_state` to read them as floats.
+        optimizers. AdEMAMix keeps a third, ``state3``/``absmax3``, laid out alike. Use
+        :func:`memfit.optim.dequantized_state` to read them as floats.
         ``kahan_comp``: with ``kahan=True`` and a float16/bfloat16 ``p``, the Kahan
         compensation (p's dtype and shape; the parameter's value is ``p + kahan_comp``).
     """
@@ -374,10 +376,11 @@ class _MemfitOptimizer(torch.optim.Optimizer, _format.MemfitOptimizerBase):
                 if state is not None and seen is not None and seen[0] == key:
                     get, s = state.get, seen[4]
                     states = (get("state1"), get("absmax1"), get("state2"), get("absmax2"),
-                              get("step"), get("kahan_comp"))
+                              get("step"), get("kahan_comp"), get("state3"), get("absmax3"))
                     # (spelled out: the cheapest test that no state tensor was replaced)
                     fresh = states[0] is s[0] and states[1] is s[1] and states[2] is s[2] \
                         and states[3] is s[3] and states[4] is s[4] and states[5] is s[5] \
+                        and states[6] is s[6] and states[7] is s[7] \
                         and _storage_marks(states) == seen[7]  # nor resized in place
                 else:
                     fresh = False
@@ -417,10 +420,10 @@ class _MemfitOptimizer(torch.optim.Optimizer, _format.MemfitOptimizerBase):
         params = [p.data for p, *_ in items]
         grads = [g if g.is_contiguous() and not g.requires_grad else _grad_view(p, g)
                  for p, g, *_ in items]
-        s1, a1, s2, a2, steps, comps = (list(x) for x in zip(*(st for _, _, st, _ in items)))
+        s1, a1, s2, a2, steps, comps, s3, a3 = (list(x) for x in zip(*(st for _, _, st, _ in items)))
         # the core takes absmax lists as None in 32-bit buckets, comps as None without Kahan
         if fmt == 32:
-            a1 = a2 = None
+            a1 = a2 = a3 = None
         if self._rounding(group) != "kahan":
             comps = None
         rows = [seen[2] for *_, seen in items] if fmt != 32 else None
@@ -433,7 +436,7 @@ class _MemfitOptimizer(torch.optim.Optimizer, _format.MemfitOptimizerBase):
         trust = self._trust_scratch(params) if hp.get("max_unorm", 0.0) > 0 else None
         _core.step(self._group_kind(group), fmt, group["block_size"], hp, params, grads, s1, a1, s2, a2,
                    steps, gs, fi, stream, comps, rows=rows, index_base=bases if any(bases) else None,
-                   trust=trust)
+                   trust=trust, state3=s3 if s3[0] is not None else None, absmax3=a3)
 
     # -- state dict ------------------------------------------------------------------------
 

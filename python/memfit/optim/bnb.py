@@ -32,8 +32,8 @@ memfit does instead; none is ignored:
   ``*32bit`` classes accept only their default, 32 (``Adagrad8bit``'s: 8; bitsandbytes'
   ``*8bit`` raise for anything else, its ``*32bit`` ignore it), and keep their own format.
 - ``betas`` of Adam and AdamW may be a string, ``"(0.9, 0.995)"`` (fairseq's configs),
-  as bitsandbytes parses it: read as a literal pair of numbers, never evaluated. Lion
-  takes no string (bitsandbytes fails on one): ValueError.
+  as bitsandbytes parses it: read as a literal pair of numbers, never evaluated (AdEMAMix:
+  three numbers). Lion takes no string (bitsandbytes fails on one): ValueError.
 - ``min_8bit_size``: tensors with fewer elements keep float32 states. memfit also
   keeps float32 states for 1-D tensors of any size (its quantization blocks stay
   inside a row; docs/optim.md).
@@ -81,9 +81,11 @@ from memfit.optim._torch import _MemfitOptimizer
 
 __all__ = [
     "Adagrad", "Adagrad8bit", "Adagrad32bit",
+    "AdEMAMix", "AdEMAMix8bit", "AdEMAMix32bit",
     "Adam", "Adam8bit", "Adam32bit", "AdamW", "AdamW8bit", "AdamW32bit",
     "GlobalOptimManager", "LAMB", "LAMB8bit", "LAMB32bit", "LARS", "LARS8bit", "LARS32bit",
     "Lion", "Lion8bit", "Lion32bit",
+    "PagedAdEMAMix", "PagedAdEMAMix8bit", "PagedAdEMAMix32bit",
     "PagedAdam", "PagedAdam8bit", "PagedAdam32bit", "PagedAdamW", "PagedAdamW8bit",
     "PagedAdamW32bit", "PagedLion", "PagedLion8bit", "PagedLion32bit", "PytorchLARS",
     "RMSprop", "RMSprop8bit", "RMSprop32bit", "SGD", "SGD8bit", "SGD32bit",
@@ -91,9 +93,6 @@ __all__ = [
 
 # `import memfit.optim.bnb as bnb` then `bnb.optim.AdamW8bit(...)`, as with bitsandbytes
 optim = sys.modules[__name__]
-
-# bitsandbytes optimizers memfit has no counterpart of (module __getattr__ says so)
-_NOT_IN_MEMFIT = ("AdEMAMix",)
 
 _CLIP_ADVICE = ("clip by the gradient norm before the step instead: "
                 "memfit.amp.clip_grad_norm_(model.parameters(), max_norm) (or torch.nn.utils.clip_grad_norm_)")
@@ -185,10 +184,11 @@ def _is_int(value) -> bool:
     return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
-def _string_betas(name, betas, parsed):
+def _string_betas(name, betas, parsed, count=2):
     """``betas`` as the constructor takes them. bitsandbytes' Adam-family optimizers
     (``parsed``) also take them as a string, ``"(0.9, 0.999)"``, as fairseq's configs pass
-    them: read here as a Python literal (never evaluated) that must be two numbers. Its
+    them: read here as a Python literal (never evaluated) that must be ``count`` numbers
+    (AdEMAMix's: three). Its
     Lion takes no string (bitsandbytes fails on one): refused, saying so."""
     if not isinstance(betas, str):
         return betas
@@ -200,10 +200,11 @@ def _string_betas(name, betas, parsed):
         value = ast.literal_eval(betas.strip())
     except (ValueError, SyntaxError, MemoryError, RecursionError):
         value = None
-    if not (isinstance(value, tuple) and len(value) == 2
+    if not (isinstance(value, tuple) and len(value) == count
             and all(isinstance(b, (int, float)) and not isinstance(b, bool) for b in value)):
-        raise ValueError(f"{name}: betas: expected two numbers, as the string '(0.9, 0.999)' or "
-                         f"the pair (0.9, 0.999), got {betas!r}")
+        example = "(0.9, 0.999)" if count == 2 else "(0.9, 0.999, 0.9999)"
+        raise ValueError(f"{name}: betas: expected {'two' if count == 2 else 'three'} numbers, as the "
+                         f"string '{example}' or the tuple {example}, got {betas!r}")
     return tuple(float(b) for b in value)
 
 
@@ -336,6 +337,54 @@ Lion32bit = _lion_class("Lion32bit", 32)
 PagedLion = _lion_class("PagedLion", None, paged=True)
 PagedLion8bit = _lion_class("PagedLion8bit", 8, paged=True)
 PagedLion32bit = _lion_class("PagedLion32bit", 32, paged=True)
+
+
+# -- AdEMAMix (bitsandbytes 0.50's optim/ademamix.py: no args, percentile_clipping or block_wise;
+# AdEMAMix8bit/AdEMAMix32bit and the Paged* but PagedAdEMAMix take no optim_bits, the Paged* no is_paged)
+
+def _ademamix_class(name, base, fixed_bits, paged=False):
+    def init(self, params, lr, betas, alpha, t_alpha, t_beta3, eps, weight_decay, optim_bits,
+             min_8bit_size, is_paged):
+        if paged:
+            raise _paged_error(name)
+        bits, min8 = _resolve(name, optim_bits=optim_bits, args=None, min_8bit_size=min_8bit_size,
+                              is_paged=is_paged, fixed_bits=fixed_bits)
+        self._set_bits(bits)
+        base.__init__(self, params, lr, _string_betas(name, betas, True, 3), alpha, t_alpha, t_beta3,
+                      eps, weight_decay, min_8bit_size=min8)
+
+    if fixed_bits is None and not paged:
+        def __init__(self, params, lr=1e-3, betas=(0.9, 0.999, 0.9999), alpha=5.0, t_alpha=None,
+                     t_beta3=None, eps=1e-8, weight_decay=1e-2, optim_bits=32, min_8bit_size=4096,
+                     is_paged=False):
+            init(self, params, lr, betas, alpha, t_alpha, t_beta3, eps, weight_decay, optim_bits,
+                 min_8bit_size, is_paged)
+    elif fixed_bits is None:
+        def __init__(self, params, lr=1e-3, betas=(0.9, 0.999, 0.9999), alpha=5.0, t_alpha=None,
+                     t_beta3=None, eps=1e-8, weight_decay=1e-2, optim_bits=32, min_8bit_size=4096):
+            raise _paged_error(name)
+    elif not paged:
+        def __init__(self, params, lr=1e-3, betas=(0.9, 0.999, 0.9999), alpha=5.0, t_alpha=None,
+                     t_beta3=None, eps=1e-8, weight_decay=1e-2, min_8bit_size=4096, is_paged=False):
+            init(self, params, lr, betas, alpha, t_alpha, t_beta3, eps, weight_decay, 32,
+                 min_8bit_size, is_paged)
+    else:
+        def __init__(self, params, lr=1e-3, betas=(0.9, 0.999, 0.9999), alpha=5.0, t_alpha=None,
+                     t_beta3=None, eps=1e-8, weight_decay=1e-2, min_8bit_size=4096):
+            raise _paged_error(name)
+    doc = (f"bitsandbytes' ``{name}`` on ``memfit.optim.{base.__name__}``'s math"
+           + (f"; always raises ValueError: {name} is paged" if paged else "")
+           + ". See :mod:`memfit.optim.bnb`.")
+    return type(name, (_BnbOptimizer, base), {"__init__": __init__, "__doc__": doc,
+                                              "__module__": __name__})
+
+
+AdEMAMix = _ademamix_class("AdEMAMix", _m.AdEMAMix, None)
+AdEMAMix8bit = _ademamix_class("AdEMAMix8bit", _m.AdEMAMix8bit, 8)
+AdEMAMix32bit = _ademamix_class("AdEMAMix32bit", _m.AdEMAMix, 32)
+PagedAdEMAMix = _ademamix_class("PagedAdEMAMix", _m.AdEMAMix, None, paged=True)
+PagedAdEMAMix8bit = _ademamix_class("PagedAdEMAMix8bit", _m.AdEMAMix8bit, 8, paged=True)
+PagedAdEMAMix32bit = _ademamix_class("PagedAdEMAMix32bit", _m.AdEMAMix, 32, paged=True)
 
 
 # -- SGD and RMSprop (bitsandbytes: no is_paged) ----------------------------------------------
@@ -653,12 +702,3 @@ class GlobalOptimManager:
         if ref is not None and ref() is p:
             config.update(cfg)
         return config
-
-
-def __getattr__(name):
-    base = name.replace("Paged", "").replace("8bit", "").replace("32bit", "")
-    if base in _NOT_IN_MEMFIT:
-        raise AttributeError(f"module 'memfit.optim.bnb' has no attribute {name!r}: memfit has no "
-                             f"{base} optimizer (its optimizers: AdamW, Adam, Lion, SGD, RMSprop, "
-                             "Adagrad, LAMB, LARS)")
-    raise AttributeError(f"module 'memfit.optim.bnb' has no attribute {name!r}")

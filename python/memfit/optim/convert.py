@@ -6,13 +6,15 @@ bitsandbytes') mid-training, and load memfit checkpoints of an older format.
   - a ``torch.optim`` state dict of the same kind (``torch.optim.AdamW``/``Adam`` for
     memfit's AdamW/Adam/AdamW8bit/Adam8bit/AdamW4bit, ``SGD`` for SGD8bit, ``RMSprop``
     for RMSprop8bit, ``Adagrad`` for Adagrad8bit/Adagrad, lion-pytorch's ``Lion`` for
-    Lion8bit): its float states are
+    Lion8bit; torch has no AdEMAMix, so for AdEMAMix8bit/AdEMAMix the dict
+    :func:`to_torch_state_dict` exported): its float states are
     quantized into memfit's layout, and the param groups' hyperparameters that both
     name (lr, betas, eps, weight_decay, maximize, momentum, ...) are taken over, while
     memfit's own (bits, block_size, min_8bit_size, ...) stay the optimizer's;
   - a bitsandbytes 8-bit (block-wise) or 32-bit state dict (``state1``/``state2``,
-    ``absmax1``/``absmax2``, ``qmap1``/``qmap2``) of AdamW, Lion, SGD, RMSprop or Adagrad,
-    dequantized with its own code and block size and requantized;
+    ``absmax1``/``absmax2``, ``qmap1``/``qmap2``) of AdamW, Lion, SGD, RMSprop, Adagrad or
+    AdEMAMix (whose ``state1`` stacks its two EMAs), dequantized with its own code and
+    block size and requantized;
   - a memfit state dict of format_version 1 (:func:`upgrade_v1`), or one saved by
     another memfit class of the same math and bits (a memfit.optim.bnb shim's).
 
@@ -55,7 +57,7 @@ _MEMFIT_GROUP_KEYS = ("bits", "block_size", "min_8bit_size", "bf16_stochastic_ro
 # hyperparameters taken over from a foreign state dict where both name them
 _SHARED_HYPER = ("lr", "betas", "eps", "weight_decay", "maximize", "momentum", "dampening",
                  "nesterov", "alpha", "ns_coefficients", "ns_steps", "adjust_lr_fn", "lr_decay",
-                 "initial_accumulator_value")
+                 "initial_accumulator_value", "t_alpha", "t_beta3")
 # torch.optim's own group keys for each kind, with the values memfit's behaviour matches
 _TORCH_GROUP_DEFAULTS = {
     _core.ADAMW: dict(amsgrad=False, foreach=None, capturable=False, differentiable=False,
@@ -67,13 +69,15 @@ _TORCH_GROUP_DEFAULTS = {
     _core.LION: {},
     _core.MUON: {},
     _core.ADAGRAD: dict(foreach=None, differentiable=False, fused=None),
+    # torch has no AdEMAMix: the export keeps bitsandbytes' (and memfit's) keys only
+    _core.ADEMAMIX: {},
 }
 # a group key that tells which kind of torch optimizer saved it
 _KIND_MARKER = {_core.ADAMW: "eps", _core.ADAM: "eps", _core.LION: "betas",
                 _core.SGD: "momentum", _core.RMSPROP: "alpha", _core.MUON: "ns_steps",
-                _core.ADAGRAD: "lr_decay"}
+                _core.ADAGRAD: "lr_decay", _core.ADEMAMIX: "t_beta3"}
 _TORCH_STATE_NAMES = {"exp_avg", "exp_avg_sq", "max_exp_avg_sq", "momentum_buffer",
-                      "square_avg", "grad_avg", "sum", "step"}
+                      "square_avg", "grad_avg", "sum", "exp_avg_slow", "step"}
 _BNB_STATE_KEYS = {"state1", "state2", "absmax1", "absmax2", "qmap1", "qmap2", "step",
                    "gnorm_vec", "unorm_vec"}
 # where bitsandbytes' state_dict() nests the quantized states (hidden from FSDP's gather)
@@ -84,10 +88,11 @@ _BNB_WRAPPED = "__bnb_optimizer_quant_state__"
 # its two-state optimizers (Adam, AdamW, ...) add to theirs (0 and None for Adam)
 _BNB_GROUP_KEYS = ("lr", "betas", "eps", "weight_decay")
 _BNB_ADEMAMIX_KEYS = ("alpha", "t_alpha", "t_beta3")
+_ADEMAMIX_HINT = "load it into memfit.optim.AdEMAMix8bit or AdEMAMix"
 # the math of each kind, in the words of the refusals
 _KIND_MATH = {_core.ADAMW: "AdamW (decoupled weight decay)", _core.ADAM: "Adam (L2 weight decay)",
               _core.LION: "Lion", _core.SGD: "SGD", _core.RMSPROP: "RMSprop", _core.MUON: "Muon",
-              _core.ADAGRAD: "Adagrad"}
+              _core.ADAGRAD: "Adagrad", _core.ADEMAMIX: "AdEMAMix"}
 
 
 def _name(optimizer) -> str:
@@ -356,7 +361,7 @@ def _merged_groups(optimizer, saved_groups, source):
                                      "which RMSprop8bit does not support")
         marker = _KIND_MARKER[kind]
         if marker not in sg or (kind == _core.LION and "eps" in sg) \
-                or (kind in (_core.ADAMW, _core.ADAM) and "betas" not in sg):
+                or (kind in (_core.ADAMW, _core.ADAM, _core.ADEMAMIX) and "betas" not in sg):
             raise _refuse(optimizer, f"this state dict was not saved by a memfit optimizer, and its "
                                      f"param_groups[{i}] not by a {source} optimizer of the same kind "
                                      f"as {name} (its keys: "
@@ -445,7 +450,7 @@ def _from_floats(optimizer, state_dict, source, labels=None):
                                          "amsgrad?)")
         if "step" not in saved and not any(saved.get(nm) is not None for nm in names):
             continue  # a parameter that was never stepped
-        if "step" not in saved and kind in (_core.ADAMW, _core.ADAM):
+        if "step" not in saved and kind in (_core.ADAMW, _core.ADAM, _core.ADEMAMIX):
             # Adam's bias correction needs it (torch's Adam raises KeyError without)
             raise _refuse(optimizer, f"{where}: has no state 'step': the state dict is incomplete")
         floats = {k: _float_state(optimizer, where, (labels or {}).get(k, repr(k)), v, p, k in unsigned)
@@ -461,16 +466,18 @@ def _bnb_groups(optimizer, saved_groups, two_state):
     """bitsandbytes' param groups under torch's keys for ``optimizer``'s kind, as the
     shim's constructors map bitsandbytes' arguments (memfit.optim.bnb): one-state groups
     keep (momentum, dampening) (SGD) and (alpha, momentum) (RMSprop) in ``betas`` and
-    Lion's and SGD's an unused eps. ``two_state``: Adam or AdamW (decoupled weight decay,
-    both), else Lion, SGD, RMSprop or Adagrad, whichever ``optimizer`` is."""
+    Lion's and SGD's an unused eps. ``two_state``: Adam, AdamW (decoupled weight decay,
+    both) or AdEMAMix (three betas), else Lion, SGD, RMSprop or Adagrad, whichever
+    ``optimizer`` is."""
     name, kind = _name(optimizer), optimizer._kind
     names = _core.STATE_NAMES[kind]
     adam = kind in (_core.ADAMW, _core.ADAM)
-    if two_state != adam:
+    ademamix = kind == _core.ADEMAMIX
+    if two_state != (adam or ademamix):
         raise _refuse(optimizer, "this bitsandbytes state dict keeps "
-                                 + ("two states per parameter (state1, state2: bitsandbytes' Adam or "
-                                    "AdamW)" if two_state else "one state per parameter (state1: "
-                                    "bitsandbytes' Lion, SGD, RMSprop or Adagrad)")
+                                 + ("two states per parameter (state1, state2: bitsandbytes' Adam, "
+                                    "AdamW or AdEMAMix)" if two_state else "one state per parameter "
+                                    "(state1: bitsandbytes' Lion, SGD, RMSprop or Adagrad)")
                                  + f", but {name} keeps {', '.join(names)}: load it into a memfit "
                                    "optimizer of the same kind")
     out = []
@@ -480,15 +487,21 @@ def _bnb_groups(optimizer, saved_groups, two_state):
             raise _refuse(optimizer, f"param_groups[{gi}] has no {', '.join(missing)}: not a "
                                      "bitsandbytes optimizer's param group")
         betas = sg["betas"]
-        if not isinstance(betas, (list, tuple)) or len(betas) != 2:
-            raise _refuse(optimizer, f"param_groups[{gi}]['betas'] is {betas!r}, not a pair"
-                                     + (" (three betas: bitsandbytes' AdEMAMix, which memfit does not "
-                                        "have)" if isinstance(betas, (list, tuple)) and len(betas) == 3
-                                        else ""))
-        if sg.get("alpha") or sg.get("t_alpha") is not None or sg.get("t_beta3") is not None:
+        nbetas = 3 if ademamix else 2
+        if not isinstance(betas, (list, tuple)) or len(betas) != nbetas:
+            listed = isinstance(betas, (list, tuple))
+            raise _refuse(optimizer, f"param_groups[{gi}]['betas'] is {betas!r}, not "
+                                     + ("three betas (beta1, beta2, beta3)" if ademamix else "a pair")
+                                     + (f" (three betas: bitsandbytes' AdEMAMix; {_ADEMAMIX_HINT})"
+                                        if listed and len(betas) == 3 else
+                                        " (two betas: bitsandbytes' Adam or AdamW; load it into "
+                                        "memfit.optim.AdamW8bit or AdamW)" if ademamix and listed
+                                        and len(betas) == 2 else ""))
+        if not ademamix and (sg.get("alpha") or sg.get("t_alpha") is not None
+                             or sg.get("t_beta3") is not None):
             raise _refuse(optimizer, f"param_groups[{gi}] sets AdEMAMix's alpha, t_alpha or t_beta3 "
-                                     "(bitsandbytes' AdEMAMix), which memfit does not have")
-        b0, b1 = betas
+                                     f"(bitsandbytes' AdEMAMix): {_ADEMAMIX_HINT}")
+        b0, b1 = betas[:2]
         common = dict(lr=sg["lr"], weight_decay=sg["weight_decay"], params=sg["params"])
         out.append({
             _core.ADAMW: dict(betas=betas, eps=sg["eps"], decoupled_weight_decay=True),
@@ -498,6 +511,9 @@ def _bnb_groups(optimizer, saved_groups, two_state):
             _core.RMSPROP: dict(alpha=b0, momentum=b1, eps=sg["eps"]),
             # bitsandbytes' Adagrad has neither (it refuses both), so its state is torch's
             _core.ADAGRAD: dict(eps=sg["eps"], lr_decay=0.0, initial_accumulator_value=0.0),
+            # bitsandbytes' AdEMAMix groups always hold these (its constructor's defaults)
+            _core.ADEMAMIX: dict(betas=betas, eps=sg["eps"], alpha=sg.get("alpha", 5.0),
+                                 t_alpha=sg.get("t_alpha"), t_beta3=sg.get("t_beta3")),
         }[kind] | common)
     return out
 
@@ -508,7 +524,9 @@ def from_bitsandbytes(optimizer, state_dict, block_size=None):
     states, dequantized as ``qmap[code] * absmax[block]``); ``optimizer.load_state_dict``
     calls it for you. Adam and AdamW (two states) load into memfit's AdamW classes (and
     into Adam ones without weight decay: bitsandbytes' decays decoupled); Lion, SGD,
-    RMSprop and Adagrad (one state) into Lion8bit, SGD8bit, RMSprop8bit and Adagrad8bit, their hyperparameters
+    RMSprop and Adagrad (one state) into Lion8bit, SGD8bit, RMSprop8bit and Adagrad8bit,
+    AdEMAMix (``state1`` of shape ``(2, *p.shape)``: exp_avg, exp_avg_slow) into
+    AdEMAMix8bit/AdEMAMix, their hyperparameters
     mapped as memfit.optim.bnb maps bitsandbytes' arguments (RMSprop's ``momentum``
     acts from the load on, with a buffer that starts at zero as torch's). ``block_size``:
     bitsandbytes' block size, by default found from the number of absmax values (exact:
@@ -546,10 +564,12 @@ def from_bitsandbytes(optimizer, state_dict, block_size=None):
                                      "optimizer's state dict")
         two_state = kinds.pop()
     else:  # nothing stepped: Adam's groups say so since AdEMAMix joined them (0.44)
-        two_state = kind in (_core.ADAMW, _core.ADAM) or any(
+        two_state = kind in (_core.ADAMW, _core.ADAM, _core.ADEMAMIX) or any(
             k in sg for sg in state_dict["param_groups"] for k in _BNB_ADEMAMIX_KEYS)
     groups = _bnb_groups(optimizer, state_dict["param_groups"], two_state)
     labels = {nm: f"'state{k}' ({nm})" for k, nm in enumerate(names, start=1)}
+    if kind == _core.ADEMAMIX:  # bitsandbytes stacks m1 and m2 in state1, m1 first
+        labels.update(exp_avg="'state1'[0] (exp_avg)", exp_avg_slow="'state1'[1] (exp_avg_slow)")
     converted = {}
     for pid, saved in unwrapped.items():
         if pid not in place or not saved:
@@ -563,9 +583,27 @@ def from_bitsandbytes(optimizer, state_dict, block_size=None):
             if s is None:
                 raise _refuse(optimizer, f"{where}: has no bitsandbytes state{k}: the state dict is "
                                          "incomplete")
+            absmax = saved.get(f"absmax{k}")
+            if kind == _core.ADEMAMIX and k == 1:
+                # bitsandbytes' AdEMAMix keeps m1 and m2 as state1 (2, *shape), each half
+                # quantized with its own row of absmax1 (2, blocks)
+                if not torch.is_tensor(s) or tuple(s.shape) != (2, *p.shape):
+                    raise _refuse(optimizer, f"{where}: state1 of bitsandbytes' AdEMAMix (exp_avg and "
+                                             f"exp_avg_slow stacked) has shape "
+                                             f"{tuple(getattr(s, 'shape', ()))}, expected "
+                                             f"{(2, *p.shape)}")
+                uint8 = s.dtype == torch.uint8
+                if uint8 and not (torch.is_tensor(absmax) and absmax.dim() == 2 and absmax.shape[0] == 2):
+                    raise _refuse(optimizer, f"{where}: 8-bit state1 of bitsandbytes' AdEMAMix needs "
+                                             "absmax1 of shape (2, blocks), one row per stacked state")
+                for half, j in ((0, 0), (1, 2)):
+                    out[names[j]] = (_bnb_dequantize(optimizer, where, k, names[j], signed[j], s[half], p,
+                                                     absmax[half], saved.get("qmap1"), block_size)
+                                     if uint8 else s[half])
+                continue
             if torch.is_tensor(s) and s.dtype == torch.uint8:
                 s = _bnb_dequantize(optimizer, where, k, names[k - 1], signed[k - 1], s, p,
-                                    saved.get(f"absmax{k}"), saved.get(f"qmap{k}"), block_size)
+                                    absmax, saved.get(f"qmap{k}"), block_size)
             out[names[k - 1]] = s
         momentum = groups[gi].get("momentum", 0)
         if kind == _core.RMSPROP and isinstance(momentum, numbers.Real) and momentum > 0:
@@ -705,7 +743,10 @@ def to_torch_state_dict(optimizer) -> dict:
     Lion as lion-pytorch names it), the float32 ``step``, and param groups with torch's
     keys (memfit's own, such as bits and block_size, left out), for the torch optimizer
     of the same kind to load (Adagrad's parameters not stepped yet get torch's initial state, which its step
-    needs). Quantized states are dequantized exactly (:func:`memfit.optim.dequantized_state`);
+    needs). torch has no AdEMAMix: for AdEMAMix8bit/AdEMAMix the same float32 dict
+    (``exp_avg``, ``exp_avg_sq``, ``exp_avg_slow``, ``step``; groups with lr, betas, alpha,
+    t_alpha, t_beta3, eps, weight_decay, maximize), which any AdEMAMix class of memfit
+    loads back. Quantized states are dequantized exactly (:func:`memfit.optim.dequantized_state`);
     a Kahan compensation buffer is dropped (the parameter keeps its rounded value).
 
     >>> t = torch.optim.AdamW(model.parameters())  # doctest: +SKIP

@@ -42,7 +42,7 @@ __all__ = [
 ]
 
 _KINDS = {"adamw": _core.ADAMW, "adam": _core.ADAM, "lion": _core.LION, "sgd": _core.SGD,
-          "rmsprop": _core.RMSPROP}
+          "rmsprop": _core.RMSPROP, "ademamix": _core.ADEMAMIX}
 
 
 def _numel(x) -> int:
@@ -55,8 +55,9 @@ def _numel(x) -> int:
 def init(kind: str, param, bits: int = 8, block_size: int | None = None, momentum: float = 0.0,
          min_8bit_size: int = 0, kahan: bool = False) -> dict:
     """Zero state for ``param``: {"step", "state1", "absmax1", "state2", "absmax2",
-    "kahan_comp", "bits", "block_size", "rows"} (unused entries are None). ``kind``: adamw,
-    adam, lion, sgd or rmsprop; ``bits``: 8, 4 or 32. Tensors with fewer than
+    "kahan_comp", "bits", "block_size", "rows"} (unused entries are None; ademamix adds
+    "state3", "absmax3"). ``kind``: adamw, adam, lion, sgd, rmsprop or ademamix; ``bits``:
+    8, 4 or 32. Tensors with fewer than
     ``min_8bit_size`` elements get float32 states. ``kahan``: keep a Kahan compensation
     buffer for a float16/bfloat16 ``param`` (none for float32). Quantization blocks stay
     within rows (``param.shape[0]`` of them for a row-major array of two or more
@@ -80,6 +81,8 @@ def init(kind: str, param, bits: int = 8, block_size: int | None = None, momentu
     st = {"step": _zeros(src, (1,), "float32"), "bits": bits, "block_size": bs, "kind": kind,
           "rows": rows,
           "state1": None, "absmax1": None, "state2": None, "absmax2": None, "kahan_comp": None}
+    if layout["num_states"] > 2:  # AdEMAMix's exp_avg_slow
+        st["state3"] = st["absmax3"] = None
     dt = _arrays.dtype_name(src.dtype)
     if kahan and dt in ("float16", "bfloat16"):
         st["kahan_comp"] = _zeros(src, (n,), dt)
@@ -113,7 +116,8 @@ def _check_state_arg(kind: str, state) -> None:
 def step(kind: str, param, grad, state: dict, *, grad_scale=None, found_inf=None, **hp) -> None:
     """One step of optimizer ``kind`` with hyperparameters ``hp`` (lr, beta1, beta2,
     eps, weight_decay, momentum, dampening, alpha, nesterov, maximize; adamw/adam and sgd
-    also max_unorm, the trust ratio of LAMB and LARS, and adamw/adam bias_correction)."""
+    also max_unorm, the trust ratio of LAMB and LARS, and adamw/adam bias_correction;
+    ademamix: beta3, alpha, t_alpha, t_beta3)."""
     if kind not in _KINDS:
         raise ValueError(f"kind: expected one of {', '.join(_KINDS)}, got {kind!r}")
     _check_state_arg(kind, state)
@@ -132,7 +136,9 @@ def step(kind: str, param, grad, state: dict, *, grad_scale=None, found_inf=None
                [state["step"]], grad_scale, found_inf, _arrays.stream_of(p),
                [state.get("kahan_comp")], rows=[state.get("rows", 1)],
                trust=[_zeros(p, (_core.trust_numel(_numel(p)),), "float32")]
-               if h["max_unorm"] > 0 else None)
+               if h["max_unorm"] > 0 else None,
+               state3=[state["state3"]] if ns > 2 else None,
+               absmax3=[state["absmax3"]] if ns > 2 else None)
 
 
 def _check_grad_shape(param, grad) -> None:

@@ -41,13 +41,15 @@ refused by the constructor, add_param_group, and (after ``model.double()``) step
 
 from __future__ import annotations
 
+import numbers
+
 import torch
 
 from memfit.optim import _core
 from memfit.optim._torch import _MemfitOptimizer
 
-__all__ = ["Adagrad", "Adagrad8bit", "Adam", "Adam8bit", "AdamW", "AdamW4bit", "AdamW8bit",
-           "Lion8bit", "RMSprop8bit", "SGD8bit"]
+__all__ = ["AdEMAMix", "AdEMAMix8bit", "Adagrad", "Adagrad8bit", "Adam", "Adam8bit", "AdamW",
+           "AdamW4bit", "AdamW8bit", "Lion8bit", "RMSprop8bit", "SGD8bit"]
 
 
 def _betas(betas):
@@ -290,6 +292,81 @@ class Adagrad(_AdagradBase):
     """torch.optim.Adagrad on memfit's fused kernel, float32 ``sum``.
 
         >>> opt = memfit.optim.Adagrad(model.parameters(), lr=1e-2, lr_decay=1e-4)  # doctest: +SKIP
+    """
+
+    _bits = 32
+
+
+def _betas3(betas):
+    try:
+        b1, b2, b3 = betas
+    except (TypeError, ValueError):
+        raise ValueError(f"betas: expected three betas (beta1, beta2, beta3), got {betas!r}") from None
+    return float(b1), float(b2), float(b3)
+
+
+def _schedule_steps(name, value):
+    """AdEMAMix's t_alpha / t_beta3: None (no scheduler) or a positive int; as the core
+    takes it (0 for None)."""
+    if value is None:
+        return 0
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"{name}: expected None or a positive int (a number of steps), got {value!r}")
+    if int(value) <= 0:
+        raise ValueError(f"{name}: expected None or a positive int (a number of steps), got {value!r}")
+    return int(value)
+
+
+class _AdEMAMixBase(_MemfitOptimizer):
+    _kind = _core.ADEMAMIX
+    _TORCH_FLAGS = dict(maximize=False)  # torch has no AdEMAMix; bitsandbytes keeps none
+
+    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999, 0.9999), alpha=5.0, t_alpha=None,
+                 t_beta3=None, eps=1e-8, weight_decay=1e-2, *, maximize=False, block_size=None,
+                 min_8bit_size=4096, bf16_stochastic_round=None, kahan=False, **torch_flags):
+        super().__init__(params, dict(lr=lr, betas=_betas3(betas), alpha=alpha, t_alpha=t_alpha,
+                                      t_beta3=t_beta3, eps=eps, weight_decay=weight_decay),
+                         maximize=maximize, block_size=block_size, min_8bit_size=min_8bit_size,
+                         bf16_stochastic_round=bf16_stochastic_round, kahan=kahan, **torch_flags)
+
+    def _hparams(self, group):
+        b1, b2, b3 = _betas3(group["betas"])
+        return _core.hparams(lr=group["lr"], beta1=b1, beta2=b2, beta3=b3, alpha=group["alpha"],
+                             t_alpha=_schedule_steps("t_alpha", group["t_alpha"]),
+                             t_beta3=_schedule_steps("t_beta3", group["t_beta3"]),
+                             eps=group["eps"], weight_decay=group["weight_decay"],
+                             maximize=group["maximize"])
+
+
+class AdEMAMix8bit(_AdEMAMixBase):
+    """AdEMAMix (Pagliardini, Ablin, Grangier 2024, "The AdEMAMix Optimizer: Better, Faster,
+    Older") with 8-bit states, as bitsandbytes' AdEMAMix8bit computes it: a fast EMA
+    ``exp_avg`` (beta1), a slow one ``exp_avg_slow`` (beta3; both in the signed dynamic
+    map) and ``exp_avg_sq`` (beta2, unsigned map); about 3 bytes of state per parameter::
+
+        m1 = b1*m1 + (1-b1)*g;  m2 = b3_t*m2 + (1-b3_t)*g;  nu = b2*nu + (1-b2)*g*g
+        p  = p*(1 - lr*wd) - lr * (m1/(1-b1^t) + alpha_t*m2) / (sqrt(nu)/sqrt(1-b2^t) + eps)
+
+    with the optional warm-up schedulers of the paper: ``t_alpha`` steps ramp alpha
+    linearly from 0, ``t_beta3`` steps move beta3 from beta1 to its value (None: none).
+    The schedulers are computed on the parameters' device inside the step, from the
+    step counter. DTensor (FSDP2) parameters work as for AdamW8bit (the update is
+    elementwise; each rank steps its rows).
+
+        >>> opt = memfit.optim.AdEMAMix8bit(model.parameters(), lr=1e-3,  # doctest: +SKIP
+        ...                                 t_alpha=100_000, t_beta3=100_000)
+
+    Args: bitsandbytes' (lr, betas, alpha, t_alpha, t_beta3, eps, weight_decay,
+    min_8bit_size), plus memfit's common options (see :mod:`memfit.optim.optimizers`).
+    """
+
+    _bits = 8
+
+
+class AdEMAMix(_AdEMAMixBase):
+    """AdEMAMix (see :class:`AdEMAMix8bit`) with float32 states (``bits=32``).
+
+        >>> opt = memfit.optim.AdEMAMix(model.parameters(), alpha=8.0)  # doctest: +SKIP
     """
 
     _bits = 32
