@@ -268,3 +268,33 @@ def test_muon_state_bytes_hand_computed_and_measured():
     out = run_cli("estimate", "gpt2", "--json", "--precision", "fp32", "--optimizer", "muon8bit")
     assert out.returncode == 0, out.stderr
     assert json.loads(out.stdout)["setting"]["optimizer"] == muon8
+
+
+_STATE_CLASSES = {  # OPTIMIZER_BYTES name: memfit.optim class, its arguments
+    "adamw8bit": ("AdamW8bit", {}), "adamw": ("AdamW", {}), "adamw4bit": ("AdamW4bit", {}),
+    "lion8bit": ("Lion8bit", {}), "sgd8bit": ("SGD8bit", dict(momentum=0.9)),
+    "rmsprop8bit": ("RMSprop8bit", {}), "adagrad8bit": ("Adagrad8bit", {}), "adagrad": ("Adagrad", {}),
+    "lamb8bit": ("LAMB8bit", {}), "lamb": ("LAMB", {}), "lars8bit": ("LARS8bit", dict(momentum=0.9)),
+    "lars": ("LARS", dict(momentum=0.9)), "ademamix8bit": ("AdEMAMix8bit", {}), "ademamix": ("AdEMAMix", {}),
+}
+
+
+@pytest.mark.parametrize("name", sorted(_STATE_CLASSES))
+def test_state_bytes_match_the_optimizers_storages(name):
+    """Every --optimizer name of a memfit class: the estimate's optimizer bytes are the
+    storages the class holds after a step on a small GPT (1-D tensors at the 32-bit
+    form's bytes, as the 8-bit classes keep them), plus each tensor's float32 step."""
+    import memfit.optim as mo
+    from memfit.profile import state_bytes
+
+    cls_name, kwargs = _STATE_CLASSES[name]
+    cfg = GPTConfig(n_layer=2, d_model=256, n_head=4, vocab=512, max_pos=64)
+    torch.manual_seed(0)
+    model = GPT(cfg)
+    params = list(model.parameters())
+    opt = getattr(mo, cls_name)(params, lr=1e-3, **kwargs)
+    for p in params:
+        p.grad = torch.randn_like(p)
+    opt.step()
+    est = M.estimate(spec_of(cfg), M.Setup(batch=1, seq=64, optimizer=name, gpu=False))
+    assert state_bytes(opt) == est.optimizer + 4 * len(params), (name, state_bytes(opt), est.optimizer)

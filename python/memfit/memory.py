@@ -36,7 +36,8 @@ one input per segment plus one segment's activations.
 
 Optimizer states per parameter: AdamW 8 B; 8-bit AdamW 2 B + 2 float32 absmax per 256
 (2.03 B); 4-bit AdamW 1 B + 2 absmax per 128 (1.06 B); SGD momentum 4 B; Lion 4 B,
-8-bit Lion 1.02 B; ``adamw-bf16`` (torch's fused CUDA AdamW with bfloat16 moments beside
+8-bit Lion 1.02 B; Adagrad, SGD (momentum), RMSprop (no momentum) and LARS 4 B, 8-bit 1.02 B;
+LAMB as AdamW; AdEMAMix 12 B, 8-bit 3.05 B; ``adamw-bf16`` (torch's fused CUDA AdamW with bfloat16 moments beside
 float32 parameters, a peer's option for comparison: every tensor, 1-D too) 4 B. memfit's 8-/4-bit optimizers keep float32 states for 1-D parameters
 (biases, norms: ``vector_params``), so those count at the 32-bit optimizer's bytes.
 Muon (``muon8bit``: memfit's Muon8bit, ``muon``: torch.optim.Muon or memfit's Muon with
@@ -70,6 +71,14 @@ OPTIMIZER_BYTES = {  # bytes of state per parameter
     "adamw4bit": 1.0 + 2 * 4 / 128,
     "sgd": 4.0, "lion": 4.0, "lion8bit": 1.0 + 4 / 256,
     "adamw-bf16": 2.0 + 2.0,  # torch's fused CUDA AdamW, bfloat16 exp_avg and exp_avg_sq
+    # one state (sum; momentum; square_avg without momentum), 8-bit: 1 B + an absmax per 256
+    "adagrad": 4.0, "adagrad8bit": 1.0 + 4 / 256, "sgd8bit": 1.0 + 4 / 256,
+    "rmsprop": 4.0, "rmsprop8bit": 1.0 + 4 / 256,
+    # LAMB keeps Adam's two states, LARS SGD's momentum (the trust ratio's float64 scratch
+    # lives during the step only)
+    "lamb": 8.0, "lamb8bit": 2.0 + 2 * 4 / 256, "lars": 4.0, "lars8bit": 1.0 + 4 / 256,
+    # AdEMAMix: exp_avg, exp_avg_sq and exp_avg_slow
+    "ademamix": 12.0, "ademamix8bit": 3.0 + 3 * 4 / 256,
 }
 # Muon: bytes per parameter of a hidden matrix (its momentum); the rest of the model is
 # stepped by the AdamW of MUON_REST
@@ -78,7 +87,9 @@ MUON_REST = {"muon8bit": "adamw8bit", "muon": "adamw"}
 # the quantized optimizers' bytes per parameter for 1-D tensors: those of their 32-bit form
 VECTOR_OPTIMIZER_BYTES = {q: OPTIMIZER_BYTES[full] for q, full in
                           {"adamw8bit": "adamw", "adam8bit": "adam", "adamw4bit": "adamw",
-                           "lion8bit": "lion"}.items()}
+                           "lion8bit": "lion", "adagrad8bit": "adagrad", "sgd8bit": "sgd",
+                           "rmsprop8bit": "rmsprop", "lamb8bit": "lamb", "lars8bit": "lars",
+                           "ademamix8bit": "ademamix"}.items()}
 
 GPUS = {  # name: (memory in GiB, native bf16)
     "t4": (15.0, False), "l4": (22.5, True), "a10": (22.5, True), "v100": (16.0, False),
