@@ -7,11 +7,14 @@ whole update within 5% (relative, in norm) of the reference's, the error of 8-bi
 moments over a few steps.
 """
 
+import copy
+
 import numpy as np
 import pytest
 import torch
 
 import memfit.optim as mo
+from memfit import MemfitValueError
 from memfit.optim import _core
 
 LAMB_CLASSES = (mo.LAMB, mo.LAMB8bit)
@@ -296,6 +299,7 @@ import torch, torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Shard, distribute_tensor
 import memfit.optim as mo
+from memfit import MemfitValueError
 dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
 mesh = init_device_mesh("cpu", (1,))
 p = torch.nn.Parameter(distribute_tensor(torch.randn(8, 16), mesh, [Shard(0)]))
@@ -359,3 +363,34 @@ def test_adamw_and_sgd_state_dicts_continue_as_lamb_and_lars():
                 o.step()
         assert torch.equal(p, q)
         assert b.state_dict()["param_groups"][0]["max_unorm"] == 1e9
+
+
+def test_lamb_and_lars_state_dicts_refused_where_the_math_would_change():
+    """The other way round, a LAMB/LARS dict whose groups use what AdamW/Adam/SGD do not
+    apply (a trust ratio, no bias correction, L2 decay in LAMB) is refused, naming the
+    key, and nothing loads; with those at AdamW's and SGD's values it loads and steps on
+    bit for bit."""
+    p0, grads = _data(12, (16, 300), 0.01, steps=3)
+    cases = ((mo.LAMB8bit, mo.AdamW8bit, dict(lr=1e-2), {}, "max_unorm=1.0"),
+             (mo.LAMB, mo.AdamW, dict(lr=1e-2), dict(max_unorm=0.0, bias_correction=False),
+              "bias_correction=False"),
+             (mo.LARS8bit, mo.SGD8bit, dict(lr=0.1, momentum=0.9), {}, "max_unorm=0.02"))
+    for first, second, kw, extra, key in cases:
+        _, a, _ = _run(first, p0, grads[:1], **kw, **extra)
+        q = torch.nn.Parameter(torch.tensor(p0))
+        b = second([q], min_8bit_size=0, **kw)
+        before = copy.deepcopy(b.state_dict())
+        with pytest.raises(MemfitValueError, match=f"saved by memfit.optim.{first.__name__} with {key}"):
+            b.load_state_dict(a.state_dict())
+        assert b.state_dict() == before
+    for first, second, kw in ((mo.LAMB8bit, mo.AdamW8bit, dict(lr=1e-2, weight_decay=0.1)),
+                              (mo.LARS8bit, mo.SGD8bit, dict(lr=0.1, momentum=0.9))):
+        _, a, p = _run(first, p0, grads[:1], max_unorm=0.0, **kw)
+        q = torch.nn.Parameter(p.detach().clone())
+        b = second([q], min_8bit_size=0, **kw)
+        b.load_state_dict(a.state_dict())
+        for g in grads[1:]:
+            for o, x in ((a, p), (b, q)):
+                x.grad = torch.tensor(g)
+                o.step()
+        assert torch.equal(p, q)

@@ -179,6 +179,15 @@ def _same_math(optimizer, state_dict):
             saved_groups = [{**sg, **fixed} if "decoupled_weight_decay" in sg else sg
                             for sg in saved_groups]
             state_dict = {**state_dict, "param_groups": saved_groups}
+        if getattr(cls, "_TRUST_KEYS", ()) and not getattr(optimizer, "_TRUST_KEYS", ()):
+            for gi, sg in enumerate(saved_groups):  # LAMB/LARS into AdamW/Adam/SGD
+                extras = {k: sg[k] for k in ("max_unorm", "bias_correction", "adam_w_mode")
+                          if k in sg and sg[k] != (0.0 if k == "max_unorm" else True)}
+                if extras:
+                    raise _refuse(optimizer, f"param_groups[{gi}] was saved by {_qualified(saver)} with "
+                                             f"{', '.join(f'{k}={v!r}' for k, v in extras.items())}, "
+                                             f"which {name} does not apply (options of LAMB and LARS only); "
+                                             "load it into the class that saved it")
         for gi, (g, sg) in enumerate(zip(optimizer.param_groups, saved_groups)):
             if sg.get("bits") != g["bits"]:
                 raise _refuse(optimizer, f"param_groups[{gi}] was saved by {_qualified(saver)} with "
