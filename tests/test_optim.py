@@ -543,22 +543,28 @@ def test_functional_grad_scale_and_found_inf():
 
 # ---- functional API ------------------------------------------------------------------------
 
-@pytest.mark.parametrize("kind,bits", [("adamw", 8), ("adamw", 4), ("adamw", 32), ("lion", 8),
-                                       ("sgd", 8), ("rmsprop", 8), ("adam", 8)])
+_FUNCTIONAL_CLASSES = {("adamw", 8): mo.AdamW8bit, ("adamw", 4): mo.AdamW4bit, ("adamw", 32): mo.AdamW,
+                       ("lion", 8): mo.Lion8bit, ("sgd", 8): mo.SGD8bit, ("rmsprop", 8): mo.RMSprop8bit,
+                       ("adam", 8): mo.Adam8bit, ("adagrad", 8): mo.Adagrad8bit, ("adagrad", 32): mo.Adagrad,
+                       ("ademamix", 8): mo.AdEMAMix8bit, ("ademamix", 32): mo.AdEMAMix}
+
+
+@pytest.mark.parametrize("kind,bits", sorted(_FUNCTIONAL_CLASSES))
 def test_functional_matches_optimizer(kind, bits):
     """The NumPy functional step and the torch optimizer run the same kernel: same bits."""
-    cls = {("adamw", 8): mo.AdamW8bit, ("adamw", 4): mo.AdamW4bit, ("adamw", 32): mo.AdamW,
-           ("lion", 8): mo.Lion8bit, ("sgd", 8): mo.SGD8bit, ("rmsprop", 8): mo.RMSprop8bit,
-           ("adam", 8): mo.Adam8bit}[(kind, bits)]
+    cls = _FUNCTIONAL_CLASSES[(kind, bits)]
     rng = np.random.default_rng(1)
     p_np = rng.standard_normal((13, 771)).astype(np.float32)  # rows of 771: partial blocks
     p_t = torch.nn.Parameter(torch.from_numpy(p_np.copy()))
-    opt = make(cls, [p_t], lr=1e-2, min_8bit_size=0)
+    # (the functional Adagrad's sum starts at 0: initial_accumulator_value=0)
+    extra = {"adagrad": dict(lr_decay=0.1, initial_accumulator_value=0.0),
+             "ademamix": dict(t_alpha=2, t_beta3=3)}.get(kind, {})
+    opt = make(cls, [p_t], lr=1e-2, min_8bit_size=0, **extra)
     hp = {k: v for k, v in opt.param_groups[0].items() if k in ("lr", "weight_decay", "maximize")}
     g0 = opt.param_groups[0]
     if "betas" in g0:
-        hp["beta1"], hp["beta2"] = g0["betas"]
-    for k in ("eps", "momentum", "dampening", "nesterov", "alpha"):
+        hp.update(zip(("beta1", "beta2", "beta3"), g0["betas"]))
+    for k in ("eps", "momentum", "dampening", "nesterov", "alpha", "lr_decay", "t_alpha", "t_beta3"):
         if k in g0:
             hp[k] = g0[k]
     st = F.init(kind, p_np, bits, momentum=hp.get("momentum", 0.0))

@@ -42,7 +42,7 @@ __all__ = [
 ]
 
 _KINDS = {"adamw": _core.ADAMW, "adam": _core.ADAM, "lion": _core.LION, "sgd": _core.SGD,
-          "rmsprop": _core.RMSPROP, "ademamix": _core.ADEMAMIX}
+          "rmsprop": _core.RMSPROP, "adagrad": _core.ADAGRAD, "ademamix": _core.ADEMAMIX}
 
 
 def _numel(x) -> int:
@@ -117,7 +117,8 @@ def step(kind: str, param, grad, state: dict, *, grad_scale=None, found_inf=None
     """One step of optimizer ``kind`` with hyperparameters ``hp`` (lr, beta1, beta2,
     eps, weight_decay, momentum, dampening, alpha, nesterov, maximize; adamw/adam and sgd
     also max_unorm, the trust ratio of LAMB and LARS, and adamw/adam bias_correction;
-    ademamix: beta3, alpha, t_alpha, t_beta3)."""
+    adagrad: lr_decay (its ``sum`` starts at 0: torch's initial_accumulator_value=0);
+    ademamix: beta3, alpha, t_alpha, t_beta3 (steps; 0: no scheduler))."""
     if kind not in _KINDS:
         raise ValueError(f"kind: expected one of {', '.join(_KINDS)}, got {kind!r}")
     _check_state_arg(kind, state)
