@@ -38,7 +38,10 @@ MIN_8BIT = 2048
 STEPS = 3
 OPTIMIZERS = {"AdamW8bit": dict(lr=1e-2, min_8bit_size=MIN_8BIT),
               "AdamW4bit": dict(lr=1e-2, min_8bit_size=MIN_8BIT),
-              "Lion8bit": dict(lr=1e-3, min_8bit_size=MIN_8BIT)}
+              "Lion8bit": dict(lr=1e-3, min_8bit_size=MIN_8BIT),
+              "Adagrad8bit": dict(lr=1e-2, min_8bit_size=MIN_8BIT, initial_accumulator_value=0.1),
+              # both schedulers move within the steps
+              "AdEMAMix8bit": dict(lr=1e-2, min_8bit_size=MIN_8BIT, t_alpha=2, t_beta3=2)}
 
 
 def _model():

@@ -22,6 +22,9 @@ OPTIMIZERS = [
     (mo.RMSprop8bit, dict(lr=1e-3)),
     (mo.Muon8bit, dict(lr=2e-2)),  # the biases' group: use_muon=False (see groups)
     (mo.Muon, dict(lr=2e-2)),
+    (mo.Adagrad8bit, dict(lr=1e-2, initial_accumulator_value=0.1)),
+    (mo.AdEMAMix8bit, dict(lr=1e-3, t_alpha=2, t_beta3=2)),
+    (mo.LAMB8bit, dict(lr=1e-2)),
 ]
 IDS = [c.__name__ for c, _ in OPTIMIZERS]
 

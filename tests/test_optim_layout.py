@@ -37,7 +37,9 @@ def _cl_and_flat(seed, shape=(12, 5, 3, 3)):
     (mo.AdamW4bit, {}),
     (mo.AdamW, {}),
     (mo.Lion8bit, {"block_size": 128}),
-], ids=["AdamW8bit", "AdamW4bit", "AdamW", "Lion8bit"])
+    (mo.Adagrad8bit, {"initial_accumulator_value": 0.1}),
+    (mo.AdEMAMix8bit, {"t_alpha": 2}),
+], ids=["AdamW8bit", "AdamW4bit", "AdamW", "Lion8bit", "Adagrad8bit", "AdEMAMix8bit"])
 def test_channels_last_steps_as_its_storage_order(cls, kw):
     p, q, grads = _cl_and_flat(11)
     op = cls([p], lr=1e-2, min_8bit_size=0, **kw)

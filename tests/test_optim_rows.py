@@ -34,6 +34,8 @@ CASES = [
     (mo.Lion8bit, {}, (9, 1000), [0, 3, 6, 9]),
     (mo.SGD8bit, {"momentum": 0.9}, (11, 257), [0, 6, 11]),
     (mo.RMSprop8bit, {"momentum": 0.5}, (11, 257), [0, 2, 11]),
+    (mo.Adagrad8bit, {"initial_accumulator_value": 0.1}, (13, 300), [0, 4, 13]),
+    (mo.AdEMAMix8bit, {"t_alpha": 2, "t_beta3": 2}, (19, 257), [0, 7, 7, 19]),
 ]
 
 
