@@ -179,6 +179,33 @@ assert type(opt.optimizer).__name__ == "AdamW8bit" and opt.optimizer.state
 assert all(p.grad is None for p in sib_model.parameters())
 """
 
+def outputs_08(nb, cwd):
+    split = printed(nb, "muon_param_groups(model, lr=3e-3)")
+    assert "use_muon=True: 8 tensors" in split and "use_muon=False" in split, split
+    train = printed(nb, "Muon8bit(groups, lr=0.02)")
+    muon, adamw = numbers(r"Muon8bit loss ([0-9.]+)", train), numbers(r"AdamW8bit loss ([0-9.]+)", train)
+    # "both learn the rule; Muon8bit's loss falls faster per step"
+    assert len(muon) == len(adamw) == 4 and muon[-1] < 0.1 and adamw[-1] < 0.1, train
+    assert all(m < a for m, a in zip(muon, adamw)), train
+    sizes = printed(nb, "def state_bytes(o, params)")
+    (muon_b,), (adamw_b,) = numbers(r"Muon8bit: ([0-9.]+) bytes", sizes), numbers(r"AdamW8bit: ([0-9.]+) bytes", sizes)
+    # one byte plus a float32 per block (of 256, or of a 128-element row); AdamW8bit two of those
+    assert 1 + 4 / 256 <= muon_b <= 1 + 4 / 128 and abs(adamw_b - 2 * muon_b) <= 0.002, sizes
+    torch_line = printed(nb, "torch.optim.Muon([w_torch]")
+    assert "bit for bit: True" in torch_line or "has no torch.optim.Muon" in torch_line, torch_line
+    saved = printed(nb, "saved = copy.deepcopy(opt.state_dict())")
+    assert "resumed run identical: True" in saved and "['momentum_buffer']" in saved, saved
+    plan = printed(nb, "for optimizer in (\"adamw\", \"adamw8bit\", \"muon8bit\")")
+    for a, a8, m8 in re.findall(r"adamw ([0-9.]+) GB \| adamw8bit ([0-9.]+) GB \| muon8bit ([0-9.]+) GB", plan):
+        assert float(m8) < float(a8) < float(a), plan
+
+
+CHECK_08 = """
+assert isinstance(opt, memfit.optim.Muon8bit) and opt.param_groups[1]["use_muon"] is False
+assert resumed_same and all(torch.equal(a, b) for a, b in zip(model.parameters(), twin_model.parameters()))
+assert exported["state"] and all(v["momentum_buffer"].dtype == torch.float32 for v in exported["state"].values())
+"""
+
 CHECKS = {
     "00_quantization.ipynb": (CHECK_00, outputs_00),
     "01_quickstart.ipynb": (CHECK_01, outputs_01),
@@ -188,6 +215,7 @@ CHECKS = {
     "05_8bit_optimizers.ipynb": (CHECK_05, outputs_05),
     "06_distributed.ipynb": (CHECK_06, outputs_06),
     "07_offload.ipynb": (CHECK_07, outputs_07),
+    "08_muon.ipynb": (CHECK_08, outputs_08),
 }
 
 
