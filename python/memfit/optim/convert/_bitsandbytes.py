@@ -27,6 +27,14 @@ _BNB_ADEMAMIX_KEYS = ("alpha", "t_alpha", "t_beta3")
 _ADEMAMIX_HINT = "load it into memfit.optim.AdEMAMix8bit or AdEMAMix"
 
 
+def bnb_schedule_steps(value):
+    """AdEMAMix's ``t_alpha`` / ``t_beta3`` as bitsandbytes reads them: from 0.49.2 on
+    (``if t_alpha:``) a 0 means no scheduler, memfit's None (0.49.0 and 0.49.1 divided by
+    it at the first step). Any other value is passed on to memfit's own check."""
+    zero = isinstance(value, numbers.Real) and not isinstance(value, bool) and value == 0
+    return None if zero else value
+
+
 def _bnb_groups(optimizer, saved_groups, two_state):
     """bitsandbytes' param groups under torch's keys for ``optimizer``'s kind, as the
     shim's constructors map bitsandbytes' arguments (memfit.optim.bnb): one-state groups
@@ -78,7 +86,8 @@ def _bnb_groups(optimizer, saved_groups, two_state):
             _core.ADAGRAD: dict(eps=sg["eps"], lr_decay=0.0, initial_accumulator_value=0.0),
             # bitsandbytes' AdEMAMix groups always hold these (its constructor's defaults)
             _core.ADEMAMIX: dict(betas=betas, eps=sg["eps"], alpha=sg.get("alpha", 5.0),
-                                 t_alpha=sg.get("t_alpha"), t_beta3=sg.get("t_beta3")),
+                                 t_alpha=bnb_schedule_steps(sg.get("t_alpha")),
+                                 t_beta3=bnb_schedule_steps(sg.get("t_beta3"))),
         }[kind] | common)
     return out
 
