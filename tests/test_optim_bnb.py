@@ -1,7 +1,8 @@
 """memfit.optim.bnb: a bitsandbytes user's optimizer lines run after an import swap.
 
 Signatures are checked against bitsandbytes' own (recorded below from the 0.49.2 and
-0.50.2 wheels' bitsandbytes/optim/{adamw,adam,lion,rmsprop,sgd,adagrad,lamb,lars,ademamix}.py), every argument is
+0.50.2 wheels' bitsandbytes/optim/{adamw,adam,lion,rmsprop,sgd,adagrad,lamb,lars,ademamix}.py;
+0.49.0's and 0.49.1's are 0.49.2's), every argument is
 passed in both spellings, what memfit cannot do raises ValueError, and a step is
 bit-identical to memfit's own class built with the translated arguments."""
 
@@ -279,7 +280,8 @@ ERRORS = [
     ("AdEMAMix8bit", dict(is_paged=True), "AdEMAMix8bit: memfit has no paged optimizers"),
     ("AdEMAMix", dict(optim_bits=16), "AdEMAMix: optim_bits: expected 8 or 32"),
     ("AdEMAMix", dict(betas="(0.9, 0.999)"), "AdEMAMix: betas: expected three numbers"),
-    ("AdEMAMix32bit", dict(t_alpha=0), "t_alpha: expected None or a positive int"),
+    ("AdEMAMix32bit", dict(t_alpha=-1), "t_alpha: expected None or a positive int"),
+    ("AdEMAMix8bit", dict(t_beta3=-3), "t_beta3: expected None or a positive int"),
     ("AdEMAMix8bit", dict(betas=(0.9, 0.999)), "betas: expected three betas"),
 ]
 
@@ -389,6 +391,19 @@ def test_step_is_memfits_own_class_bit_for_bit(case):
     want = 8 if case.endswith(("8bit", "-8")) else 32
     assert a.state[ma[0].weight]["state1"].dtype == (torch.uint8 if want == 8 else torch.float32)
 
+
+
+@pytest.mark.parametrize("name", ["AdEMAMix8bit", "AdEMAMix32bit"])
+@pytest.mark.parametrize("zero", [0, 0.0])
+def test_ademamix_schedule_of_zero_is_no_scheduler(name, zero):
+    """bitsandbytes 0.49.2 on reads t_alpha=0 / t_beta3=0 as no scheduler (``if t_alpha:``;
+    0.49.0 and 0.49.1 divided by it): the groups hold None and the steps are None's."""
+    ma, mb = model(), model()
+    a = getattr(bnb, name)(ma.parameters(), lr=1e-2, t_alpha=zero, t_beta3=zero, min_8bit_size=100)
+    b = getattr(bnb, name)(mb.parameters(), lr=1e-2, min_8bit_size=100)
+    assert (a.param_groups[0]["t_alpha"], a.param_groups[0]["t_beta3"]) == (None, None)
+    train(a, ma), train(b, mb)
+    assert_same_training(a, ma, b, mb)
 
 def test_bnb_adam_weight_decay_is_decoupled_not_torch_adams_l2():
     ma, mb = model(), model()

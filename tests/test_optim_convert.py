@@ -949,6 +949,68 @@ def test_bitsandbytes_ademamix_state_dict_loads(bits):
                              r"stacked\) has shape \(96, 64\), expected \(2, 96, 64\)")
 
 
+
+def unwrapped(sd):
+    """``sd`` as bitsandbytes 0.49.0 and 0.49.1 save it: the quantized states beside 'step'
+    (0.49.2 nests them under __bnb_optimizer_quant_state__)."""
+    return {**sd, "state": {pid: {**{k: v for k, v in s.items() if k != BNB_WRAPPED}, **s[BNB_WRAPPED]}
+                            for pid, s in sd["state"].items()}}
+
+
+BNB_049 = BNB_TARGETS + [(mo.AdEMAMix8bit, AD_KW)]
+
+
+@pytest.mark.parametrize("cls,kw", BNB_049, ids=[c.__name__ for c, _ in BNB_049])
+def test_bitsandbytes_049_unwrapped_state_dict_loads_as_the_wrapped_one(cls, kw):
+    """bitsandbytes 0.49.0/0.49.1 dicts (states not nested) load to the same states, bit for
+    bit, as the nested dicts of 0.49.2 and 0.50."""
+    _, source = trained(cls, 2, **kw)
+    sd = bnb_state_dict(source)
+    flat = unwrapped(sd)
+    assert "state1" in flat["state"][0] and BNB_WRAPPED not in flat["state"][0]
+    ma, mb = model(), model()
+    a, b = cls(ma.parameters(), min_8bit_size=500, **kw), cls(mb.parameters(), min_8bit_size=500, **kw)
+    a.load_state_dict(sd)
+    b.load_state_dict(flat)
+    assert a.param_groups[0]["lr"] == b.param_groups[0]["lr"]
+    for pa, pb in zip(ma.parameters(), mb.parameters()):
+        sa, sb = a.state[pa], b.state[pb]
+        assert sa.keys() == sb.keys() and "state1" in sa
+        assert all(torch.equal(sa[k], sb[k]) for k in sa)
+
+
+def test_bitsandbytes_049_non_blockwise_8bit_state_is_refused():
+    """0.49's block_wise=False (LAMB's default there): one max per tensor ('max1',
+    'new_max1', ...) instead of absmax blocks; refused, naming the key."""
+    _, source = trained(mo.AdamW8bit, 2)
+    sd = unwrapped(bnb_state_dict(source))
+    s = sd["state"][0]
+    for k in (1, 2):
+        del s[f"absmax{k}"]
+        s[f"max{k}"] = s[f"new_max{k}"] = torch.ones(1)
+    assert_refused(trained(mo.AdamW8bit)[1], sd, rf"{W0}: bitsandbytes state 'max1' cannot be "
+                                                 r"converted \(only block-wise 8-bit and 32-bit states\)")
+
+
+@pytest.mark.parametrize("zero", [0, 0.0])
+def test_bitsandbytes_ademamix_schedule_of_zero_loads_as_none(zero):
+    """bitsandbytes 0.49.2 on reads t_alpha=0 / t_beta3=0 as no scheduler (``if t_alpha:``):
+    its groups load with None; the states as with None."""
+    _, source = trained(mo.AdEMAMix8bit, 2, **{**AD_KW, "t_alpha": None, "t_beta3": None})
+    loaded = []
+    for t in (zero, None):
+        sd = bnb_state_dict(source, {"t_alpha": t, "t_beta3": t})
+        m = model()
+        opt = mo.AdEMAMix8bit(m.parameters(), min_8bit_size=500)
+        opt.load_state_dict(sd)
+        assert (opt.param_groups[0]["t_alpha"], opt.param_groups[0]["t_beta3"]) == (None, None)
+        train(m, opt, 1, seed=2)
+        loaded.append(list(m.parameters()))
+    assert all(torch.equal(p, q) for p, q in zip(*loaded))
+    bad = bnb_state_dict(source, {"t_alpha": -1})
+    assert_refused(mo.AdEMAMix8bit(model().parameters(), min_8bit_size=500), bad,
+                   r"t_alpha: expected None or a positive int")
+
 def test_memfit_state_dicts_are_taken_by_the_math_not_the_class_name():
     """A memfit state dict loads into another memfit class of the same kind and bits
     (memfit.optim.bnb's shims: test_optim_bnb.py); otherwise the refusal says why."""

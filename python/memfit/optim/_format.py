@@ -1,9 +1,9 @@
 """memfit's optimizer state-dict format: its version, where state_dict() records it,
 how to read it back, and the code tables and float32 values of the quantized states.
 
-Below both _torch.py (the optimizers) and convert.py (foreign and older state dicts):
+Below both _torch.py (the optimizers) and convert/ (foreign and older state dicts):
 the layering is _format <- convert <- _torch, one way. ``MemfitOptimizerBase`` lets this
-module and convert.py tell a memfit optimizer without importing _torch.
+module and convert/ tell a memfit optimizer without importing _torch.
 """
 
 from __future__ import annotations

@@ -46,12 +46,15 @@ memfit does instead; none is ignored:
 - ``LAMB``/``LARS`` (and their ``8bit``/``32bit`` forms, ``PytorchLARS``): memfit's
   :mod:`memfit.optim.trust` classes, which apply the trust ratio (``max_unorm``) in 8 and
   32 bits, and LAMB's ``bias_correction``/``adam_w_mode`` and LARS' ``dampening``/``nesterov``
-  as documented, where bitsandbytes' 8-bit kernels have no trust ratio (its LAMB8bit
-  refuses ``max_unorm != 1``) and its 32-bit ones ignore those options. Both spellings:
+  as documented, where bitsandbytes' 8-bit kernels have no trust ratio (0.50's LAMB8bit
+  refuses ``max_unorm != 1``; 0.49's LAMB classes dropped a ``max_unorm`` argument and
+  used 1.0) and its 32-bit ones ignore those options. Both spellings:
   a float after ``min_8bit_size`` is 0.50's ``max_unorm``, an int 0.49's
   ``percentile_clipping``; LAMB's ``block_wise`` (0.49's default False, which bitsandbytes
   needed for an 8-bit trust ratio) may be either: memfit applies the trust ratio to its
   blockwise states. ``args.max_unorm`` sets their ``max_unorm``.
+- ``AdEMAMix`` (and its ``8bit``/``32bit`` forms): a ``t_alpha`` or ``t_beta3`` of 0 means
+  no scheduler (None), as bitsandbytes reads it from 0.49.2 on (0.49.0/0.49.1 divided by it).
 - ``Adam``/``Adam8bit``/``Adam32bit``: bitsandbytes applies their ``weight_decay``
   decoupled, as AdamW (``p *= 1 - lr * weight_decay``), not torch.optim.Adam's L2; so
   do these (memfit's AdamW math, with Adam's default ``weight_decay=0``). memfit's own
@@ -77,6 +80,7 @@ import torch
 from memfit.optim import convert as _convert
 from memfit.optim import optimizers as _m
 from memfit.optim import trust as _trust
+from memfit.optim.convert._bitsandbytes import bnb_schedule_steps as _bnb_schedule_steps
 from memfit.optim._torch import _MemfitOptimizer
 
 __all__ = [
@@ -350,8 +354,9 @@ def _ademamix_class(name, base, fixed_bits, paged=False):
         bits, min8 = _resolve(name, optim_bits=optim_bits, args=None, min_8bit_size=min_8bit_size,
                               is_paged=is_paged, fixed_bits=fixed_bits)
         self._set_bits(bits)
-        base.__init__(self, params, lr, _string_betas(name, betas, True, 3), alpha, t_alpha, t_beta3,
-                      eps, weight_decay, min_8bit_size=min8)
+        base.__init__(self, params, lr, _string_betas(name, betas, True, 3), alpha,
+                      _bnb_schedule_steps(t_alpha), _bnb_schedule_steps(t_beta3), eps, weight_decay,
+                      min_8bit_size=min8)
 
     if fixed_bits is None and not paged:
         def __init__(self, params, lr=1e-3, betas=(0.9, 0.999, 0.9999), alpha=5.0, t_alpha=None,
