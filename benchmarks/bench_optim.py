@@ -71,6 +71,8 @@ BYTES = {"torch AdamW fused": 28, "torch AdamW foreach": 28, "memfit AdamW": 28,
          "memfit AdamW8bit": 16 + 8 / 256, "memfit AdamW4bit": 14 + 8 / 128,
          "memfit Lion8bit": 14 + 4 / 256, "memfit SGD8bit": 14 + 4 / 256,
          "memfit RMSprop8bit": 14 + 4 / 256,
+         # the step's bytes plus the trust ratio's norm pass, which reads p, g and the states
+         "memfit LAMB8bit": 16 + 8 / 256 + 10 + 8 / 256, "memfit LARS8bit": 14 + 4 / 256 + 9 + 4 / 256,
          "bnb AdamW8bit": 16 + 8 / 256, "torchao AdamW8bit (eager)": 16 + 8 / 256,
          "torchao AdamW4bit (eager)": 14 + 8 / 128}
 
@@ -126,6 +128,8 @@ def cpu_bench(sizes, reps, regimes, with_bnb, torch_only_fused=False):
         opts["memfit Lion8bit"] = mo.Lion8bit(param(), lr=1e-4)
         opts["memfit SGD8bit"] = mo.SGD8bit(param(), lr=1e-3, momentum=0.9)
         opts["memfit RMSprop8bit"] = mo.RMSprop8bit(param(), lr=1e-3)
+        opts["memfit LAMB8bit"] = mo.LAMB8bit(param(), lr=1e-3)
+        opts["memfit LARS8bit"] = mo.LARS8bit(param(), lr=1e-3, momentum=0.9)
     tao = _optional("torchao.optim") if with_bnb else None
     if tao is not None:
         for name, cls in (("torchao AdamW8bit (eager)", tao.AdamW8bit),

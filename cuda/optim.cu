@@ -152,6 +152,43 @@ __device__ __forceinline__ void prepare_once(mf_optim_consts *out, const mf_opti
   }
 }
 
+/* The fields a step slot (TensorSlot) and a norm-pass slot (NormSlot) take alike. */
+template <class Slot>
+void fill_common(Slot &s, const mf_optim_tensor &x) {
+  s.p = x.param.data;
+  s.g = x.grad.data;
+  s.s1 = x.state1.data;
+  s.s2 = x.state2.data;
+  s.c = x.comp.data;
+  s.a1 = (float *)x.absmax1.data;
+  s.a2 = (float *)x.absmax2.data;
+  s.step = (const float *)x.step.data;
+  s.numel = x.param.numel;
+  s.dtype = (int)x.param.dtype;
+}
+
+/* The launches over ts of `item` elements per thread block (split: rows stepped one by
+ * one, or null): checks every tensor's grid first, then packs kMaxTensors tensors at a
+ * time (mf_mt_pack_next), lets fill(slot, tensor, index) fill each slot and go(list)
+ * launch. */
+template <class List, class Fill, class Go>
+mf_status for_each_launch(const mf_optim_tensor *ts, int64_t n, const int64_t *split, int64_t item,
+                          Fill fill, Go go) {
+  for (int64_t i = 0; i < n; i++)
+    if (mf_mt_items_at(&ts[0].param.numel, sizeof *ts, split, i, item) > MF_MT_MAX_GRID)
+      return mf_error(MF_ERR_VALUE, "params[%lld]: too many elements for one launch", (long long)i);
+  mf_mt_packer pk;
+  mf_mt_pack_begin(&pk, &ts[0].param.numel, sizeof *ts, split, n, item);
+  List L;
+  int64_t first;
+  while ((L.n = (int)mf_mt_pack_next(&pk, kMaxTensors, MF_MT_MAX_GRID, L.start, &first)) > 0) {
+    for (int k = 0; k < L.n; k++) fill(L.t[k], ts[first + k], first + k);
+    const mf_status st = go(L);
+    if (st) return st;
+  }
+  return MF_OK;
+}
+
 /* ---- the trust ratio's norm pass ---------------------------------------------------- */
 
 /* A tensor of the norm pass, whole (chunks run over the flat storage, whatever its rows). */
@@ -247,39 +284,21 @@ __global__ void __launch_bounds__(kThreads) trust_finish_kernel(NormList L, cons
 mf_status trust_norms(const mf_optim_hparams *h, mf_state_format fmt, int64_t bs,
                       const float *code1, const float *code2, const mf_optim_tensor *ts,
                       int64_t n, const float *scale, const float *inf, cudaStream_t stream) {
-  for (int64_t i = 0; i < n; i++)
-    if (mf_mt_items(ts[i].param.numel, MF_OPTIM_TRUST_CHUNK) > MF_MT_MAX_GRID)
-      return mf_error(MF_ERR_VALUE, "params[%lld]: too many elements for one launch", (long long)i);
-  mf_mt_packer pk;
-  mf_mt_pack_begin(&pk, &ts[0].param.numel, sizeof *ts, NULL, n, MF_OPTIM_TRUST_CHUNK);
-  NormList L;
-  int64_t first;
-  while ((L.n = (int)mf_mt_pack_next(&pk, kMaxTensors, MF_MT_MAX_GRID, L.start, &first)) > 0) {
-    for (int k = 0; k < L.n; k++) {
-      const mf_optim_tensor &x = ts[first + k];
-      NormSlot &s = L.t[k];
-      s.p = x.param.data;
-      s.g = x.grad.data;
-      s.s1 = x.state1.data;
-      s.s2 = x.state2.data;
-      s.c = x.comp.data;
-      s.a1 = (const float *)x.absmax1.data;
-      s.a2 = (const float *)x.absmax2.data;
-      s.step = (const float *)x.step.data;
-      s.ws = (double *)x.trust.data;
-      s.numel = x.param.numel;
-      s.row_len = x.param.numel / (x.rows ? x.rows : 1);
-      s.dtype = (int)x.param.dtype;
-    }
-    if (L.start[L.n] > 0) {
-      trust_partial_kernel<<<(unsigned)L.start[L.n], kThreads, 0, stream>>>(
-          L, *h, (int)fmt, bs, code1, code2, scale, inf);
-      trust_finish_kernel<<<(unsigned)L.n, kThreads, 0, stream>>>(L, inf);
-    }
-    const mf_status st = mf_cuda_status(cudaGetLastError(), "optimizer step");
-    if (st) return st;
-  }
-  return MF_OK;
+  return for_each_launch<NormList>(
+      ts, n, nullptr, MF_OPTIM_TRUST_CHUNK,
+      [](NormSlot &s, const mf_optim_tensor &x, int64_t) {
+        fill_common(s, x);
+        s.ws = (double *)x.trust.data;
+        s.row_len = x.param.numel / (x.rows ? x.rows : 1);
+      },
+      [&](const NormList &L) {
+        if (L.start[L.n] > 0) {
+          trust_partial_kernel<<<(unsigned)L.start[L.n], kThreads, 0, stream>>>(
+              L, *h, (int)fmt, bs, code1, code2, scale, inf);
+          trust_finish_kernel<<<(unsigned)L.n, kThreads, 0, stream>>>(L, inf);
+        }
+        return mf_cuda_status(cudaGetLastError(), "optimizer step");
+      });
 }
 
 /* Max of v over the 32 lanes of the warp (every lane gets it). */
@@ -528,47 +547,25 @@ extern "C" mf_status mf_cuda_optim_step(const mf_optim_hparams *h, mf_state_form
    * exceed 2^31 - 1 blocks (a single larger tensor is refused first, before any launch) */
   int64_t *split = (int64_t *)malloc((size_t)n * sizeof *split);
   if (!split) return mf_error(MF_ERR_NOMEM, "optimizer step: out of host memory");
-  for (int64_t i = 0; i < n; i++) {
+  for (int64_t i = 0; i < n; i++)
     split[i] = mf_optim_split_rows(fmt, block_size, ts[i].param.numel, ts[i].rows ? ts[i].rows : 1);
-    if (mf_mt_items_at(&ts[0].param.numel, sizeof *ts, split, i, kItem) > MF_MT_MAX_GRID) {
-      free(split);
-      return mf_error(MF_ERR_VALUE, "params[%lld]: too many elements for one launch", (long long)i);
-    }
-  }
-  mf_mt_packer pk;
-  mf_mt_pack_begin(&pk, &ts[0].param.numel, sizeof *ts, split, n, kItem);
-  LaunchList L;
-  int64_t first;
-  while ((L.n = (int)mf_mt_pack_next(&pk, kMaxTensors, MF_MT_MAX_GRID, L.start, &first)) > 0) {
-    for (int k = 0; k < L.n; k++) {
-      const mf_optim_tensor &x = ts[first + k];
-      TensorSlot &s = L.t[k];
-      s.p = x.param.data;
-      s.g = x.grad.data;
-      s.s1 = x.state1.data;
-      s.s2 = x.state2.data;
-      s.s3 = x.state3.data;
-      s.c = x.comp.data;
-      s.a1 = (float *)x.absmax1.data;
-      s.a2 = (float *)x.absmax2.data;
-      s.a3 = (float *)x.absmax3.data;
-      s.step = (const float *)x.step.data;
-      s.numel = x.param.numel;
-      s.rows = split[first + k];
-      s.index_base = x.index_base;
-      s.dtype = (int)x.param.dtype;
-      s.sr_stream = x.sr_stream;
-      s.bits = (int)fmt;
-      s.block_size = (int)block_size;
-      s.trust = h->max_unorm > 0.0 && x.param.numel > 0
-                    ? mf_optim_trust_totals(x.trust.data, x.param.numel) : nullptr;
-    }
-    if ((st = launch(L, h, fmt, block_size, c1, c2, scale, inf, stream))) {
-      free(split);
-      return st;
-    }
-  }
+  st = for_each_launch<LaunchList>(
+      ts, n, split, kItem,
+      [&](TensorSlot &s, const mf_optim_tensor &x, int64_t i) {
+        fill_common(s, x);
+        s.s3 = x.state3.data;
+        s.a3 = (float *)x.absmax3.data;
+        s.rows = split[i];
+        s.index_base = x.index_base;
+        s.sr_stream = x.sr_stream;
+        s.bits = (int)fmt;
+        s.block_size = (int)block_size;
+        s.trust = h->max_unorm > 0.0 && x.param.numel > 0
+                      ? mf_optim_trust_totals(x.trust.data, x.param.numel) : nullptr;
+      },
+      [&](const LaunchList &L) { return launch(L, h, fmt, block_size, c1, c2, scale, inf, stream); });
   free(split);
+  if (st) return st;
 
   /* the step counters move only after every chunk of every tensor has read them */
   StepList S;

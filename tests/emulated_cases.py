@@ -205,6 +205,7 @@ TRUST_SETUPS = [
                            max_unorm=0.5, bias_correction=False)),
     ("sgd", 8, 0.9, dict(lr=1e-2, momentum=0.9, nesterov=True, weight_decay=0.01, max_unorm=0.02)),
     ("sgd", 32, 0.9, dict(lr=1e-2, momentum=0.9, dampening=0.1, max_unorm=0.02, maximize=True)),
+    ("sgd", 8, 0.0, dict(lr=1e-2, weight_decay=0.01, max_unorm=0.02)),  # no momentum: no state
 ]
 # functional.init has no "muon" (its step writes no parameter): Muon's states are laid
 # out as SGD's with momentum (one signed state), which init makes; Adagrad's one unsigned
