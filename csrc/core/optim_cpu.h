@@ -94,7 +94,7 @@ MF_INLINE void update_ademamix(const mf_optim_consts *c, int64_t n, float *restr
 #pragma GCC ivdep /* (as in update_loop: without it GCC kept this loop scalar) */
 #endif
   for (int64_t i = 0; i < n; i++)
-    mf_optim_update_one3(MF_OPT_ADEMAMIX, c, 3, &p[i], g[i], &s1[i], &s2[i], &s3[i]);
+    mf_optim_update_ademamix(c, &p[i], g[i], &s1[i], &s2[i], &s3[i]);
 }
 
 /* max |s[i]| as the max of the bit patterns with the sign cleared (same order as the
