@@ -106,10 +106,12 @@ int main(int argc, char **argv) {
   t.state2 = cpu_tensor(s2, bits == 32 ? MF_FLOAT32 : MF_UINT8, sn);
   t.absmax1 = cpu_tensor(a1, MF_FLOAT32, nb);
   t.absmax2 = cpu_tensor(a2, MF_FLOAT32, nb);
+#ifdef MF_OPTIM_STATE3
   if (ademamix) {
     t.state3 = cpu_tensor(s3, bits == 32 ? MF_FLOAT32 : MF_UINT8, sn);
     t.absmax3 = cpu_tensor(a3, MF_FLOAT32, nb);
   }
+#endif
   t.step = cpu_tensor(&step, MF_FLOAT32, 1);
   mf_optim_hparams h;
   memset(&h, 0, sizeof h);
@@ -119,11 +121,18 @@ int main(int argc, char **argv) {
   h.beta2 = 0.999;
   h.eps = 1e-8;
   h.weight_decay = 0.01;
+#ifdef MF_OPTIM_STATE3
   if (ademamix) { /* bitsandbytes' defaults, no schedulers */
     h.kind = MF_OPT_ADEMAMIX;
     h.beta3 = 0.9999;
     h.alpha = 5.0;
   }
+#else
+  if (ademamix) {
+    fprintf(stderr, "KIND ademamix: this core has no third state\n");
+    return 2;
+  }
+#endif
   const mf_state_format fmt = (mf_state_format)bits;
   const mf_tensor *codes1 = bits == 32 ? NULL : &code1, *codes2 = bits == 32 ? NULL : &code2;
   for (int r = -3; r < reps * steps; r++) {

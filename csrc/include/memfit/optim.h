@@ -108,6 +108,10 @@ typedef enum {
 /* The last kind: every kind lies in [MF_OPT_ADAMW, MF_OPT_LAST]. */
 #define MF_OPT_LAST MF_OPT_ADEMAMIX
 
+/* Defined where mf_optim_tensor has a third state (state3, absmax3): for sources built
+ * against older cores too (benchmarks/c/bench_optim_step.c, bench_optim_core.py --against). */
+#define MF_OPTIM_STATE3 1
+
 typedef enum { MF_STATE_FP32 = 32, MF_STATE_8BIT = 8, MF_STATE_4BIT = 4 } mf_state_format;
 
 /* Hyperparameters, in double as Python passes them. Which fields are used:
