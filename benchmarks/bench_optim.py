@@ -20,7 +20,9 @@ process (read + write), and so the best ratio to torch fused a step of that many
 could reach. The ratio columns: the median over repetitions of torch fused's time over
 the optimizer's in the same repetition, with its quartiles, which the machine's swings
 move less than a ratio of medians. Beside the AdamW steps: memfit's Lion8bit, SGD8bit
-(momentum 0.9) and RMSprop8bit, bitsandbytes' AdamW8bit (its CPU path) and torchao's
+(momentum 0.9), RMSprop8bit, AdEMAMix8bit (three states: AdamW8bit's bytes + 2) and
+Adagrad8bit, with torch's fused Adagrad as Adagrad8bit's peer (its own ratio line),
+bitsandbytes' AdamW8bit (its CPU path) and torchao's
 AdamW8bit/AdamW4bit (pure PyTorch: eager), each where installed; the slow ones get fewer
 repetitions, after the others (they slow down the steps that follow them), each paired
 with a torch fused step just before it. `--threads N` sets memfit's and torch's thread
@@ -73,8 +75,13 @@ BYTES = {"torch AdamW fused": 28, "torch AdamW foreach": 28, "memfit AdamW": 28,
          "memfit RMSprop8bit": 14 + 4 / 256,
          # the step's bytes plus the trust ratio's norm pass, which reads p, g and the states
          "memfit LAMB8bit": 16 + 8 / 256 + 10 + 8 / 256, "memfit LARS8bit": 14 + 4 / 256 + 9 + 4 / 256,
+         "memfit AdEMAMix8bit": 18 + 12 / 256, "memfit Adagrad8bit": 14 + 4 / 256,
+         "torch Adagrad fused": 20,
          "bnb AdamW8bit": 16 + 8 / 256, "torchao AdamW8bit (eager)": 16 + 8 / 256,
          "torchao AdamW4bit (eager)": 14 + 8 / 128}
+
+# memfit optimizers whose peer is not torch AdamW: peer -> memfit optimizer
+PEERS = {"torch Adagrad fused": "memfit Adagrad8bit"}
 
 # steps far slower than torch fused (pure PyTorch, or bitsandbytes' CPU path): they get
 # max(3, reps // 5) repetitions
@@ -130,6 +137,9 @@ def cpu_bench(sizes, reps, regimes, with_bnb, torch_only_fused=False):
         opts["memfit RMSprop8bit"] = mo.RMSprop8bit(param(), lr=1e-3)
         opts["memfit LAMB8bit"] = mo.LAMB8bit(param(), lr=1e-3)
         opts["memfit LARS8bit"] = mo.LARS8bit(param(), lr=1e-3, momentum=0.9)
+        opts["memfit AdEMAMix8bit"] = mo.AdEMAMix8bit(param(), lr=1e-3)
+        opts["memfit Adagrad8bit"] = mo.Adagrad8bit(param(), lr=1e-2)
+        opts["torch Adagrad fused"] = torch.optim.Adagrad(param(), lr=1e-2, fused=True)
     tao = _optional("torchao.optim") if with_bnb else None
     if tao is not None:
         for name, cls in (("torchao AdamW8bit (eager)", tao.AdamW8bit),
@@ -413,6 +423,14 @@ def main(argv=None):
           f"{r['bytes_per_param']:.1f}", f"{r['GB_per_s']:.1f}", f"{r['floor_ms']:.2f}",
           f"{torch_ms[r['regime']] / r['floor_ms']:.2f}"]
          for r in rows]))
+    for peer, k in PEERS.items():  # a memfit optimizer against torch's fused form of it
+        by = {(r["regime"], r["optimizer"]): r for r in rows}
+        for regime in regimes:
+            if (regime, k) in by and (regime, peer) in by:
+                a, b = by[(regime, peer)], by[(regime, k)]
+                print(f"\n{regime}: {k} against {peer}: {a['wall_ms']:.2f} / {b['wall_ms']:.2f} ms = "
+                      f"x{a['wall_ms'] / b['wall_ms']:.2f} (medians), "
+                      f"x{a['wall_ms_min'] / b['wall_ms_min']:.2f} (best of each)")
     print(f"\nThe same over {len(MODEL_SIZES)} tensors ({sum(MODEL_SIZES)} parameters: 50 of "
           "256 x 256 with quantized states, 150 of 256 below min_8bit_size), warm\n")
     print(markdown_table(

@@ -708,7 +708,7 @@ def test_cpu_isa_variants_agree_bitwise():
     code = ("import numpy as np, sys; from memfit.optim import functional as F\n"
             "rng = np.random.default_rng(0); out = []\n"
             "for kind, bits in (('adamw', 8), ('adamw', 4), ('lion', 8), ('rmsprop', 8),\n"
-            "                   ('adamw', 32), ('adam', 32)):\n"
+            "                   ('adamw', 32), ('adam', 32), ('ademamix', 8), ('ademamix', 4)):\n"
             "    p = rng.standard_normal(9001).astype(np.float32); st = F.init(kind, p, bits)\n"
             "    for _ in range(3):\n"
             "        g = (rng.standard_normal(9001) * 0.01).astype(np.float32)\n"
@@ -734,7 +734,9 @@ cases = [(mo.AdamW8bit, {}), (mo.Adam8bit, {"weight_decay": 0.1}), (mo.Lion8bit,
          (mo.RMSprop8bit, {"momentum": 0.5}), (mo.AdamW8bit, {"block_size": 64}),
          (mo.AdamW8bit, {"block_size": 4096}), (mo.AdamW8bit, {"maximize": True}),
          (mo.AdamW4bit, {}), (mo.AdamW4bit, {"block_size": 64, "weight_decay": 0.1}),
-         (mo.Adagrad8bit, {"lr_decay": 0.1, "weight_decay": 0.1, "initial_accumulator_value": 0.1})]
+         (mo.Adagrad8bit, {"lr_decay": 0.1, "weight_decay": 0.1, "initial_accumulator_value": 0.1}),
+         (mo.AdEMAMix8bit, {"t_alpha": 2, "t_beta3": 3}),
+         (mo.AdEMAMix8bit, {"block_size": 64, "weight_decay": 0.1, "maximize": True})]
 out = []
 # float32 parameters take no rounding option (no compensation buffer, nothing to round):
 # the three modes would be one computation three times, so float32 runs once
@@ -770,7 +772,8 @@ sys.stdout.write(hashlib.sha256(b"".join(out)).hexdigest())
 def test_fused_kernels_match_block_kernel_bitwise():
     """The fused kernels (optim_fused.h, built for AVX-512 with VBMI, AVX-512 without
     it (MEMFIT_CPU_ISA=avx512) and AVX2) compute the same bits as the plain block
-    kernel, for every optimizer kind with 8-bit states and AdamW4bit, every parameter
+    kernel, for every optimizer kind with 8-bit states (AdEMAMix's three included) and
+    AdamW4bit, every parameter
     dtype, rounding mode (stochastic, nearest, Kahan) and block size, with gradients
     that make some elements skip. A variant this CPU lacks falls back to the widest one
     it has."""

@@ -3,7 +3,9 @@
  * 8-bit (or 4-bit, or fp32) AdamW states, no Python in the way. benchmarks/bench_optim_core.py
  * builds and drives it; by hand:
  *
- *   bench_optim_step NUMEL THREADS [STEPS_PER_REP [REPS [BITS]]]
+ *   bench_optim_step NUMEL THREADS [STEPS_PER_REP [REPS [BITS [KIND]]]]
+ *
+ * KIND: adamw (default) or ademamix (AdEMAMix: a third state, signed, with code1).
  *
  * prints one JSON line: the best and the median per-step time (ms) over REPS
  * repetitions of STEPS_PER_REP back-to-back steps, after 3 warm-up steps.
@@ -54,7 +56,7 @@ static mf_tensor cpu_tensor(void *data, mf_dtype dt, int64_t numel) {
 
 int main(int argc, char **argv) {
   if (argc < 3) {
-    fprintf(stderr, "usage: %s NUMEL THREADS [STEPS_PER_REP [REPS [BITS]]]\n", argv[0]);
+    fprintf(stderr, "usage: %s NUMEL THREADS [STEPS_PER_REP [REPS [BITS [KIND]]]]\n", argv[0]);
     return 2;
   }
   const int64_t n = atoll(argv[1]);
@@ -62,8 +64,11 @@ int main(int argc, char **argv) {
   const int steps = argc > 3 ? atoi(argv[3]) : 3;
   const int reps = argc > 4 ? atoi(argv[4]) : 15;
   const int bits = argc > 5 ? atoi(argv[5]) : 8;
-  if (n <= 0 || threads <= 0 || steps <= 0 || reps <= 0 || (bits != 32 && bits != 8 && bits != 4)) {
-    fprintf(stderr, "NUMEL, THREADS, STEPS_PER_REP and REPS must be > 0, BITS 32, 8 or 4\n");
+  const int ademamix = argc > 6 && !strcmp(argv[6], "ademamix");
+  if (n <= 0 || threads <= 0 || steps <= 0 || reps <= 0 || (bits != 32 && bits != 8 && bits != 4) ||
+      (argc > 6 && !ademamix && strcmp(argv[6], "adamw"))) {
+    fprintf(stderr, "NUMEL, THREADS, STEPS_PER_REP and REPS must be > 0, BITS 32, 8 or 4, "
+                    "KIND adamw or ademamix\n");
     return 2;
   }
   mf_set_num_threads(threads);
@@ -71,11 +76,12 @@ int main(int argc, char **argv) {
   const int64_t sn = bits == 4 ? (n + 1) / 2 : n, codes = bits == 4 ? 16 : 256;
   const size_t es = bits == 32 ? 4 : 1; /* bytes per state element */
   float *p = malloc((size_t)n * 4), *g = malloc((size_t)n * 4);
-  uint8_t *s1 = calloc((size_t)sn, es), *s2 = calloc((size_t)sn, es);
-  float *a1 = calloc((size_t)nb, 4), *a2 = calloc((size_t)nb, 4), step = 0.0f;
+  uint8_t *s1 = calloc((size_t)sn, es), *s2 = calloc((size_t)sn, es), *s3 = calloc((size_t)sn, es);
+  float *a1 = calloc((size_t)nb, 4), *a2 = calloc((size_t)nb, 4), *a3 = calloc((size_t)nb, 4);
+  float step = 0.0f;
   float *c1 = malloc((size_t)codes * 4), *c2 = malloc((size_t)codes * 4);
   double *times = malloc((size_t)reps * sizeof(double));
-  if (!p || !g || !s1 || !s2 || !a1 || !a2 || !c1 || !c2 || !times) {
+  if (!p || !g || !s1 || !s2 || !s3 || !a1 || !a2 || !a3 || !c1 || !c2 || !times) {
     fprintf(stderr, "out of memory\n");
     return 1;
   }
@@ -100,6 +106,12 @@ int main(int argc, char **argv) {
   t.state2 = cpu_tensor(s2, bits == 32 ? MF_FLOAT32 : MF_UINT8, sn);
   t.absmax1 = cpu_tensor(a1, MF_FLOAT32, nb);
   t.absmax2 = cpu_tensor(a2, MF_FLOAT32, nb);
+#ifdef MF_OPTIM_STATE3
+  if (ademamix) {
+    t.state3 = cpu_tensor(s3, bits == 32 ? MF_FLOAT32 : MF_UINT8, sn);
+    t.absmax3 = cpu_tensor(a3, MF_FLOAT32, nb);
+  }
+#endif
   t.step = cpu_tensor(&step, MF_FLOAT32, 1);
   mf_optim_hparams h;
   memset(&h, 0, sizeof h);
@@ -109,6 +121,18 @@ int main(int argc, char **argv) {
   h.beta2 = 0.999;
   h.eps = 1e-8;
   h.weight_decay = 0.01;
+#ifdef MF_OPTIM_STATE3
+  if (ademamix) { /* bitsandbytes' defaults, no schedulers */
+    h.kind = MF_OPT_ADEMAMIX;
+    h.beta3 = 0.9999;
+    h.alpha = 5.0;
+  }
+#else
+  if (ademamix) {
+    fprintf(stderr, "KIND ademamix: this core has no third state\n");
+    return 2;
+  }
+#endif
   const mf_state_format fmt = (mf_state_format)bits;
   const mf_tensor *codes1 = bits == 32 ? NULL : &code1, *codes2 = bits == 32 ? NULL : &code2;
   for (int r = -3; r < reps * steps; r++) {
@@ -123,8 +147,10 @@ int main(int argc, char **argv) {
     }
   }
   qsort(times, (size_t)reps, sizeof *times, cmp_double);
-  printf("{\"numel\": %lld, \"threads\": %d, \"bits\": %d, \"best_ms\": %.4f, \"median_ms\": %.4f}\n",
-         (long long)n, threads, bits, times[0] * 1e3, times[reps / 2] * 1e3);
-  free(p), free(g), free(s1), free(s2), free(a1), free(a2), free(c1), free(c2), free(times);
+  printf("{\"numel\": %lld, \"threads\": %d, \"bits\": %d, \"kind\": \"%s\", \"best_ms\": %.4f, "
+         "\"median_ms\": %.4f}\n", (long long)n, threads, bits, ademamix ? "ademamix" : "adamw",
+         times[0] * 1e3, times[reps / 2] * 1e3);
+  free(p), free(g), free(s1), free(s2), free(s3), free(a1), free(a2), free(a3), free(c1), free(c2);
+  free(times);
   return 0;
 }

@@ -29,6 +29,21 @@ UPDATE_ADAMW(mca_update_adamw_generic, , "update_adamw_generic elems=4 isa=gener
 UPDATE_ADAMW(mca_update_adamw_avx2, MF_TARGET_AVX2, "update_adamw_avx2 elems=8 isa=avx2")
 UPDATE_ADAMW(mca_update_adamw_avx512, MF_TARGET_AVX512, "update_adamw_avx512 elems=16 isa=avx512")
 
+/* AdEMAMix's update (three states: block and fused kernels alike): against AdamW's, two
+ * more divisions per element (m1 / bc1, sqrt(nu) / sqrt(bc2)), the third EMA and more
+ * finiteness tests. */
+#define UPDATE_ADEMAMIX(fn, target, spec)                                                \
+  target __attribute__((noinline)) void fn(const mf_optim_consts *c, int64_t n, float *p,  \
+                                           const float *g, float *s1, float *s2,          \
+                                           float *s3) {                                   \
+    MCA_BEGIN(spec);                                                                     \
+    update_ademamix(c, n, p, g, s1, s2, s3);                                             \
+    MCA_END();                                                                           \
+  }
+UPDATE_ADEMAMIX(mca_update_ademamix_avx2, MF_TARGET_AVX2, "update_ademamix_avx2 elems=8 isa=avx2")
+UPDATE_ADEMAMIX(mca_update_ademamix_avx512, MF_TARGET_AVX512,
+                "update_ademamix_avx512 elems=16 isa=avx512")
+
 /* What AVX2 ships for Adam/AdamW instead of the plain loop above (update_adamw_avx2: its
  * selects): update_adam_avx2, one skip branch per 8 elements (modelled as not taken). */
 MF_TARGET_AVX2 __attribute__((noinline)) void mca_update_adamw_branch_avx2(

@@ -202,14 +202,13 @@ static block_fn pick_block_fn(void) {
 #ifdef MF_X86_SIMD
 static fused_fn pick_fused(const mf_optim_hparams *h, mf_state_format fmt, int ns, int64_t bs,
                            const quant_ctx *qc) {
-  /* (it keeps at most two states: AdEMAMix's three take the block kernel) */
-  const int kind_ok = ns <= 2 && (fmt == MF_STATE_8BIT ||
-                      (fmt == MF_STATE_4BIT && (h->kind == MF_OPT_ADAMW || h->kind == MF_OPT_ADAM)));
+  const int kind_ok = fmt == MF_STATE_8BIT ||
+                      (fmt == MF_STATE_4BIT && (h->kind == MF_OPT_ADAMW || h->kind == MF_OPT_ADAM));
   /* the fused search has no binary-search fallback: tables with slow buckets (codes
    * closer than 1/128 of a binade; none of memfit's own) take the block kernel */
-  if (!kind_ok || ns < 1 || bs % 64 != 0 || !qc->lut[0] || qc->lut[0]->has_slow ||
-      (ns > 1 && (!qc->lut[1] || qc->lut[1]->has_slow)))
-    return NULL;
+  if (!kind_ok || ns < 1 || bs % 64 != 0) return NULL;
+  for (int k = 0; k < ns; k++)
+    if (!qc->lut[k] || qc->lut[k]->has_slow) return NULL;
   const int eight = fmt == MF_STATE_8BIT;
   if (mf_cpu_has_vbmi()) return eight ? mf_optim_fused8_avx512_vbmi : mf_optim_fused4_avx512_vbmi;
   if (mf_cpu_isa() == ISA_AVX512)
@@ -314,7 +313,8 @@ mf_status mf_optim_step_cpu(const mf_optim_hparams *h, mf_state_format fmt, int6
     /* Every region is written before it is read, but for `zero` (the missing second
      * state of one-state kinds, which the update rewrites with its own zeros): zero only
      * that, not the whole ~330 KB a calloc would clear on every call. */
-    float *mem = (float *)malloc((size_t)((ns > 2 ? 6 : 5) * chunk + 4 * bs) * sizeof(float));
+    const int64_t ring = 2 * (ns > 2 ? ns : 2) * bs; /* the fused kernel's (thread_bufs) */
+    float *mem = (float *)malloc((size_t)((ns > 2 ? 6 : 5) * chunk + ring) * sizeof(float));
     if (mem) memset(mem + 4 * chunk, 0, (size_t)chunk * sizeof(float));
     uint8_t *qmem = (uint8_t *)malloc((size_t)chunk);
     if (!mem || !qmem) {
@@ -327,7 +327,7 @@ mf_status mf_optim_step_cpu(const mf_optim_hparams *h, mf_state_format fmt, int6
     b.s[1] = mem ? mem + 3 * chunk : NULL;
     b.zero = mem ? mem + 4 * chunk : NULL;
     b.ring = mem ? mem + 5 * chunk : NULL;
-    b.s[2] = mem && ns > 2 ? mem + 5 * chunk + 4 * bs : NULL;
+    b.s[2] = mem && ns > 2 ? mem + 5 * chunk + ring : NULL;
     b.q = qmem;
     b.fused_ready = 0;
     int64_t cur = -1; /* the tensor whose constants c holds */

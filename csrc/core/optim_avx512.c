@@ -49,7 +49,8 @@ _Static_assert(sizeof(vbmi_code) <= sizeof(((thread_bufs *)0)->fused_tables[0]),
 
 MF_TARGET_VBMI static inline void tables_init(thread_bufs *b, const quant_ctx *qc, int ns) {
   if (b->fused_ready) return;
-  for (int k = 0; k < ns; k++) vbmi_code_init((vbmi_code *)(void *)b->fused_tables[k], qc->code[k]);
+  for (int k = 0; k < ns && k < 2; k++) /* (a third state shares table 0: FUSED_TABLE) */
+    vbmi_code_init((vbmi_code *)(void *)b->fused_tables[k], qc->code[k]);
   b->fused_ready = 1;
 }
 

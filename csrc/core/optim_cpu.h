@@ -44,16 +44,20 @@ typedef struct {
 #define SEARCH_FAST 1
 #define SEARCH_TREE4 2
 
-/* Per-thread scratch, `chunk` floats each (ring: 4 quantization blocks; s[2] only for
- * three-state kinds), and the
- * fused kernel's byte-plane code tables (built on its first item of a step call;
- * fused_ready = 0 before). */
+/* Per-thread scratch, `chunk` floats each (ring: 2 * max(ns, 2) quantization blocks;
+ * s[2] only for three-state kinds), and the fused kernel's byte-plane code tables, one
+ * per code (FUSED_TABLE; built on its first item of a step call; fused_ready = 0
+ * before). */
 typedef struct {
   float *p, *g, *s[3], *zero, *ring;
   uint8_t *q;
   int fused_ready;
   _Alignas(64) unsigned char fused_tables[2][1088];
 } thread_bufs;
+
+/* The fused kernel's table of state k (0-based): AdEMAMix's state3 is quantized with
+ * code1, so it shares state1's. */
+#define FUSED_TABLE(k) ((k) == 2 ? 0 : (k))
 
 MF_INLINE void update_loop(mf_optim_kind kind, const mf_optim_consts *c, int ns, int64_t n,
                               float *restrict p, const float *restrict g, float *restrict s1,
@@ -86,8 +90,11 @@ MF_INLINE void update_any(mf_optim_kind kind, const mf_optim_consts *c, int ns, 
 MF_INLINE void update_ademamix(const mf_optim_consts *c, int64_t n, float *restrict p,
                                const float *restrict g, float *restrict s1,
                                float *restrict s2, float *restrict s3) {
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC ivdep /* (as in update_loop: without it GCC kept this loop scalar) */
+#endif
   for (int64_t i = 0; i < n; i++)
-    mf_optim_update_one3(MF_OPT_ADEMAMIX, c, 3, &p[i], g[i], &s1[i], &s2[i], &s3[i]);
+    mf_optim_update_ademamix(c, &p[i], g[i], &s1[i], &s2[i], &s3[i]);
 }
 
 /* max |s[i]| as the max of the bit patterns with the sign cleared (same order as the

@@ -1,8 +1,8 @@
 /*
  * Private to the core: the fused, software-pipelined CPU optimizer step for quantized
  * states, written once and built per instruction set (optim_avx512.c: AVX-512 with or
- * without VBMI; optim_avx2.c: AVX2). 8-bit states (every optimizer kind) and 4-bit
- * states (Adam/AdamW, as AdamW4bit ships).
+ * without VBMI; optim_avx2.c: AVX2). 8-bit states (every optimizer kind, AdEMAMix's three
+ * included) and 4-bit states (Adam/AdamW, as AdamW4bit ships).
  *
  * Why a separate kernel. The generic block kernel (optim.c) runs four loops per block
  * (dequantize, update, absmax, requantize). Each loop is bound by a different unit:
@@ -37,8 +37,10 @@
  *     acc_zero(), acc_absmax64(acc, s)  (max of the |bit patterns| of s[0..63]),
  *     acc_max(acc)                      (the max lane)
  *   update_half(kind, c, ns, n, ...)  the update of HALF elements: update_loop, or a
- *                                     faster form with the same bits
+ *                                     faster form with the same bits (AdEMAMix, the one
+ *                                     three-state kind, takes update_ademamix instead)
  *   tables_init(b, qc, ns)            per-thread lookup tables, once per step call
+ *                                     (one per code: FUSED_TABLE)
  *   dequant64_8(b, k, code, q, absmax, out), dequant64_4(code, q, absmax, out)
  *   quantize32(lut, search, s, inv, bits, out)   32 codes (bytes, or nibbles for 4-bit),
  *                                     in the search form `search` (quant_ctx.search)
@@ -74,6 +76,7 @@ MF_INLINE void prefetch_group(const mf_optim_tensor *t, size_t es, int bits, int
   const int64_t byte = bits == 8 ? i : i / 2;
   __builtin_prefetch((const char *)t->state1.data + byte, 0, 3);
   if (ns > 1) __builtin_prefetch((const char *)t->state2.data + byte, 0, 3);
+  if (ns > 2) __builtin_prefetch((const char *)t->state3.data + byte, 0, 3);
 }
 
 /* What one call of the fused kernel works on: the work item [first, first + n) of one
@@ -85,19 +88,19 @@ typedef struct {
   const mf_optim_tensor *t;
   thread_bufs *b;
   int64_t bs, first, n;
-  uint8_t *codes[2];  /* the item's state bytes */
-  float *absmax[2];   /* and absmax, per block */
+  uint8_t *codes[3];  /* the item's state bytes */
+  float *absmax[3];   /* and absmax, per block */
   float *p;           /* parameters as float32 (the tensor's own, or scratch) */
   const float *g;     /* gradients as float32 */
-  float inv_prev[2];  /* inv of block j - 1's mf_absmax_scale (its pre already applied) */
+  float inv_prev[3];  /* inv of block j - 1's mf_absmax_scale (its pre already applied) */
 } fused_state;
 
 /* The states of the group at `at` (element index in the item) into the ring at `o`. */
 MF_INLINE FUSED_TARGET void dequant_group(const int ns, const int bits, const fused_state *s,
-                                          const float am[2], float *const cur[2], int64_t at,
+                                          const float am[3], float *const cur[3], int64_t at,
                                           int64_t o) {
   for (int k = 0; k < ns; k++) {
-    if (bits == 8) dequant64_8(s->b, k, s->qc->code[k], s->codes[k] + at, am[k], cur[k] + o);
+    if (bits == 8) dequant64_8(s->b, FUSED_TABLE(k), s->qc->code[k], s->codes[k] + at, am[k], cur[k] + o);
     else dequant64_4(s->qc->code[k], s->codes[k] + at / 2, am[k], cur[k] + o);
   }
 }
@@ -118,10 +121,15 @@ MF_INLINE FUSED_TARGET void fused_round(const mf_optim_kind kind, const int ns, 
   const quant_ctx *qc = s->qc;
   const mf_optim_tensor *t = s->t;
   const size_t es = f32 ? 4 : 2;
-  float *const cur[2] = {b->ring + (j & 1) * 2 * bs, b->ring + (j & 1) * 2 * bs + bs};
-  float *prev[2] = {b->ring + ((j + 1) & 1) * 2 * bs, b->ring + ((j + 1) & 1) * 2 * bs + bs};
-  const float am[2] = {update ? s->absmax[0][j] : 0.0f, update && ns > 1 ? s->absmax[1][j] : 0.0f};
-  fused_acc mx[2] = {acc_zero(), acc_zero()};
+  /* the ring: ns blocks for round j's states, ns for round j - 1's (thread_bufs.ring) */
+  float *cur[3] = {NULL, NULL, NULL}, *prev[3] = {NULL, NULL, NULL};
+  float am[3] = {0.0f, 0.0f, 0.0f};
+  fused_acc mx[3] = {acc_zero(), acc_zero(), acc_zero()};
+  for (int k = 0; k < ns; k++) {
+    cur[k] = b->ring + ((j & 1) * ns + k) * bs;
+    prev[k] = b->ring + (((j + 1) & 1) * ns + k) * bs;
+    if (update) am[k] = s->absmax[k][j];
+  }
   if (update) dequant_group(ns, bits, s, am, cur, j * bs, 0);
   for (int64_t o = 0; o < bs; o += GROUP) {
     const int64_t at = j * bs + o, at_prev = (j - 1) * bs + o;
@@ -134,7 +142,10 @@ MF_INLINE FUSED_TARGET void fused_round(const mf_optim_kind kind, const int ns, 
       }
     }
     for (int64_t x = 0; x < GROUP; x += HALF) {
-      if (update)
+      if (update && kind == MF_OPT_ADEMAMIX)
+        update_ademamix(s->c, HALF, s->p + at + x, s->g + at + x, cur[0] + o + x,
+                        cur[1] + o + x, cur[2] + o + x);
+      else if (update)
         update_half(kind, s->c, ns, HALF, s->p + at + x, s->g + at + x, cur[0] + o + x,
                     ns > 1 ? cur[1] + o + x : b->zero);
       if (quant)
@@ -167,12 +178,14 @@ MF_INLINE FUSED_TARGET void fused(const mf_optim_kind kind, const int ns, const 
   const int64_t byte0 = bits == 8 ? first : first / 2, blocks = n / bs;
   fused_state s = {
       .h = h, .c = c, .qc = qc, .t = t, .b = b, .bs = bs, .first = first, .n = n,
-      .codes = {(uint8_t *)t->state1.data + byte0, ns > 1 ? (uint8_t *)t->state2.data + byte0 : NULL},
+      .codes = {(uint8_t *)t->state1.data + byte0, ns > 1 ? (uint8_t *)t->state2.data + byte0 : NULL,
+                ns > 2 ? (uint8_t *)t->state3.data + byte0 : NULL},
       .absmax = {(float *)t->absmax1.data + first / bs,
-                 ns > 1 ? (float *)t->absmax2.data + first / bs : NULL},
+                 ns > 1 ? (float *)t->absmax2.data + first / bs : NULL,
+                 ns > 2 ? (float *)t->absmax3.data + first / bs : NULL},
       .p = f32 ? (float *)t->param.data + first : b->p,
       .g = f32 ? (const float *)t->grad.data + first : b->g,
-      .inv_prev = {0.0f, 0.0f}};
+      .inv_prev = {0.0f, 0.0f, 0.0f}};
   if (blocks == 0) return;
   if (bits == 8) tables_init(b, qc, ns);
   fused_round(kind, ns, bits, f32, 1, 0, &s, 0);
@@ -203,6 +216,7 @@ FUSED_TARGET void FUSED8_ENTRY(const mf_optim_hparams *h, const mf_optim_consts 
       break;
     case MF_OPT_MUON: FUSED(MF_OPT_MUON, 1); break;
     case MF_OPT_ADAGRAD: FUSED(MF_OPT_ADAGRAD, 1); break;
+    case MF_OPT_ADEMAMIX: FUSED(MF_OPT_ADEMAMIX, 3); break;
   }
 #undef FUSED
 }

@@ -108,6 +108,10 @@ typedef enum {
 /* The last kind: every kind lies in [MF_OPT_ADAMW, MF_OPT_LAST]. */
 #define MF_OPT_LAST MF_OPT_ADEMAMIX
 
+/* Defined where mf_optim_tensor has a third state (state3, absmax3): for sources built
+ * against older cores too (benchmarks/c/bench_optim_step.c, bench_optim_core.py --against). */
+#define MF_OPTIM_STATE3 1
+
 typedef enum { MF_STATE_FP32 = 32, MF_STATE_8BIT = 8, MF_STATE_4BIT = 4 } mf_state_format;
 
 /* Hyperparameters, in double as Python passes them. Which fields are used:
@@ -412,13 +416,22 @@ static inline MF_HD int mf_optim_update_one(mf_optim_kind kind, const mf_optim_c
   return mf_optim_update_dir(kind, c, nstates, p, g, s1, s2, &dir);
 }
 
-/* One element of a step of any kind, with a third state s3 (AdEMAMix's exp_avg_slow;
- * ignored by the other kinds, which go to mf_optim_update_one unchanged). Same contract:
- * an element with a non-finite gradient, state or parameter update keeps its old values. */
-static inline MF_HD int mf_optim_update_one3(mf_optim_kind kind, const mf_optim_consts *c,
-                                             int nstates, float *p, float g, float *s1,
-                                             float *s2, float *s3) {
-  if (kind != MF_OPT_ADEMAMIX) return mf_optim_update_one(kind, c, nstates, p, g, s1, s2);
+/* Always inlined by GCC on the host: the CPU's update loops vectorise only with the
+ * element math in the loop body, and in the large fused kernels (csrc/core/optim_fused.h)
+ * GCC's size estimate otherwise leaves it a scalar call per element. */
+#if defined(__GNUC__) && !defined(__CUDACC__)
+#define MF_OPTIM_FORCE_INLINE __attribute__((always_inline))
+#else
+#define MF_OPTIM_FORCE_INLINE
+#endif
+
+/* One element of an AdEMAMix step (s3: exp_avg_slow). Same contract as
+ * mf_optim_update_one: an element with a non-finite gradient, state or parameter update
+ * keeps its old values. */
+static inline MF_HD MF_OPTIM_FORCE_INLINE int mf_optim_update_ademamix(const mf_optim_consts *c,
+                                                                       float *p, float g,
+                                                                       float *s1, float *s2,
+                                                                       float *s3) {
   const float p0 = *p, a = *s1, b = *s2, m = *s3;
   g = g * c->gmul;
   const float an = c->b1 * a + c->omb1 * g;
@@ -433,6 +446,15 @@ static inline MF_HD int mf_optim_update_one3(mf_optim_kind kind, const mf_optim_
   *s2 = mf_select_f32(!ok, b, bn);
   *s3 = mf_select_f32(!ok, m, mn);
   return ok;
+}
+
+/* One element of a step of any kind, with a third state s3 (AdEMAMix's exp_avg_slow;
+ * ignored by the other kinds, which go to mf_optim_update_one unchanged). */
+static inline MF_HD int mf_optim_update_one3(mf_optim_kind kind, const mf_optim_consts *c,
+                                             int nstates, float *p, float g, float *s1,
+                                             float *s2, float *s3) {
+  if (kind != MF_OPT_ADEMAMIX) return mf_optim_update_one(kind, c, nstates, p, g, s1, s2);
+  return mf_optim_update_ademamix(c, p, g, s1, s2, s3);
 }
 
 /* ---- code search for 16-entry (4-bit) codes ------------------------------------ */
