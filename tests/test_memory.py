@@ -217,7 +217,7 @@ def test_cli_estimate_text_and_json():
 @pytest.mark.parametrize("args,msg", [
     (("estimate", "no-such-model"), "model: expected a preset"),
     (("estimate", "gpt2", "--gpu", "tpu"), "gpu: expected"),
-    (("estimate", "gpt2", "--optimizer", "adagrad"), "optimizer: expected one of"),
+    (("estimate", "gpt2", "--optimizer", "adafactor"), "optimizer: expected one of"),
     (("estimate", "gpt2", "--micro-batch", "16"), "micro_batch: must be between 1 and batch"),
     (("estimate", "gpt2", "--batch", "x"), "--batch: expected an integer, got 'x'"),
 ])
