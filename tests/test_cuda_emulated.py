@@ -126,8 +126,11 @@ def test_kernels_under_sanitizers():
     build = eu.build("emulated-asan", "MEMFIT_SANITIZE=ON")
     env = {"LD_PRELOAD": libasan, "ASAN_OPTIONS": "detect_leaks=0:abort_on_error=0",
            "UBSAN_OPTIONS": "halt_on_error=1:print_stacktrace=1"}
-    for seed in (0, 5):
-        run = eu.run_cases(build, "quant", "optim-small", "unscale", "cast", "scaler", "gemm", seed=seed, env=env)
+    # (the optimizer cases, three quarters of the time, once: their memory accesses do not
+    # depend on the schedule, and test_kernels_match_under_random_schedules varies that)
+    for seed, groups in ((0, ("quant", "optim-small", "unscale", "cast", "scaler", "gemm")),
+                         (5, ("quant", "unscale", "cast", "scaler", "gemm"))):
+        run = eu.run_cases(build, *groups, seed=seed, env=env)
         assert run.returncode == 0 and " 0 mismatches" in run.stdout, f"MFEMU_SEED={seed}\n" + eu.explain(run)
         assert "runtime error" not in run.stderr and "AddressSanitizer" not in run.stderr, run.stderr[-6000:]
 
