@@ -43,8 +43,8 @@ from __future__ import annotations
 from memfit.optim import _format
 from memfit.optim.convert._bitsandbytes import (
     _BNB_ADEMAMIX_KEYS, _BNB_GROUP_KEYS, _BNB_WRAPPED, from_bitsandbytes)
-from memfit.optim.convert._checks import _check_optimizer
-from memfit.optim.convert._checks import check_state_ids  # noqa: F401 (memfit.optim._torch's)
+from memfit.optim.convert._refusals import _check_optimizer
+from memfit.optim.convert._refusals import check_state_ids  # noqa: F401 (memfit.optim._torch's)
 from memfit.optim.convert._memfit import _same_math, upgrade_v1
 from memfit.optim.convert._memfit import record_name  # noqa: F401 (memfit.optim.bnb's)
 from memfit.optim.convert._torch_optim import from_torch, to_torch_state_dict

@@ -11,7 +11,7 @@ import math
 import torch
 
 from memfit.optim import _blocks, _core, _format
-from memfit.optim.convert._checks import (
+from memfit.optim.convert._refusals import (
     _KIND_MATH, _check_optimizer, _checked_group, _decay_refusal, _float_state, _name, _places,
     _refuse, _tensor_problem, _unsigned_names, _where)
 

@@ -8,7 +8,7 @@ import torch
 
 from memfit._C import MemfitValueError
 from memfit.optim import _core, _format
-from memfit.optim.convert._checks import (
+from memfit.optim.convert._refusals import (
     _KIND_MATH, _check_optimizer, _checked_group, _decay_refusal, _float_state, _name, _places,
     _refuse, _step_tensor, _unsigned_names, _where)
 from memfit.optim.convert._memfit import _memfit_state, _result

@@ -11,7 +11,7 @@ import numbers
 import torch
 
 from memfit._C import MemfitValueError
-from memfit.optim import _checks, _core, _format  # _checks: the optimizer's own (optim/_checks.py)
+from memfit.optim import _checks, _core, _format
 
 # the math of each kind, in the words of the refusals
 _KIND_MATH = {_core.ADAMW: "AdamW (decoupled weight decay)", _core.ADAM: "Adam (L2 weight decay)",
