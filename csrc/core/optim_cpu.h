@@ -262,8 +262,9 @@ MF_TARGET_AVX2 static inline void update_adam_avx2(mf_optim_kind kind, const mf_
 }
 
 /* The update on AVX2, for the block and the fused kernel: Adam/AdamW by
- * update_adam_avx2, the other kinds by the plain loop. */
-MF_TARGET_AVX2 static inline void update_avx2(mf_optim_kind kind, const mf_optim_consts *c, int ns,
+ * update_adam_avx2, the other kinds by the plain loop. With FMA (MF_TARGET_AVX2_FMA), so
+ * that Muon's loop vectorises (its lerp's fmaf); a call from the AVX2 kernels, as before. */
+MF_TARGET_AVX2_FMA static inline void update_avx2(mf_optim_kind kind, const mf_optim_consts *c, int ns,
                                               int64_t n, float *restrict p, const float *restrict g,
                                               float *restrict s1, float *restrict s2) {
   if (kind == MF_OPT_ADAMW || kind == MF_OPT_ADAM) update_adam_avx2(kind, c, n, p, g, s1, s2);
