@@ -730,7 +730,8 @@ import hashlib, sys, torch, memfit.optim as mo
 torch.manual_seed(0)
 # (optimizer, kwargs): every kind and state layout the fused 8-bit kernel takes
 cases = [(mo.AdamW8bit, {}), (mo.Adam8bit, {"weight_decay": 0.1}), (mo.Lion8bit, {}),
-         (mo.SGD8bit, {"momentum": 0.9, "nesterov": True}), (mo.RMSprop8bit, {}),
+         (mo.SGD8bit, {"momentum": 0.9, "nesterov": True}), (mo.SGD8bit, {"momentum": 0.9}),
+         (mo.RMSprop8bit, {}),
          (mo.RMSprop8bit, {"momentum": 0.5}), (mo.AdamW8bit, {"block_size": 64}),
          (mo.AdamW8bit, {"block_size": 4096}), (mo.AdamW8bit, {"maximize": True}),
          (mo.AdamW4bit, {}), (mo.AdamW4bit, {"block_size": 64, "weight_decay": 0.1}),

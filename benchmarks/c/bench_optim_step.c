@@ -5,7 +5,9 @@
  *
  *   bench_optim_step NUMEL THREADS [STEPS_PER_REP [REPS [BITS [KIND]]]]
  *
- * KIND: adamw (default) or ademamix (AdEMAMix: a third state, signed, with code1).
+ * KIND: adamw (default), ademamix (AdEMAMix: a third state, signed, with code1), sgd
+ * (momentum 0.9), sgd-nesterov, rmsprop (momentum 0.9: two states) or muon (Muon's
+ * momentum pass, nesterov).
  *
  * prints one JSON line: the best and the median per-step time (ms) over REPS
  * repetitions of STEPS_PER_REP back-to-back steps, after 3 warm-up steps.
@@ -64,11 +66,15 @@ int main(int argc, char **argv) {
   const int steps = argc > 3 ? atoi(argv[3]) : 3;
   const int reps = argc > 4 ? atoi(argv[4]) : 15;
   const int bits = argc > 5 ? atoi(argv[5]) : 8;
-  const int ademamix = argc > 6 && !strcmp(argv[6], "ademamix");
+  static const char *const kinds[] = {"adamw", "ademamix", "sgd", "sgd-nesterov", "rmsprop", "muon"};
+  const char *kind = argc > 6 ? argv[6] : "adamw";
+  int known = 0;
+  for (size_t k = 0; k < sizeof kinds / sizeof *kinds; k++) known |= !strcmp(kind, kinds[k]);
+  const int ademamix = !strcmp(kind, "ademamix");
   if (n <= 0 || threads <= 0 || steps <= 0 || reps <= 0 || (bits != 32 && bits != 8 && bits != 4) ||
-      (argc > 6 && !ademamix && strcmp(argv[6], "adamw"))) {
+      !known) {
     fprintf(stderr, "NUMEL, THREADS, STEPS_PER_REP and REPS must be > 0, BITS 32, 8 or 4, "
-                    "KIND adamw or ademamix\n");
+                    "KIND adamw, ademamix, sgd, sgd-nesterov, rmsprop or muon\n");
     return 2;
   }
   mf_set_num_threads(threads);
@@ -121,6 +127,20 @@ int main(int argc, char **argv) {
   h.beta2 = 0.999;
   h.eps = 1e-8;
   h.weight_decay = 0.01;
+  if (!strncmp(kind, "sgd", 3)) {
+    h.kind = MF_OPT_SGD;
+    h.momentum = 0.9;
+    h.nesterov = !strcmp(kind, "sgd-nesterov");
+  } else if (!strcmp(kind, "rmsprop")) {
+    h.kind = MF_OPT_RMSPROP;
+    h.momentum = 0.9;
+    h.alpha = 0.99;
+  } else if (!strcmp(kind, "muon")) {
+    h.kind = MF_OPT_MUON;
+    h.momentum = 0.95;
+    h.nesterov = 1;
+    h.weight_decay = 0.0;
+  }
 #ifdef MF_OPTIM_STATE3
   if (ademamix) { /* bitsandbytes' defaults, no schedulers */
     h.kind = MF_OPT_ADEMAMIX;
@@ -148,7 +168,7 @@ int main(int argc, char **argv) {
   }
   qsort(times, (size_t)reps, sizeof *times, cmp_double);
   printf("{\"numel\": %lld, \"threads\": %d, \"bits\": %d, \"kind\": \"%s\", \"best_ms\": %.4f, "
-         "\"median_ms\": %.4f}\n", (long long)n, threads, bits, ademamix ? "ademamix" : "adamw",
+         "\"median_ms\": %.4f}\n", (long long)n, threads, bits, kind,
          times[0] * 1e3, times[reps / 2] * 1e3);
   free(p), free(g), free(s1), free(s2), free(s3), free(a1), free(a2), free(a3), free(c1), free(c2);
   free(times);

@@ -22,7 +22,8 @@ static int detect(void) {
       __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl") &&
       __builtin_cpu_supports("avx512dq"))
     return ISA_AVX512;
-  if (max_isa >= ISA_AVX2 && __builtin_cpu_supports("avx2")) return ISA_AVX2;
+  if (max_isa >= ISA_AVX2 && __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma"))
+    return ISA_AVX2;
   return ISA_GENERIC;
 }
 

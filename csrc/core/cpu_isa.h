@@ -13,6 +13,10 @@
 #if (defined(__GNUC__) || defined(__clang__)) && defined(__x86_64__) && !defined(MEMFIT_NO_SIMD)
 #define MF_X86_SIMD 1
 #define MF_TARGET_AVX2 __attribute__((target("avx2")))
+/* AVX2 with FMA (every AVX2 CPU has both; ISA_AVX2 requires both): only for code compiled
+ * with -ffp-contract=off, where the one fused multiply-add is an explicit fmaf (Muon's
+ * mf_lerp_f32), which is then an instruction instead of a libm call per element. */
+#define MF_TARGET_AVX2_FMA __attribute__((target("avx2,fma")))
 #define MF_TARGET_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq")))
 #define MF_TARGET_VBMI __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vbmi")))
 #endif

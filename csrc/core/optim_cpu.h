@@ -70,7 +70,21 @@ MF_INLINE void update_loop(mf_optim_kind kind, const mf_optim_consts *c, int ns,
   for (int64_t i = 0; i < n; i++) mf_optim_update_one(kind, c, ns, &p[i], g[i], &s1[i], &s2[i]);
 }
 
-/* The update loop with the kind a constant in each branch (so each one vectorises). */
+/* update_loop with SGD's, RMSprop's and Muon's run-time flags (the number of states,
+ * SGD's first step, nesterov) as constants, on a local copy of the constants: with the
+ * flags read from *c inside the loop, and *c possibly changed by the stores, GCC kept
+ * these loops scalar on AVX2 and baseline x86-64 (AVX-512 vectorised them anyway). */
+MF_INLINE void update_flags(mf_optim_kind kind, const mf_optim_consts *cp, int ns, int first,
+                            int nesterov, int64_t n, float *restrict p, const float *restrict g,
+                            float *restrict s1, float *restrict s2) {
+  mf_optim_consts c = *cp;
+  c.first = first;
+  c.nesterov = nesterov;
+  update_loop(kind, &c, ns, n, p, g, s1, s2);
+}
+
+/* The update loop with the kind a constant in each branch (so each one vectorises), and
+ * the flags too for the kinds that have them (update_flags). */
 MF_INLINE void update_any(mf_optim_kind kind, const mf_optim_consts *c, int ns, int64_t n,
                              float *restrict p, const float *restrict g, float *restrict s1,
                              float *restrict s2) {
@@ -78,9 +92,21 @@ MF_INLINE void update_any(mf_optim_kind kind, const mf_optim_consts *c, int ns, 
     case MF_OPT_ADAMW: update_loop(MF_OPT_ADAMW, c, ns, n, p, g, s1, s2); break;
     case MF_OPT_ADAM: update_loop(MF_OPT_ADAM, c, ns, n, p, g, s1, s2); break;
     case MF_OPT_LION: update_loop(MF_OPT_LION, c, ns, n, p, g, s1, s2); break;
-    case MF_OPT_SGD: update_loop(MF_OPT_SGD, c, ns, n, p, g, s1, s2); break;
-    case MF_OPT_RMSPROP: update_loop(MF_OPT_RMSPROP, c, ns, n, p, g, s1, s2); break;
-    case MF_OPT_MUON: update_loop(MF_OPT_MUON, c, ns, n, p, g, s1, s2); break;
+    case MF_OPT_SGD:
+      if (ns == 0) update_flags(MF_OPT_SGD, c, 0, 0, 0, n, p, g, s1, s2);
+      else if (c->first) /* (the buffer is the gradient: once per run) */
+        update_flags(MF_OPT_SGD, c, 1, 1, c->nesterov != 0, n, p, g, s1, s2);
+      else if (c->nesterov) update_flags(MF_OPT_SGD, c, 1, 0, 1, n, p, g, s1, s2);
+      else update_flags(MF_OPT_SGD, c, 1, 0, 0, n, p, g, s1, s2);
+      break;
+    case MF_OPT_RMSPROP:
+      if (ns > 1) update_flags(MF_OPT_RMSPROP, c, 2, 0, 0, n, p, g, s1, s2);
+      else update_flags(MF_OPT_RMSPROP, c, 1, 0, 0, n, p, g, s1, s2);
+      break;
+    case MF_OPT_MUON:
+      if (c->nesterov) update_flags(MF_OPT_MUON, c, 1, 0, 1, n, p, g, s1, s2);
+      else update_flags(MF_OPT_MUON, c, 1, 0, 0, n, p, g, s1, s2);
+      break;
     case MF_OPT_ADAGRAD: update_loop(MF_OPT_ADAGRAD, c, ns, n, p, g, s1, s2); break;
     case MF_OPT_ADEMAMIX: break; /* three states: update_ademamix */
   }
@@ -236,8 +262,9 @@ MF_TARGET_AVX2 static inline void update_adam_avx2(mf_optim_kind kind, const mf_
 }
 
 /* The update on AVX2, for the block and the fused kernel: Adam/AdamW by
- * update_adam_avx2, the other kinds by the plain loop. */
-MF_TARGET_AVX2 static inline void update_avx2(mf_optim_kind kind, const mf_optim_consts *c, int ns,
+ * update_adam_avx2, the other kinds by the plain loop. With FMA (MF_TARGET_AVX2_FMA), so
+ * that Muon's loop vectorises (its lerp's fmaf); a call from the AVX2 kernels, as before. */
+MF_TARGET_AVX2_FMA static inline void update_avx2(mf_optim_kind kind, const mf_optim_consts *c, int ns,
                                               int64_t n, float *restrict p, const float *restrict g,
                                               float *restrict s1, float *restrict s2) {
   if (kind == MF_OPT_ADAMW || kind == MF_OPT_ADAM) update_adam_avx2(kind, c, n, p, g, s1, s2);

@@ -328,15 +328,24 @@ static inline MF_HD float mf_lerp_f32(float a, float b, float w) {
  * ratio's norm pass sums its squares). */
 #define MF_OPTIM_ADAM_DIR(c, SQRT, an, bn) ((an) / (SQRT(bn) * (c)->inv_sqrt_bc2 + (c)->eps))
 
+/* Always inlined by GCC on the host: the CPU's update loops vectorise only with the
+ * element math in the loop body, and in the large fused kernels (csrc/core/optim_fused.h)
+ * GCC's size estimate otherwise leaves it a scalar call per element. */
+#if defined(__GNUC__) && !defined(__CUDACC__)
+#define MF_OPTIM_FORCE_INLINE __attribute__((always_inline))
+#else
+#define MF_OPTIM_FORCE_INLINE
+#endif
+
 /* One element of one update. p: parameter, g: raw gradient (scaled by gmul here), s1,
  * s2: the states (in/out; unused ones are ignored). Writes the new values, or the old
  * ones where the element is skipped (see the header comment). Returns 1 when updated.
  * *dir: the direction the update subtracts, times its coefficient (Adam:
  * MF_OPTIM_ADAM_DIR, times step_size; SGD: d, times lr; 0 for the other kinds and where
  * the element is skipped): what the trust ratio's norm pass sums. */
-static inline MF_HD int mf_optim_update_dir(mf_optim_kind kind, const mf_optim_consts *c,
-                                            int nstates, float *p, float g, float *s1,
-                                            float *s2, float *dir) {
+static inline MF_HD MF_OPTIM_FORCE_INLINE int mf_optim_update_dir(
+    mf_optim_kind kind, const mf_optim_consts *c, int nstates, float *p, float g, float *s1,
+    float *s2, float *dir) {
   /* (Muon's `p` is its output: never read) */
   const float p0 = kind == MF_OPT_MUON ? 0.0f : *p, a = *s1, b = *s2;
   float pn = p0, an = a, bn = b, d = 0.0f;
@@ -409,21 +418,12 @@ static inline MF_HD int mf_optim_update_dir(mf_optim_kind kind, const mf_optim_c
 }
 
 /* mf_optim_update_dir without the direction (every update loop). */
-static inline MF_HD int mf_optim_update_one(mf_optim_kind kind, const mf_optim_consts *c,
-                                            int nstates, float *p, float g, float *s1,
-                                            float *s2) {
+static inline MF_HD MF_OPTIM_FORCE_INLINE int mf_optim_update_one(
+    mf_optim_kind kind, const mf_optim_consts *c, int nstates, float *p, float g, float *s1,
+    float *s2) {
   float dir;
   return mf_optim_update_dir(kind, c, nstates, p, g, s1, s2, &dir);
 }
-
-/* Always inlined by GCC on the host: the CPU's update loops vectorise only with the
- * element math in the loop body, and in the large fused kernels (csrc/core/optim_fused.h)
- * GCC's size estimate otherwise leaves it a scalar call per element. */
-#if defined(__GNUC__) && !defined(__CUDACC__)
-#define MF_OPTIM_FORCE_INLINE __attribute__((always_inline))
-#else
-#define MF_OPTIM_FORCE_INLINE
-#endif
 
 /* One element of an AdEMAMix step (s3: exp_avg_slow). Same contract as
  * mf_optim_update_one: an element with a non-finite gradient, state or parameter update
