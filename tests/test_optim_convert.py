@@ -187,6 +187,21 @@ def clone_model(m):
     return m2
 
 
+def continue_both(m, opt, t, torch_cls, steps, bound, **torch_kw):
+    """``opt`` (which loaded torch optimizer ``t``'s state dict) and torch's own
+    continuation (``torch_cls(**torch_kw)`` loading the same dict, on a copy of ``m``)
+    train ``steps`` more steps on the same batches and stay close
+    (:func:`assert_continues_alike`); returns the torch run's model."""
+    m_t = clone_model(m)
+    t_cont = torch_cls(m_t.parameters(), **torch_kw)
+    t_cont.load_state_dict(t.state_dict())
+    start = [p.detach().clone() for p in m.parameters()]
+    train(m, opt, steps, seed=2)
+    train(m_t, t_cont, steps, seed=2)
+    assert_continues_alike(m, m_t, start, bound)
+    return m_t
+
+
 def assert_continues_alike(m, m_t, start, bound):
     """After both continued from ``start``: each parameter's distance between the memfit
     and the torch runs is below ``bound`` times how far the torch run moved it."""
@@ -252,13 +267,7 @@ def test_torch_state_dict_into_memfit(cls, torch_cls):
         quantized += assert_quantized_from(opt, p, t.state[p])
     assert quantized == (0 if bits == 32 else 4)  # two states of the two weights
     # training goes on from there, close to torch's own continuation
-    m_t = clone_model(m)
-    t_cont = torch_cls(m_t.parameters())
-    t_cont.load_state_dict(t.state_dict())
-    start = [p.detach().clone() for p in m.parameters()]
-    train(m, opt, 3, seed=2)
-    train(m_t, t_cont, 3, seed=2)
-    assert_continues_alike(m, m_t, start, CONTINUE_BOUND[bits])
+    continue_both(m, opt, t, torch_cls, 3, CONTINUE_BOUND[bits])
 
 
 @pytest.mark.parametrize("cls,torch_cls", [(mo.AdamW8bit, torch.optim.AdamW),
@@ -331,13 +340,8 @@ def test_sgd_momentum_round_trip():
     for p in m.parameters():
         assert opt.state[p]["step"].item() == 1  # torch's SGD counts no steps
         assert_quantized_from(opt, p, t.state[p])
-    m_t = clone_model(m)
-    t_cont = torch.optim.SGD(m_t.parameters(), lr=0.05, momentum=0.9, nesterov=True)
-    t_cont.load_state_dict(t.state_dict())
-    start = [p.detach().clone() for p in m.parameters()]
-    train(m, opt, 2, seed=2)
-    train(m_t, t_cont, 2, seed=2)
-    assert_continues_alike(m, m_t, start, CONTINUE_BOUND[8])
+    m_t = continue_both(m, opt, t, torch.optim.SGD, 2, CONTINUE_BOUND[8], lr=0.05, momentum=0.9,
+                        nesterov=True)
     sd = mo.to_torch_state_dict(opt)
     assert all(set(s) == {"momentum_buffer"} for s in sd["state"].values())
     torch.optim.SGD(m_t.parameters(), lr=0.05, momentum=0.9).load_state_dict(sd)
@@ -357,13 +361,7 @@ def test_adagrad_torch_state_dict_both_ways():
     for p in m.parameters():
         assert opt.state[p]["step"].item() == 2
         assert assert_quantized_from(opt, p, t.state[p]) == (1 if p.dim() == 2 else 0)
-    m_t = clone_model(m)
-    t_cont = torch.optim.Adagrad(m_t.parameters())
-    t_cont.load_state_dict(t.state_dict())
-    start = [p.detach().clone() for p in m.parameters()]
-    train(m, opt, 2, seed=2)
-    train(m_t, t_cont, 2, seed=2)
-    assert_continues_alike(m, m_t, start, CONTINUE_BOUND[8])
+    continue_both(m, opt, t, torch.optim.Adagrad, 2, CONTINUE_BOUND[8])
     sd = mo.to_torch_state_dict(opt)
     assert all(set(st) == {"step", "sum"} for st in sd["state"].values())
     t2 = torch.optim.Adagrad(model().parameters())
