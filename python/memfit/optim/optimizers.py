@@ -52,14 +52,18 @@ __all__ = ["AdEMAMix", "AdEMAMix8bit", "Adagrad", "Adagrad8bit", "Adam", "Adam8b
            "AdamW4bit", "AdamW8bit", "Lion8bit", "RMSprop8bit", "SGD8bit"]
 
 
-def _betas(betas):
+def _betas(betas, count=2):
+    """``betas`` as ``count`` floats (a pair; AdEMAMix's three), checked as torch checks them."""
     try:
-        b1, b2 = betas
-    except (TypeError, ValueError):
-        raise ValueError(f"betas: expected a pair (beta1, beta2), got {betas!r}") from None
-    if torch.is_tensor(b1) != torch.is_tensor(b2):  # as torch.optim.Adam & co.
+        values = tuple(betas)
+    except TypeError:
+        values = ()
+    if len(values) != count:
+        want = "a pair (beta1, beta2)" if count == 2 else "three betas (beta1, beta2, beta3)"
+        raise ValueError(f"betas: expected {want}, got {betas!r}")
+    if len({torch.is_tensor(b) for b in values}) > 1:  # as torch.optim.Adam & co.
         raise ValueError(f"betas must be either both floats or both Tensors, got {betas!r}")
-    return float(b1), float(b2)
+    return tuple(float(b) for b in values)
 
 
 _AMSGRAD = ("amsgrad", False, "memfit's Adam keeps no max_exp_avg_sq state (AMSGrad); "
@@ -297,14 +301,6 @@ class Adagrad(_AdagradBase):
     _bits = 32
 
 
-def _betas3(betas):
-    try:
-        b1, b2, b3 = betas
-    except (TypeError, ValueError):
-        raise ValueError(f"betas: expected three betas (beta1, beta2, beta3), got {betas!r}") from None
-    return float(b1), float(b2), float(b3)
-
-
 def _schedule_steps(name, value):
     """AdEMAMix's t_alpha / t_beta3: None (no scheduler) or a positive int; as the core
     takes it (0 for None)."""
@@ -324,13 +320,13 @@ class _AdEMAMixBase(_MemfitOptimizer):
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999, 0.9999), alpha=5.0, t_alpha=None,
                  t_beta3=None, eps=1e-8, weight_decay=1e-2, *, maximize=False, block_size=None,
                  min_8bit_size=4096, bf16_stochastic_round=None, kahan=False, **torch_flags):
-        super().__init__(params, dict(lr=lr, betas=_betas3(betas), alpha=alpha, t_alpha=t_alpha,
+        super().__init__(params, dict(lr=lr, betas=_betas(betas, 3), alpha=alpha, t_alpha=t_alpha,
                                       t_beta3=t_beta3, eps=eps, weight_decay=weight_decay),
                          maximize=maximize, block_size=block_size, min_8bit_size=min_8bit_size,
                          bf16_stochastic_round=bf16_stochastic_round, kahan=kahan, **torch_flags)
 
     def _hparams(self, group):
-        b1, b2, b3 = _betas3(group["betas"])
+        b1, b2, b3 = _betas(group["betas"], 3)
         return _core.hparams(lr=group["lr"], beta1=b1, beta2=b2, beta3=b3, alpha=group["alpha"],
                              t_alpha=_schedule_steps("t_alpha", group["t_alpha"]),
                              t_beta3=_schedule_steps("t_beta3", group["t_beta3"]),
