@@ -199,6 +199,32 @@ def test_plain_trainer_memfit_adamw_as_torch_adamw(precision):
     assert ours.losses[-1] < ours.losses[0]
 
 
+@pytest.mark.parametrize("precision", ["bf16-mixed", "16-mixed"])
+def test_fabric_clips_a_memfit_optimizer(precision):
+    """Fabric reads the same flag (clip_gradients raised NotImplementedError for an
+    optimizer with it under "16-mixed"): its plain loop with clip_gradients is the
+    hand-written loop, bit for bit."""
+    from lightning_fabric import Fabric
+    from lightning_fabric.plugins.precision.amp import MixedPrecision as FabricMixedPrecision
+
+    fabric = Fabric(accelerator="cpu", devices=1,
+                    plugins=[FabricMixedPrecision(precision, "cpu")])
+    net = _net()
+    opt, sched = _optimizer(net.parameters())
+    model, opt = fabric.setup(net, opt)
+    norms = []
+    for x, y in _loader():
+        loss = torch.nn.functional.mse_loss(model(x).float(), y)
+        opt.zero_grad()
+        fabric.backward(loss)
+        norms.append(fabric.clip_gradients(model, opt, max_norm=1.0).item())
+        opt.step()
+        sched.step()
+    ref, _, _, ref_norms = _manual(N_BATCHES, precision=precision, clip=1.0)
+    assert norms == ref_norms and sum(n > 1.0 for n in norms) >= 4
+    _assert_params_equal(net, ref)
+
+
 def test_torch_flag_is_unset_unless_opted_in():
     """memfit's optimizers do not set torch's _step_supports_amp_scaling (Lightning
     reads it as "cannot clip"); memfit.amp.scale_in_kernel sets it on one instance,
