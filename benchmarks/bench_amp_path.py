@@ -20,6 +20,7 @@ Every iteration first restores the scaled gradients with one torch._foreach_copy
 default path unscales them in place); that copy is in every row, the ``step`` row too.
 
     python benchmarks/bench_amp_path.py --device cpu --threads 2 --reps 31
+    python benchmarks/bench_amp_path.py --device cpu --threads 1 --clock cpu   # shared machine
 
 Prints a markdown table and writes benchmarks/out/bench_amp_path.json.
 """
@@ -107,6 +108,9 @@ def main(argv=None):
     p.add_argument("--tensors", type=int, default=16)
     p.add_argument("--reps", type=int, default=None)
     p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--clock", choices=["wall", "cpu"], default="wall",
+                   help="cpu: this process's CPU time (on a shared machine, leaves out the "
+                        "time other jobs took; use with --threads 1)")
     args = p.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -118,7 +122,8 @@ def main(argv=None):
         numel = args.numel or (4 << 20 if dev == "cpu" else 256 << 20)
         reps = args.reps or (31 if dev == "cpu" else 50)
         for cls in (mo.AdamW8bit, mo.AdamW):
-            t = interleaved_medians(_row_fns(cls, dev, numel, args.tensors), reps, dev)
+            t = interleaved_medians(_row_fns(cls, dev, numel, args.tensors), reps, dev,
+                                    clock=args.clock if dev == "cpu" else "wall")
             floor = t["step (no scaler)"]
             for name, s in t.items():
                 ref = (t["torch scaler, scale_in_kernel + clip"] if name.endswith("default + clip")
@@ -127,11 +132,12 @@ def main(argv=None):
                 rows.append({"device": dev, "optimizer": cls.__name__, "elements": numel,
                              "tensors": args.tensors, "row": name, "seconds": s,
                              "x_step": s / floor, "x_in_kernel": s / ref if ref else None})
-        meta[dev] = dict(metadata(dev), reps=reps)
+        meta[dev] = dict(metadata(dev), reps=reps, clock=args.clock if dev == "cpu" else "cuda events")
     for dev, m in meta.items():
         print(f"{dev}: {m.get('gpu', m['cpu_model'])}, {m['cores']} cores, memfit {m['memfit']} @ "
               f"{m['commit']}, torch {m.get('torch')}, {m['date']}, threads memfit="
-              f"{m['memfit_threads']} torch={m.get('torch_threads')}, median of {m['reps']}")
+              f"{m['memfit_threads']} torch={m.get('torch_threads')}, median of {m['reps']}, "
+              f"clock {m['clock']}")
     print(markdown_table(
         ["device", "optimizer", "elements", "row", "ms", "x step", "x in-kernel"],
         [[r["device"], r["optimizer"], r["elements"], r["row"], f"{r['seconds'] * 1e3:.2f}",

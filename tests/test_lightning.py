@@ -12,6 +12,8 @@ the parameters must be equal bit for bit, so any step Lightning adds, drops or r
 shows up.
 """
 
+import copy
+
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -225,6 +227,11 @@ def test_fabric_clips_a_memfit_optimizer(precision):
     _assert_params_equal(net, ref)
 
 
+def _in_kernel_optimizer(params):
+    opt, sched = _optimizer(params)
+    return memfit.amp.scale_in_kernel(opt), sched
+
+
 def test_torch_flag_is_unset_unless_opted_in():
     """memfit's optimizers do not set torch's _step_supports_amp_scaling (Lightning
     reads it as "cannot clip"); memfit.amp.scale_in_kernel sets it on one instance,
@@ -237,26 +244,20 @@ def test_torch_flag_is_unset_unless_opted_in():
     assert memfit.amp.scale_in_kernel(opt) is opt
     assert _optimizer_handles_unscaling(opt) is True
     assert _optimizer_handles_unscaling(_optimizer(_net().parameters())[0]) is False  # one instance
+    # the instance's setting, not its state's: a copy comes back on the default path
+    assert _optimizer_handles_unscaling(copy.deepcopy(opt)) is False
     memfit.amp.scale_in_kernel(opt, enabled=False)
     assert _optimizer_handles_unscaling(opt) is False
 
-    def opted_in(params):
-        opt, sched = _optimizer(params)
-        return memfit.amp.scale_in_kernel(opt), sched
-
     with pytest.raises(RuntimeError, match="does not allow for gradient clipping"):
-        _fit(1, opted_in, precision="bf16-mixed", gradient_clip_val=1.0)
-    model = _fit(2, opted_in, plugins=[MixedPrecision("bf16-mixed", "cpu")], gradient_clip_val=1.0)
+        _fit(1, _in_kernel_optimizer, precision="bf16-mixed", gradient_clip_val=1.0)
+    model = _fit(2, _in_kernel_optimizer, plugins=[MixedPrecision("bf16-mixed", "cpu")],
+                 gradient_clip_val=1.0)
     assert max(model.stepped_norms) <= 1.0 + 1e-6
     with pytest.raises(TypeError, match="optimizer: expected a memfit optimizer"):
         memfit.amp.scale_in_kernel(torch.optim.AdamW(_net().parameters()))
     with pytest.raises(TypeError, match="enabled: expected True or False"):
         memfit.amp.scale_in_kernel(opt, enabled=1)
-
-
-def _in_kernel_optimizer(params):
-    opt, sched = _optimizer(params)
-    return memfit.amp.scale_in_kernel(opt), sched
 
 
 @pytest.mark.parametrize("opt_in", [True, False], ids=["scale_in_kernel", "default"])
