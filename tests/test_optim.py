@@ -577,6 +577,31 @@ def test_grad_scaler_default_path_equals_in_kernel(cls):
         assert_same(runs["torch"][0], runs[way][0])
 
 
+def test_grad_scaler_float16_parameters_need_the_in_kernel_path():
+    """float16 parameters (pure fp16 training): torch's scaler refuses to unscale their
+    gradients on its default path, as for torch's AdamW; the in-kernel path (opted
+    in, or memfit's scaler) takes them and steps as with the unscaled gradient."""
+    results = {}
+    for way in ("torch", "torch+scale_in_kernel", "memfit"):
+        w = torch.nn.Parameter(torch.linspace(-1, 1, 64 * 64).reshape(64, 64).half())
+        scaler, prepare = _scaler(way)
+        opt = prepare(mo.AdamW8bit([w], lr=1e-2, min_8bit_size=1, bf16_stochastic_round=False))
+        scaler.scale((w.float() ** 2).sum()).backward()
+        if way == "torch":
+            with pytest.raises(ValueError, match="Attempting to unscale FP16 gradients"):
+                scaler.step(opt)
+            continue
+        scaler.step(opt)
+        scaler.update()
+        results[way] = w.detach().clone()
+    ref = torch.nn.Parameter(torch.linspace(-1, 1, 64 * 64).reshape(64, 64).half())
+    opt = mo.AdamW8bit([ref], lr=1e-2, min_8bit_size=1, bf16_stochastic_round=False)
+    (ref.float() ** 2).sum().backward()
+    opt.step()
+    for way, w in results.items():
+        assert torch.equal(w, ref.detach()), way
+
+
 def test_functional_grad_scale_and_found_inf():
     rng = np.random.default_rng(0)
     p = rng.standard_normal(6000).astype(np.float32)

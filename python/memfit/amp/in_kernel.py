@@ -50,7 +50,9 @@ def scale_in_kernel(optimizer, enabled: bool = True):
     ``memfit.amp.lightning.MixedPrecision`` for such an optimizer, or leave it at the
     default. ``memfit.amp.GradScaler`` takes the in-kernel path without this call.
     The setting is the instance's, not its state's: a pickled or deep-copied
-    optimizer comes back without it (the default path, which is also exact).
+    optimizer comes back without it (the default path, which is also exact). float16
+    parameters need it (or memfit's scaler): torch's default path refuses to unscale
+    float16 gradients.
     """
     if not getattr(optimizer, MEMFIT_FLAG, False):
         raise MemfitTypeError(
