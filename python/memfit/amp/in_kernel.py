@@ -4,8 +4,11 @@ hands it to them from torch's scaler.
 memfit's optimizers can unscale in their kernels: a scaler sets ``optimizer.grad_scale``
 (the scale; None after ``unscale_``) and ``optimizer.found_inf`` (a 0/1 tensor on the
 device) and calls ``step()``; the kernels divide each gradient by ``grad_scale`` as they
-read it and, when ``found_inf`` is non-zero, change nothing. That saves the scaler's
-own pass over the gradients (read and write) and the host sync on the inf check.
+read it and, when ``found_inf`` is non-zero, change nothing. No host sync on the inf
+check, and memfit's scaler then only reads the gradients (its inf check) instead of
+unscaling them in place; torch's scaler still runs a pass of its own (an inf check
+with a scale of 1), so on the CPU its two paths cost the same (benchmarks/RESULTS.md,
+bench_amp_path).
 
 Two flags say that a step takes them, read by different callers:
 
@@ -44,7 +47,7 @@ def scale_in_kernel(optimizer, enabled: bool = True):
     removes it). Returns the optimizer.
 
     Then torch's ``scaler.step(opt)`` hands the kernels ``grad_scale`` and ``found_inf``
-    (no unscale pass, no host sync; the gradients stay scaled), and
+    (no host sync; the gradients stay scaled), and
     ``scaler.unscale_(opt)`` before clipping still works. Lightning and Fabric read the
     same flag as "cannot clip": with ``gradient_clip_val`` use
     ``memfit.amp.lightning.MixedPrecision`` for such an optimizer, or leave it at the
