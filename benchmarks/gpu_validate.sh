@@ -6,7 +6,7 @@
 #
 #   bash benchmarks/gpu_validate.sh build tests       # first call: the CUDA tests
 #   bash benchmarks/gpu_validate.sh build sanitize    # compute-sanitizer memcheck, racecheck
-#   bash benchmarks/gpu_validate.sh build bench demo  # bench_optim, bench_gemm, bench_quant, demo
+#   bash benchmarks/gpu_validate.sh build bench demo  # bench_optim, bench_gemm, bench_quant, bench_amp_path, demo
 #   bash benchmarks/gpu_validate.sh build offload     # the offloading optimizer on a 1B GPT
 #   bash benchmarks/gpu_validate.sh build muon        # Muon on the GPU
 #
@@ -21,7 +21,8 @@
 # sanitize: memcheck and racecheck over the optimizer, row-block and quantization CUDA
 #        tests (odd sizes, block sizes 64 to 4096, 4-bit states).
 # bench: bench_optim (1B parameters against a device-to-device copy, torch fused AdamW
-#        and bitsandbytes when importable), bench_gemm and bench_quant on the GPU.
+#        and bitsandbytes when importable), bench_gemm, bench_quant and bench_amp_path (a
+#        GradScaler step: torch's default path against the in-kernel one) on the GPU.
 # demo:  memfit demo on the GPU (memory, step time, loss).
 # offload: bench_offload --size 1b: a GPT of about 1B parameters in bf16 with checkpointed
 #        blocks; peak device memory, s/step, tokens/s on the device and offloaded,
@@ -106,6 +107,8 @@ stage_bench() {
     cp benchmarks/out/bench_optim.json "$OUT/"
   step "bench_gemm --device cuda" bench.log $PY benchmarks/bench_gemm.py --device cuda
   step "bench_quant --device cuda" bench.log $PY benchmarks/bench_quant.py --device cuda
+  step "bench_amp_path --device cuda" bench.log $PY benchmarks/bench_amp_path.py --device cuda &&
+    cp benchmarks/out/bench_amp_path.json "$OUT/"
 }
 
 stage_offload() {

@@ -267,8 +267,9 @@ def _corrupt_load_rank(rank, world):
 
 
 def _scaler_rank(rank, world):
-    """GradScaler (memfit's, and torch's: both hand grad_scale/found_inf to memfit's
-    step) with FSDP2 and AdamW8bit: an inf in the last rank's shard skips the step on
+    """GradScaler (memfit's, which hands grad_scale/found_inf to memfit's step, and
+    torch's, which unscales the DTensor gradients itself and skips on the host) with
+    FSDP2 and AdamW8bit: an inf in the last rank's shard skips the step on
     every rank; a finite scaled step equals one process's unscaled step bitwise (the
     scale is a power of 2, so unscaling is exact)."""
     import memfit

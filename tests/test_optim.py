@@ -478,12 +478,25 @@ def test_non_contiguous_param_rejected():
 
 # ---- GradScaler ---------------------------------------------------------------------------
 
+def _scaler(way):
+    """A scaler and what to do to the optimizer for one way of scaling: torch's scaler
+    opted into the in-kernel path, memfit's scaler (in-kernel without asking), or
+    torch's scaler on its default path (it unscales the gradients itself)."""
+    import memfit.amp
+
+    if way == "memfit":
+        return memfit.amp.GradScaler("cpu", init_scale=2.0**12), lambda o: o
+    prepare = memfit.amp.scale_in_kernel if way == "torch+scale_in_kernel" else (lambda o: o)
+    return torch.amp.GradScaler("cpu", init_scale=2.0**12), prepare
+
+
+@pytest.mark.parametrize("way", ["torch+scale_in_kernel", "memfit"])
 @pytest.mark.parametrize("cls", [mo.AdamW8bit, mo.AdamW], ids=lambda c: c.__name__)
-def test_grad_scaler_fused_protocol(cls):
+def test_grad_scaler_fused_protocol(cls, way):
     m1, m2 = model(), model()
-    o1 = cls(m1.parameters(), lr=1e-2, min_8bit_size=1000)
+    scaler, prepare = _scaler(way)
+    o1 = prepare(cls(m1.parameters(), lr=1e-2, min_8bit_size=1000))
     o2 = cls(m2.parameters(), lr=1e-2, min_8bit_size=1000)
-    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**12)
     gen = torch.Generator().manual_seed(5)
     for _ in range(3):
         x = torch.randn(16, 64, generator=gen)
@@ -522,6 +535,71 @@ def test_grad_scaler_fused_protocol(cls):
     scaler.step(o1)
     scaler.update()
     assert o1.state[next(m1.parameters())]["step"].item() == steps + 1
+
+
+@pytest.mark.parametrize("cls", [mo.AdamW8bit, mo.Lion8bit], ids=lambda c: c.__name__)
+def test_grad_scaler_default_path_equals_in_kernel(cls):
+    """torch's scaler with a memfit optimizer as it is (no opt-in): the scaler unscales
+    the gradients in place and skips an inf step on the host, as for torch's AdamW.
+    Same bits as the in-kernel path (torch's scaler opted in, and memfit's scaler):
+    a power-of-two scale unscales exactly either way. Steps: 3 finite, one with an
+    inf gradient, one after unscale_ and clipping."""
+    runs = {}
+    for way in ("torch", "torch+scale_in_kernel", "memfit"):
+        m = model()
+        scaler, prepare = _scaler(way)
+        opt = prepare(cls(m.parameters(), lr=1e-2, min_8bit_size=1000))
+        gen = torch.Generator().manual_seed(5)
+        steps_called = []
+        step = opt.step
+        opt.step = lambda *a, **k: steps_called.append(1) or step(*a, **k)
+        for i in range(5):
+            opt.zero_grad()
+            scaler.scale(m(torch.randn(16, 64, generator=gen)).square().mean()).backward()
+            if i == 3:
+                next(m.parameters()).grad[0, 0] = float("inf")
+            scaled = [p.grad.clone() for p in m.parameters()]
+            if i == 4:
+                scaler.unscale_(opt)
+                torch.nn.utils.clip_grad_norm_(m.parameters(), 0.01)
+            elif way == "torch":
+                scaler.step(opt)  # unscales in place: the gradients are divided by 2**12
+                assert all(torch.equal(g / 2.0**12, p.grad) for g, p in zip(scaled, m.parameters())
+                           if i != 3)
+                scaler.update()
+                continue
+            scaler.step(opt)
+            scaler.update()
+        runs[way] = (snapshot(m, opt), scaler.get_scale(), len(steps_called))
+    assert runs["torch"][1:] == (2.0**11, 4)  # backed off once; the inf step was not called
+    for way in ("torch+scale_in_kernel", "memfit"):
+        assert runs[way][1:] == (2.0**11, 5)  # called, and skipped on the device
+        assert_same(runs["torch"][0], runs[way][0])
+
+
+def test_grad_scaler_float16_parameters_need_the_in_kernel_path():
+    """float16 parameters (pure fp16 training): torch's scaler refuses to unscale their
+    gradients on its default path, as for torch's AdamW; the in-kernel path (opted
+    in, or memfit's scaler) takes them and steps as with the unscaled gradient."""
+    results = {}
+    for way in ("torch", "torch+scale_in_kernel", "memfit"):
+        w = torch.nn.Parameter(torch.linspace(-1, 1, 64 * 64).reshape(64, 64).half())
+        scaler, prepare = _scaler(way)
+        opt = prepare(mo.AdamW8bit([w], lr=1e-2, min_8bit_size=1, bf16_stochastic_round=False))
+        scaler.scale((w.float() ** 2).sum()).backward()
+        if way == "torch":
+            with pytest.raises(ValueError, match="Attempting to unscale FP16 gradients"):
+                scaler.step(opt)
+            continue
+        scaler.step(opt)
+        scaler.update()
+        results[way] = w.detach().clone()
+    ref = torch.nn.Parameter(torch.linspace(-1, 1, 64 * 64).reshape(64, 64).half())
+    opt = mo.AdamW8bit([ref], lr=1e-2, min_8bit_size=1, bf16_stochastic_round=False)
+    (ref.float() ** 2).sum().backward()
+    opt.step()
+    for way, w in results.items():
+        assert torch.equal(w, ref.detach()), way
 
 
 def test_functional_grad_scale_and_found_inf():
@@ -682,8 +760,11 @@ def test_cpu_cuda_agree_bitwise_many_tensors_scaled(cls, bs):
 
 @pytest.mark.cuda
 def test_cuda_grad_scaler_skip_without_sync():
+    import memfit.amp
+
     m = model().cuda()
-    opt = mo.AdamW8bit(m.parameters(), min_8bit_size=1000)
+    # the in-kernel path (torch's scaler on its default path syncs on found_inf)
+    opt = memfit.amp.scale_in_kernel(mo.AdamW8bit(m.parameters(), min_8bit_size=1000))
     scaler = torch.amp.GradScaler("cuda")
     x = torch.randn(16, 64, device="cuda")
     scaler.scale(m(x).square().mean()).backward()

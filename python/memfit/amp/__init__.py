@@ -31,7 +31,8 @@ The classic loop::
 
 One capability per file: ``scaler.py`` (GradScaler, OptState, ScalerConfigError),
 ``report.py`` (ScalerWarning, the scaler's warnings and stats()), ``clip.py``
-(clip_grad_norm_), ``mixed_precision.py`` (precision, Precision, autocast,
+(clip_grad_norm_), ``in_kernel.py`` (scale_in_kernel: which optimizers take the scale
+in their step), ``mixed_precision.py`` (precision, Precision, autocast,
 AutocastContext, setup), ``accumulate.py`` (GradAccumulator), ``lightning.py``
 (a Lightning precision plugin; imported only when asked for, it imports Lightning).
 ``cast`` and the matrix products (``matmul``, ``gemm_backend``, ``set_gemm_backend``)
@@ -46,6 +47,7 @@ from memfit.nn.gemm import gemm_backend, matmul, set_gemm_backend  # old names: 
 from memfit.amp import _grads
 from memfit.amp.accumulate import GradAccumulator
 from memfit.amp.clip import clip_grad_norm_
+from memfit.amp.in_kernel import scale_in_kernel
 from memfit.amp.mixed_precision import AutocastContext, Precision, autocast, precision, setup
 from memfit.amp.report import ScalerWarning
 from memfit.amp.scaler import GradScaler, OptState, ScalerConfigError
@@ -66,6 +68,7 @@ __all__ = [
     "gemm_backend",
     "matmul",
     "precision",
+    "scale_in_kernel",
     "set_gemm_backend",
     "setup",
 ]

@@ -1,14 +1,20 @@
 """A Lightning precision plugin that clips gradients for optimizers which take the
-scale on the device (memfit's, and torch's fused Adam/AdamW/SGD).
+scale on the device: torch's fused Adam/AdamW/SGD, and memfit optimizers opted in with
+:func:`memfit.amp.scale_in_kernel`.
+
+Not needed for memfit's optimizers as they are: they leave torch's
+``_step_supports_amp_scaling`` unset, so ``pl.Trainer(precision="bf16-mixed" or
+"16-mixed", gradient_clip_val=...)`` unscales (torch's scaler) and clips them as any
+optimizer (docs/frameworks.md).
 
 Why it exists: torch's GradScaler reads ``optimizer._step_supports_amp_scaling`` as
 "hand me ``grad_scale`` and ``found_inf`` and I skip the step on the device", with no
-host sync. memfit's optimizers set it (True, always, for every caller). Lightning's
-``MixedPrecision`` reads the same flag as "this optimizer unscales inside its step":
-it then skips ``scaler.unscale_`` and refuses ``gradient_clip_val`` (even under
-``"bf16-mixed"``, where there is no scaler). That holds for no optimizer torch or
-memfit ships today: after ``unscale_`` the scaler passes ``grad_scale=None`` and the
-kernels still skip on ``found_inf``, so unscale, clip, step is exact.
+host sync. Lightning's ``MixedPrecision`` reads the same flag as "this optimizer
+unscales inside its step": it then skips ``scaler.unscale_`` and refuses
+``gradient_clip_val`` (even under ``"bf16-mixed"``, where there is no scaler). That
+holds for no optimizer torch or memfit ships today: after ``unscale_`` the scaler
+passes ``grad_scale=None`` and the kernels still skip on ``found_inf``, so unscale,
+clip, step is exact.
 
 This plugin is Lightning's ``MixedPrecision`` with that one difference: for such an
 optimizer it unscales right after backward (where Lightning unscales every other
@@ -16,7 +22,8 @@ optimizer), and clipping is allowed. Everything else (autocast, the scaler, its
 state dict in checkpoints) is Lightning's own code::
 
     from memfit.amp.lightning import MixedPrecision
-    trainer = pl.Trainer(plugins=[MixedPrecision("bf16-mixed", "cpu")], gradient_clip_val=1.0)
+    opt = memfit.amp.scale_in_kernel(mo.AdamW8bit(params))     # in configure_optimizers
+    trainer = pl.Trainer(plugins=[MixedPrecision("16-mixed", "cuda")], gradient_clip_val=1.0)
 
 ``MixedPrecision`` subclasses ``pytorch_lightning``'s plugin; for the ``lightning``
 package (``import lightning.pytorch as pl``) build the class from it:

@@ -19,7 +19,7 @@ import torch
 
 from memfit import _C
 from memfit._C import MemfitTypeError, MemfitValueError
-from memfit.amp import _dist
+from memfit.amp import _dist, in_kernel
 from memfit.amp.report import ScalerReport
 from memfit.amp._grads import (_BF16, _F16, _F32, _FUSED_DTYPES, _Replicator, _as_float, _as_int,
                                _prepare, _stream)
@@ -513,10 +513,10 @@ class GradScaler(ScalerReport):
 
     def step(self, optimizer, *args: Any, **kwargs: Any):
         """Unscales (unless :meth:`unscale_` was called) and runs ``optimizer.step(*args,
-        **kwargs)`` unless a gradient is NaN/Inf. Optimizers that advertise
-        ``_step_supports_amp_scaling`` (torch's fused AdamW/Adam/SGD, memfit's
-        optimizers) get ``optimizer.grad_scale`` and ``optimizer.found_inf`` instead and
-        skip on the device, with no host sync. Returns what ``optimizer.step`` returns
+        **kwargs)`` unless a gradient is NaN/Inf. Optimizers whose step takes the scale
+        (memfit's, torch's fused AdamW/Adam/SGD: see amp/in_kernel.py) get
+        ``optimizer.grad_scale`` and ``optimizer.found_inf`` instead and skip on the
+        device, with no host sync. Returns what ``optimizer.step`` returns
         (None when skipped)."""
         if not self._enabled:
             return optimizer.step(*args, **kwargs)
@@ -527,7 +527,7 @@ class GradScaler(ScalerReport):
         if opt_state["stage"] is OptState.STEPPED:
             raise RuntimeError("step() has already been called since the last update().")
 
-        if getattr(optimizer, "_step_supports_amp_scaling", False):
+        if in_kernel.takes_scale_in_kernel(optimizer):
             kwargs_ = kwargs
             has_grad_scaler_kwarg = "grad_scaler" in inspect.signature(optimizer.step).parameters
             if has_grad_scaler_kwarg:

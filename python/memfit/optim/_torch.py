@@ -41,13 +41,13 @@ class _MemfitOptimizer(torch.optim.Optimizer, _format.MemfitOptimizerBase):
     _kind: int = _core.ADAMW
     _bits: int = 8
 
-    # torch.amp.GradScaler (and memfit's) hand the kernels grad_scale and found_inf
-    # instead of unscaling and syncing on found_inf: they unscale and skip on the
-    # device, and after an explicit unscale_ (grad_scale None) they still skip on
-    # found_inf, so unscale_, clipping, step is exact. True for every caller: Lightning
-    # reads it as "cannot clip", and memfit.amp.lightning.MixedPrecision is the
-    # plugin that unscales and clips such optimizers (docs/frameworks.md).
-    _step_supports_amp_scaling = True
+    # step() takes a GradScaler's grad_scale and found_inf: the kernels unscale and skip
+    # on the device (after unscale_, grad_scale None, they still skip on found_inf).
+    # memfit's protocol, read by memfit.amp.GradScaler only. torch's flag
+    # (_step_supports_amp_scaling) stays unset: Lightning reads it as "cannot clip", so
+    # torch's scaler unscales these as any optimizer, unless memfit.amp.scale_in_kernel
+    # opts one in (memfit/amp/in_kernel.py).
+    _memfit_scale_in_kernel = True
 
     # torch's flags that this class keeps in its param groups, as torch's class of the
     # same kind does (every class takes all four keywords: see

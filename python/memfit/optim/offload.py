@@ -183,7 +183,7 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
     ``optimizer_class(model.parameters())``. The wrapped optimizer is ``.optimizer``.
     """
 
-    _step_supports_amp_scaling = True  # grad_scale/found_inf reach the wrapped step
+    _memfit_scale_in_kernel = True  # grad_scale/found_inf reach the wrapped step (amp/in_kernel.py)
 
     def __init__(self, params, optimizer_class=None, *, offload_gradients=False,
                  step_in_backward=False, offload=True, **kwargs):
