@@ -30,15 +30,15 @@ first: a GradScaler and global clipping are refused.
 
 from __future__ import annotations
 
-import queue
-import threading
+import weakref
 from collections import OrderedDict
-from collections.abc import MutableMapping
 
 import torch
 
 from memfit._C import MemfitTypeError, MemfitValueError
 from memfit.optim import _dtensor
+from memfit.optim._offload_thread import _release, _weak_hook, _Worker
+from memfit.optim._offload_torch import _Group, _groups_of, _inner_step
 from memfit.optim._torch import (
     _MemfitOptimizer,
     run_load_state_dict_post_hooks,
@@ -47,79 +47,6 @@ from memfit.optim._torch import (
 )
 
 __all__ = ["CPUOffloadOptimizer"]
-
-
-class _Group(MutableMapping):
-    """One of :attr:`CPUOffloadOptimizer.param_groups`: the wrapped optimizer's group
-    (so an LR scheduler's ``group['lr'] = ...`` changes the lr the host step uses), with
-    ``'params'`` the tensors whose ``.grad`` the step reads. The group is looked up at
-    each use: the wrapped optimizer's load_state_dict replaces its group dicts."""
-
-    def __init__(self, optimizer, index: int, params: list):
-        self._optimizer, self._index, self._params = optimizer, index, params
-
-    @property
-    def _inner(self) -> dict:
-        return self._optimizer.param_groups[self._index]
-
-    def __getitem__(self, key):
-        return self._params if key == "params" else self._inner[key]
-
-    def __setitem__(self, key, value):
-        if key == "params":
-            raise MemfitValueError("CPUOffloadOptimizer: param_groups[g]['params'] cannot be "
-                                   "replaced; build a new optimizer over the new parameters")
-        self._inner[key] = value
-
-    def __delitem__(self, key):
-        if key == "params":
-            raise MemfitValueError("CPUOffloadOptimizer: param_groups[g]['params'] cannot be "
-                                   "deleted")
-        del self._inner[key]
-
-    def __iter__(self):
-        return iter(self._inner)
-
-    def __len__(self):
-        return len(self._inner)
-
-    def __repr__(self):
-        return repr({**self._inner, "params": self._params})
-
-
-class _Worker:
-    """One thread that runs jobs in submission order. The first error a job raises is
-    kept and raised by :meth:`wait` in the caller's thread; jobs after it still run
-    (each one is self-contained), so the queue always drains."""
-
-    def __init__(self):
-        self._jobs: queue.Queue = queue.Queue()
-        self._error = None
-        self._thread = None
-
-    def submit(self, job) -> None:
-        if self._thread is None:
-            self._thread = threading.Thread(target=self._run, name="memfit-offload", daemon=True)
-            self._thread.start()
-        self._jobs.put(job)
-
-    def _run(self):
-        while True:
-            job = self._jobs.get()
-            try:
-                job()
-            except BaseException as e:  # handed to the caller by wait()
-                if self._error is None:
-                    self._error = e
-            finally:
-                self._jobs.task_done()
-
-    def wait(self) -> None:
-        """Blocks until every submitted job has run; raises the first error one raised."""
-        self._jobs.join()
-        error, self._error = self._error, None
-        if error is not None:
-            raise error
 
 
 class _Slot:
@@ -133,27 +60,6 @@ class _Slot:
         self.landed = None     # CUDA event: the last device->host gradient copy is complete
         self.stepped = False   # step_in_backward: stepped since the last step()
         self.h2d_done = None   # CUDA event: the last host->device parameter copy is complete
-
-
-def _groups_of(params) -> list:
-    """The param groups as dicts with a list of params (torch's forms: tensors, dicts)."""
-    if isinstance(params, torch.Tensor):
-        raise MemfitTypeError("params: expected an iterable of tensors or dicts, got a tensor; "
-                              "pass [tensor] or model.parameters()")
-    items = list(params)
-    if not items:
-        raise MemfitValueError("params: optimizer got an empty parameter list")
-    if not isinstance(items[0], dict):
-        items = [{"params": items}]
-    groups = []
-    for gi, g in enumerate(items):
-        if not isinstance(g, dict):
-            raise MemfitTypeError(f"params[{gi}]: expected a dict (a param group) like params[0], "
-                                  f"got {type(g).__name__}")
-        ps = g.get("params")
-        ps = [ps] if isinstance(ps, torch.Tensor) else list(ps if ps is not None else ())
-        groups.append({**g, "params": ps})
-    return groups
 
 
 class CPUOffloadOptimizer(torch.optim.Optimizer):
@@ -250,6 +156,10 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
                 inner_groups.append({**g, "params": hosts})
         # raises (bad hyperparameters) before any hook is registered
         self.optimizer = optimizer_class(inner_groups, **kwargs)
+        if offload and hasattr(self.optimizer, "_override_alias"):
+            # memfit.optim.bnb: GlobalOptimManager's overrides are registered for the
+            # model's parameters; each host copy takes its parameter's
+            self.optimizer._override_alias = {id(s.host): s.dev for s in slots}
         self._slots = slots
         self._slot_of = {id(s.dev): s for s in slots}
         self._worker = _Worker()
@@ -270,23 +180,63 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
         self._groups = [_Group(self.optimizer, gi, [(s.host if offload_gradients else s.dev)
                                                     for s in (next(it) for _ in ig["params"])])
                         for gi, ig in enumerate(self.optimizer.param_groups)]
-        self._hooks = []
-        if offload_gradients or step_in_backward:
-            for s in slots:
-                if s.dev.requires_grad:
-                    self._hooks.append(s.dev.register_post_accumulate_grad_hook(self._grad_ready))
+        # the gradient hooks (weak: _weak_hook), removed with the thread by close() or
+        # when this optimizer is collected; a parameter frozen now gets its hook once it
+        # requires a gradient (_sync_hooks: at each step, and the first gradient of each
+        # backward; a gradient it got before that is taken at step(), as one the caller
+        # assigned)
+        self._hooks, self._hooked = [], set()
+        self._hook = _weak_hook(self)
+        self._finalizer = weakref.finalize(self, _release, self._hooks, self._worker)
+        self._hooks_synced = False
+        self._sync_hooks()
         # step_in_backward: the wrapped optimizer's parameters that step in each backward
-        # (those with a hook), and the numbers its step() would give them
-        # (_MemfitOptimizer._sr_positions: the same random bits), made at the first
-        # gradient of each backward
-        self._in_step_set = {id(s.host) for s in slots if s.dev.requires_grad}
+        # (those requiring a gradient at its first gradient), and the numbers its step()
+        # would give them (_MemfitOptimizer._sr_positions: the same random bits), made at
+        # the first gradient of each backward
         self._positions = None
+
+    # -- lifecycle ------------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Waits for the work in flight, then removes the gradient hooks from the model and
+        ends the worker thread; afterwards the model trains with any other optimizer. Done
+        as well when this optimizer is garbage collected, and by ``with``. Idempotent."""
+        if not self._finalizer.alive:
+            return
+        try:
+            self._worker.wait()
+        finally:
+            self._finalizer()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def _sync_hooks(self) -> None:
+        """Registers the gradient hook of every parameter that requires a gradient and
+        has none yet (torch refuses hooks on frozen tensors: unfrozen ones get theirs
+        here). A hook stays when its parameter is frozen again: it fires only for a
+        gradient autograd computes."""
+        self._hooks_synced = True
+        if not (self._offload_grads or self._in_backward) or not self._finalizer.alive:
+            return
+        for s in self._slots:
+            if s.dev.requires_grad and id(s.dev) not in self._hooked:
+                self._hooks.append(s.dev.register_post_accumulate_grad_hook(self._hook))
+                self._hooked.add(id(s.dev))
 
     # -- what torch's Optimizer API exposes ---------------------------------------------
 
     @property
     def param_groups(self) -> list:
-        self._worker.wait()  # host gradients landed: a scaler or clipping may read them
+        # gradients the caller assigned on the device join the host ones, and every host
+        # gradient has landed: a scaler or clipping may read them
+        if self._offload_grads and not self._in_backward:
+            self._adopt_device_grads()
+        self._worker.wait()
         return self._groups
 
     @property
@@ -313,6 +263,8 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
 
     def _grad_ready(self, p) -> None:
         """Autograd has accumulated p's gradient (this backward's last contribution)."""
+        if not self._hooks_synced:  # the first gradient since a step: unfrozen parameters
+            self._sync_hooks()
         s = self._slot_of[id(p)]
         if self._in_backward and s.stepped:
             p.grad = None  # as before this backward: its gradient was consumed by the step
@@ -323,11 +275,15 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
         g = p.grad
         positions = None
         if self._in_backward:
-            if self._positions is None:  # the first gradient of this backward: O(n), once
-                self._positions = self.optimizer._sr_positions(self._in_step_set)
-            positions = self._positions
+            positions = self._backward_positions()
         if not self._offload:  # step in backward on the device
-            self.optimizer._step_params([p], positions)
+            try:
+                self.optimizer._step_params([p], positions)
+            except BaseException:
+                # backward ends with this error: the next one starts anew, with no
+                # gradient of this one added to it and no parameter marked as stepped
+                self._reset_backward_step()
+                raise
             p.grad = None
             s.stepped = True
             return
@@ -336,6 +292,31 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
         if self._in_backward:
             s.stepped = True
         self._worker.submit(lambda: self._land(s, staged, landed, after, positions))
+
+    def _backward_positions(self) -> dict:
+        """step_in_backward: the places of this backward's step (made at its first
+        gradient, O(parameters), once), for every parameter that requires a gradient."""
+        if self._positions is None:
+            stepping = {id(s.host) for s in self._slots if s.dev.requires_grad}
+            self._positions = self.optimizer._sr_positions(stepping)
+        return self._positions
+
+    def _adopt_device_grads(self) -> list:
+        """offload_gradients=True: a gradient on the device at this point was assigned by
+        the caller (``p.grad = g``) or computed for a parameter unfrozen since its hooks
+        were made; it becomes the host gradient, replacing what was there (as assigning
+        ``p.grad`` replaces it for a plain optimizer). Returns their slots."""
+        adopted = []
+        for s in self._slots:
+            g = s.dev.grad
+            if g is None or s.host is s.dev or (self._in_backward and s.stepped):
+                continue
+            staged, landed, after = self._to_host(s, g)
+            s.dev.grad = None
+            self._worker.submit(lambda s=s, job=(staged, landed, after):
+                                self._land(s, *job, replace=True))
+            adopted.append(s)
+        return adopted
 
     def _to_host(self, s, g):
         """Starts copying gradient g of slot s into a fresh host buffer; returns the buffer
@@ -354,14 +335,15 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
                 g.record_stream(self._d2h)  # its memory is not reused before the copy ends
                 return staged, self._d2h.record_event(), ready
 
-    def _land(self, s, staged, landed, after, positions=None) -> None:
-        """Worker: the copied gradient becomes (or is added to) the host gradient; with
-        step_in_backward (``positions`` given), the tensor steps right away."""
+    def _land(self, s, staged, landed, after, positions=None, replace=False) -> None:
+        """Worker: the copied gradient becomes (or is added to, unless ``replace``) the
+        host gradient; with step_in_backward (``positions`` given), the tensor steps
+        right away."""
         if landed is not None:
             landed.synchronize()
         h = s.host
         with torch.no_grad():
-            if h.grad is None:
+            if h.grad is None or replace:
                 h.grad = staged
             else:
                 h.grad.add_(staged)  # gradient accumulation, as autograd adds on the device
@@ -384,7 +366,7 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
             inner.found_inf = found_inf
         try:
             if positions is None:
-                inner.step()
+                _inner_step(inner)
             else:
                 inner._step_params([s.host for s in slots], positions)
         finally:
@@ -424,22 +406,27 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
                 loss = closure()
         grad_scale = getattr(self, "grad_scale", None)
         found_inf = getattr(self, "found_inf", None)
-        if self._in_backward:
-            self._worker.wait()
-            if grad_scale is not None or found_inf is not None:
-                raise RuntimeError(
-                    "CPUOffloadOptimizer(step_in_backward=True) cannot be used with a GradScaler: "
-                    "each tensor stepped during backward, before the scaler could check the "
-                    "gradients for inf/NaN; use step_in_backward=False")
-            self.optimizer._advance_sr_step()  # one optimizer step, as the wrapped step()
-            self._positions = None  # the next backward numbers its parameters anew
-            for s in self._slots:
-                s.stepped = False
-            self._landed_on_device()
-            return loss
+        try:
+            if self._in_backward:
+                self._step_in_backward_done(grad_scale, found_inf)
+            else:
+                self._step(grad_scale, found_inf)
+        except BaseException:
+            # a GradScaler sets these before step() and deletes them after it returns: a
+            # step that raised must not leave them to the next step
+            self.__dict__.pop("grad_scale", None)
+            self.__dict__.pop("found_inf", None)
+            raise
+        finally:
+            self._sync_hooks()  # parameters unfrozen since: hooked from the next backward
+        return loss
+
+    def _step(self, grad_scale, found_inf) -> None:
         self._stepping = True
         try:
-            if not self._offload_grads:
+            if self._offload_grads:
+                self._adopt_device_grads()
+            else:
                 for s in self._slots:
                     if s.dev.grad is not None:
                         job = self._to_host(s, s.dev.grad)
@@ -456,7 +443,51 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
             self._landed_on_device()
         finally:
             self._stepping = False
-        return loss
+
+    def _step_in_backward_done(self, grad_scale, found_inf) -> None:
+        """step() with step_in_backward: waits for the steps taken during backward, steps
+        the gradients no hook saw (assigned by the caller, or of a parameter unfrozen
+        since the hooks were made) at their places, and ends the optimizer step. Whatever
+        raises, the next backward starts anew: nothing of this one is carried over."""
+        ok = False
+        try:
+            self._worker.wait()
+            if grad_scale is not None or found_inf is not None:
+                raise RuntimeError(
+                    "CPUOffloadOptimizer(step_in_backward=True) cannot be used with a GradScaler: "
+                    "each tensor stepped during backward, before the scaler could check the "
+                    "gradients for inf/NaN; use step_in_backward=False")
+            late = [s for s in self._slots if s.dev.grad is not None and not s.stepped]
+            if late:
+                positions = self._backward_positions()
+                if any(id(s.host) not in positions for s in late):  # frozen, assigned a grad
+                    stepping = {id(s.host) for s in self._slots if s.stepped or s in late}
+                    positions = self.optimizer._sr_positions(stepping)
+                if self._offload:
+                    for s in late:
+                        job = self._to_host(s, s.dev.grad)
+                        s.dev.grad = None
+                        self._worker.submit(lambda s=s, job=job: self._land(s, *job, positions))
+                    self._worker.wait()
+                else:
+                    self.optimizer._step_params([s.dev for s in late], positions)
+            ok = True
+        finally:
+            if ok:
+                self.optimizer._advance_sr_step()  # one optimizer step, as the wrapped step()
+            self._reset_backward_step()
+        self._landed_on_device()
+
+    def _reset_backward_step(self) -> None:
+        """step_in_backward: ready for the next backward, nothing of this one kept (a
+        gradient that did not step is dropped, as a refused step drops it)."""
+        self._positions = None  # the next backward numbers its parameters anew
+        with torch.no_grad():
+            for s in self._slots:
+                s.stepped = False
+                s.dev.grad = None
+                if s.host is not s.dev:
+                    s.host.grad = None
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clears the gradients on the device and on the host. Refused (RuntimeError,
