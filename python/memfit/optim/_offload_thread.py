@@ -3,10 +3,13 @@ optimizer's lifetime (memfit.optim.offload; docs/offload.md, "Its lifetime")."""
 
 from __future__ import annotations
 
+import os
 import queue
 import threading
 import traceback
 import weakref
+
+from memfit._C import MemfitTypeError, MemfitValueError
 
 
 class _Worker:
@@ -18,7 +21,8 @@ class _Worker:
 
     _STOP = object()
 
-    def __init__(self):
+    def __init__(self, threads: int = 0):
+        self._threads = threads  # the core's threads for the host step (0: the process's)
         self._jobs: queue.Queue = queue.Queue()
         self._error = None
         self._thread = None
@@ -33,6 +37,9 @@ class _Worker:
         self._jobs.put(job)
 
     def _run(self):
+        from memfit import _C
+
+        _C.set_thread_num_threads(self._threads)  # this thread's kernels only
         while True:
             job = self._jobs.get()
             try:
@@ -69,13 +76,16 @@ class _Worker:
             thread.join()
 
 
-def _release(hooks: list, worker: _Worker) -> None:
-    """What an offloader leaves on the model and in the process: its gradient hooks and
-    its thread (weakref.finalize: runs at close() or when the optimizer is collected)."""
+def _release(hooks: list, worker: _Worker, staging=None) -> None:
+    """What an offloader leaves on the model and in the process: its gradient hooks, its
+    thread and its host buffers' CUDA registration (weakref.finalize: runs at close()
+    or when the optimizer is collected)."""
     for handle in hooks:
         handle.remove()
     hooks.clear()
     worker.stop()
+    if staging is not None:
+        staging.close()
 
 
 def _weak_hook(optimizer):
@@ -88,3 +98,20 @@ def _weak_hook(optimizer):
         if opt is not None:
             opt._grad_ready(p)
     return hook
+
+
+def _host_threads(n) -> int:
+    """The core's threads for the host step (CPUOffloadOptimizer's ``host_threads``):
+    by default one per core this process may run on, less one for the training thread
+    (autograd, the GPU's launches), at least one."""
+    if n is None:
+        try:
+            cores = len(os.sched_getaffinity(0))
+        except (AttributeError, OSError):
+            cores = os.cpu_count() or 1
+        return max(1, cores - 1)
+    if isinstance(n, bool) or not isinstance(n, int):
+        raise MemfitTypeError(f"host_threads: expected an int or None, got {type(n).__name__}")
+    if n < 1:
+        raise MemfitValueError(f"host_threads: expected at least 1 thread, got {n}")
+    return n

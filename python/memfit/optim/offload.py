@@ -30,6 +30,7 @@ first: a GradScaler and global clipping are refused.
 
 from __future__ import annotations
 
+import time
 import weakref
 from collections import OrderedDict
 
@@ -37,7 +38,8 @@ import torch
 
 from memfit._C import MemfitTypeError, MemfitValueError
 from memfit.optim import _dtensor
-from memfit.optim._offload_thread import _release, _weak_hook, _Worker
+from memfit.optim._offload_staging import Staging
+from memfit.optim._offload_thread import _host_threads, _release, _weak_hook, _Worker
 from memfit.optim._offload_torch import _Group, _groups_of, _inner_step
 from memfit.optim._torch import (
     _MemfitOptimizer,
@@ -53,10 +55,11 @@ class _Slot:
     """One parameter: the model's tensor (``dev``), its host copy (``host``; ``dev``
     itself without offload) and where it is in the current step."""
 
-    __slots__ = ("dev", "h2d_done", "host", "landed", "stepped", "where")
+    __slots__ = ("claimed", "dev", "h2d_done", "host", "index", "landed", "stepped", "where")
 
-    def __init__(self, dev, host, where):
-        self.dev, self.host, self.where = dev, host, where
+    def __init__(self, dev, host, where, index):
+        self.dev, self.host, self.where, self.index = dev, host, where, index
+        self.claimed = False   # the host gradient is (or is landing in) its arena view
         self.landed = None     # CUDA event: the last device->host gradient copy is complete
         self.stepped = False   # step_in_backward: stepped since the last step()
         self.h2d_done = None   # CUDA event: the last host->device parameter copy is complete
@@ -79,6 +82,9 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
             backward per :meth:`step`; no GradScaler, no global clipping.
         offload: False keeps everything on the device (only with
             ``step_in_backward=True``: the step in backward without offload).
+        host_threads: the threads of the host step (memfit's core, on the worker
+            thread only); default: the cores this process may use, less one for the
+            training thread.
 
     ``param_groups`` are the wrapped optimizer's groups (an LR scheduler changes the
     host step's lr), with ``'params'`` the tensors whose ``.grad`` the step reads: the
@@ -92,7 +98,7 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
     _step_supports_amp_scaling = True  # grad_scale/found_inf reach the wrapped step
 
     def __init__(self, params, optimizer_class=None, *, offload_gradients=False,
-                 step_in_backward=False, offload=True, **kwargs):
+                 step_in_backward=False, offload=True, host_threads=None, **kwargs):
         if optimizer_class is None:
             from memfit.optim.optimizers import AdamW8bit as optimizer_class
         if not (isinstance(optimizer_class, type) and issubclass(optimizer_class, _MemfitOptimizer)):
@@ -112,6 +118,7 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
                                    "backward on the device); else use optimizer_class directly")
         if not offload and offload_gradients:
             raise MemfitValueError("offload_gradients=True needs offload=True")
+        threads = _host_threads(host_threads)
         groups = _groups_of(params)
         device, seen = None, set()
         for gi, g in enumerate(groups):
@@ -152,7 +159,7 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
                         h = torch.empty_like(p, device="cpu", pin_memory=cuda).copy_(p.detach())
                         h.requires_grad_(p.requires_grad)
                     hosts.append(h)
-                    slots.append(_Slot(p, h, f"param_groups[{gi}]['params'][{i}]"))
+                    slots.append(_Slot(p, h, f"param_groups[{gi}]['params'][{i}]", len(slots)))
                 inner_groups.append({**g, "params": hosts})
         # raises (bad hyperparameters) before any hook is registered
         self.optimizer = optimizer_class(inner_groups, **kwargs)
@@ -162,7 +169,12 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
             self.optimizer._override_alias = {id(s.host): s.dev for s in slots}
         self._slots = slots
         self._slot_of = {id(s.dev): s for s in slots}
-        self._worker = _Worker()
+        self._worker = _Worker(threads)
+        self._events = None
+        self.host_threads = threads
+        # the host buffers gradients land in: allocated once (_offload_staging)
+        self._staging = Staging([s.host for s in slots], pinned=cuda,
+                                 ring=not step_in_backward) if offload else None
         self._stepping = False
         # what torch.optim.Optimizer's own methods (hooks, repr) read
         self.defaults = self.optimizer.defaults
@@ -187,7 +199,8 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
         # assigned)
         self._hooks, self._hooked = [], set()
         self._hook = _weak_hook(self)
-        self._finalizer = weakref.finalize(self, _release, self._hooks, self._worker)
+        self._finalizer = weakref.finalize(self, _release, self._hooks, self._worker,
+                                           self._staging)
         self._hooks_synced = False
         self._sync_hooks()
         # step_in_backward: the wrapped optimizer's parameters that step in each backward
@@ -263,6 +276,15 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
 
     def _grad_ready(self, p) -> None:
         """Autograd has accumulated p's gradient (this backward's last contribution)."""
+        if self._events is None:
+            return self._take_grad(p)
+        t0 = time.perf_counter_ns()
+        try:
+            return self._take_grad(p)
+        finally:
+            self._log("hook", (self._slot_of[id(p)].index, time.perf_counter_ns() - t0))
+
+    def _take_grad(self, p) -> None:
         if not self._hooks_synced:  # the first gradient since a step: unfrozen parameters
             self._sync_hooks()
         s = self._slot_of[id(p)]
@@ -319,12 +341,18 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
         return adopted
 
     def _to_host(self, s, g):
-        """Starts copying gradient g of slot s into a fresh host buffer; returns the buffer
-        and two CUDA events (None on the CPU, where the copy is already done): the copy is
-        complete; the compute stream has reached this point (what a later host -> device
-        copy of this parameter must wait for: kernels already queued may still read it)."""
+        """Starts copying gradient g of slot s into a host buffer (its view of the arena
+        when it becomes the host gradient as it is, else a spill buffer: _offload_staging);
+        returns the buffer and two CUDA events (None on the CPU, where the copy is
+        already done): the copy is complete; the compute stream has reached this point
+        (what a later host -> device copy of this parameter must wait for: kernels
+        already queued may still read it)."""
         with torch.no_grad():
-            staged = torch.empty_like(s.host, pin_memory=self._d2h is not None)
+            if not self._in_backward and not s.claimed:
+                staged = self._staging.view(s.index)
+                s.claimed = True
+            else:
+                staged = self._staging.spill(s.index)
             if self._d2h is None:
                 staged.copy_(g)
                 return staged, None, None
@@ -343,12 +371,29 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
             landed.synchronize()
         h = s.host
         with torch.no_grad():
-            if h.grad is None or replace:
-                h.grad = staged
+            if h.grad is None:
+                if self._in_backward or staged is self._staging.view(s.index):
+                    h.grad = staged  # a spill buffer lives until the tensor has stepped
+                else:  # the caller had dropped the host gradient
+                    h.grad = self._staging.view(s.index).copy_(staged)
+                    self._staging.release(staged)
             else:
-                h.grad.add_(staged)  # gradient accumulation, as autograd adds on the device
-        if positions is not None:
+                if replace:
+                    h.grad.copy_(staged)
+                else:
+                    h.grad.add_(staged)  # gradient accumulation, as autograd adds on the device
+                self._staging.release(staged)
+        if positions is not None:  # step in backward: the tensor steps at once
+            self._log("tensor_start", s.index)
             self._host_step([s], None, None, after, positions)
+            self._log("tensor_end", s.index)
+
+    def _log(self, kind, detail=None) -> None:
+        """The pipeline's event log (``_events``: a list, or None when off): what the
+        tests and benchmarks/bench_offload.py read to place the host work against
+        backward."""
+        if self._events is not None:
+            self._events.append((time.perf_counter_ns(), kind, detail))
 
     def _host_step(self, slots, grad_scale, found_inf, after, positions=None) -> None:
         """Worker: the wrapped optimizer's own step over the host gradients of ``slots``
@@ -366,7 +411,9 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
             inner.found_inf = found_inf
         try:
             if positions is None:
+                self._log("host_step_start")
                 _inner_step(inner)
+                self._log("host_step_end")
             else:
                 inner._step_params([s.host for s in slots], positions)
         finally:
@@ -377,7 +424,7 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
                 if s.host.grad is None:
                     continue
                 if not self._offload_grads or self._in_backward:
-                    s.host.grad = None  # consumed; else kept until zero_grad, as torch keeps p.grad
+                    self._drop_host_grad(s)  # consumed; else kept until zero_grad, as torch keeps p.grad
                 if self._h2d is None:
                     s.dev.detach().copy_(s.host)
                     continue
@@ -439,7 +486,7 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
             finally:
                 if not self._offload_grads:  # a step that raised leaves no host copy behind
                     for s in self._slots:
-                        s.host.grad = None
+                        self._drop_host_grad(s)
             self._landed_on_device()
         finally:
             self._stepping = False
@@ -452,6 +499,7 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
         ok = False
         try:
             self._worker.wait()
+            self._log("step_returning")
             if grad_scale is not None or found_inf is not None:
                 raise RuntimeError(
                     "CPUOffloadOptimizer(step_in_backward=True) cannot be used with a GradScaler: "
@@ -487,7 +535,14 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
                 s.stepped = False
                 s.dev.grad = None
                 if s.host is not s.dev:
-                    s.host.grad = None
+                    self._drop_host_grad(s)
+
+    def _drop_host_grad(self, s) -> None:
+        """The host gradient is consumed: its spill buffer goes back to the pool and the
+        next gradient lands in the arena view again."""
+        self._staging.release(s.host.grad)
+        s.host.grad = None
+        s.claimed = False
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clears the gradients on the device and on the host. Refused (RuntimeError,
@@ -505,9 +560,17 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
                     if t.grad is None:
                         continue
                     if set_to_none:
-                        t.grad = None
+                        if t is s.host and s.host is not s.dev:
+                            self._drop_host_grad(s)
+                        else:
+                            t.grad = None
                     else:
-                        t.grad.detach_().zero_()
+                        # as torch's zero_grad (host gradients are views of the arena)
+                        if t.grad.grad_fn is not None:
+                            t.grad.detach_()
+                        else:
+                            t.grad.requires_grad_(False)
+                        t.grad.zero_()
 
     def clip_grad_norm_(self, max_norm, norm_type=2.0, error_if_nonfinite=False, foreach=None):
         """torch.nn.utils.clip_grad_norm_ over the gradients the step reads (on the host
