@@ -74,14 +74,14 @@ class Staging:
         if not self._pinned:
             return torch.empty(max(nbytes, 1), dtype=torch.uint8)
         buf = torch.empty(max(nbytes, 1), dtype=torch.uint8)
-        try:
-            err = torch.cuda.cudart().cudaHostRegister(buf.data_ptr(), buf.numel(), 0)
-            if int(err) == 0:
-                self._registered.append(buf.data_ptr())
-                return buf
-        except (AttributeError, RuntimeError, TypeError):
-            pass
-        return torch.empty(max(nbytes, 1), dtype=torch.uint8, pin_memory=True)
+        try:  # torch's own helper (cudaHostRegister, portable), as torch's pinned checkpoints
+            from torch.cuda._pin_memory_utils import pin_memory
+
+            pin_memory(buf.data_ptr(), buf.numel())
+            self._registered.append(buf.data_ptr())
+            return buf
+        except (ImportError, AttributeError, RuntimeError, TypeError):
+            return torch.empty(max(nbytes, 1), dtype=torch.uint8, pin_memory=True)
 
     def view(self, i: int) -> torch.Tensor:
         """Parameter i's view of the arena (made, for every parameter, at the first
@@ -146,7 +146,9 @@ class Staging:
         """Unregisters the CUDA-registered buffers (before their memory is freed)."""
         for ptr in self._registered:
             try:
-                torch.cuda.cudart().cudaHostUnregister(ptr)
-            except (AttributeError, RuntimeError, TypeError):
+                from torch.cuda._pin_memory_utils import unpin_memory
+
+                unpin_memory(ptr)
+            except (ImportError, AttributeError, AssertionError, RuntimeError, TypeError):
                 pass
         self._registered.clear()
