@@ -227,3 +227,69 @@ def test_the_plain_step_starts_after_backward():
     opt.step()
     starts = [t for t, kind, _ in opt._events if kind == "host_step_start"]
     assert len(starts) == 1 and starts[0] > backward_end
+
+
+# -- clipping's norm, taken as the gradients land ------------------------------------------------
+
+def mixed_model():
+    """float32 and bfloat16 layers: torch sums the per-tensor norms grouped by dtype."""
+    m = make_model()
+    m[2].to(torch.bfloat16)
+    return m
+
+
+def mixed_loss(m, x):
+    h = torch.nn.functional.gelu(m[0](x))
+    h = torch.nn.functional.gelu(m[2](h.to(torch.bfloat16))).float()
+    return (m[4](h) - 0.5).square().mean()
+
+
+def test_clipping_norms_are_taken_as_gradients_land(monkeypatch):
+    """From the second step on, the worker has each tensor's norm when backward ends, so
+    clip_grad_norm_ takes no norm itself; the total equals torch's clip_grad_norm_ bit
+    for bit (mixed dtypes: torch's grouping order), and so do the steps."""
+    model, ref_model = mixed_model(), mixed_model()
+    opt = CPUOffloadOptimizer(model.parameters(), mo.AdamW8bit, lr=1e-2, offload_gradients=True)
+    ref = mo.AdamW8bit(ref_model.parameters(), lr=1e-2)
+    calls = []
+    foreach_norm = torch._foreach_norm
+    for s in range(4):
+        for a in range(2):
+            mixed_loss(model, batch(2 * s + a, torch.float32)).backward()
+            mixed_loss(ref_model, batch(2 * s + a, torch.float32)).backward()
+        opt._worker.wait()
+        monkeypatch.setattr(torch, "_foreach_norm",
+                            lambda ts, *a: calls.append(len(ts)) or foreach_norm(ts, *a))
+        norm = opt.clip_grad_norm_(0.05)
+        monkeypatch.setattr(torch, "_foreach_norm", foreach_norm)
+        assert sorted(calls) == ([] if s else [2, 4])  # step 0: taken at clip time, per dtype
+        calls.clear()
+        assert torch.equal(norm, torch.nn.utils.clip_grad_norm_(ref_model.parameters(), 0.05))
+        opt.step()
+        ref.step()
+        opt.zero_grad()
+        ref.zero_grad()
+    assert_same(model, ref_model, opt, ref)
+
+
+def test_clipping_after_the_gradients_changed_takes_the_norms_again():
+    """A scaler's unscale_ changes the host gradients in place (and does not bump their
+    version counters): reading param_groups forgets the landed norms, so the norm is of
+    the gradients as they are at clip time."""
+    model, ref_model = make_model(), make_model()
+    opt = CPUOffloadOptimizer(model.parameters(), mo.AdamW8bit, lr=1e-2, offload_gradients=True)
+    ref = mo.AdamW8bit(ref_model.parameters(), lr=1e-2)
+    for s in range(3):
+        for m in (model, ref_model):
+            loss_of(m, batch(s, torch.float32)).backward()
+        inv = torch.full((1,), 0.25)
+        for params in ([p for g in opt.param_groups for p in g["params"]],
+                       list(ref_model.parameters())):
+            torch._amp_foreach_non_finite_check_and_unscale_([p.grad for p in params],
+                                                             torch.zeros(1), inv)
+        assert torch.equal(opt.clip_grad_norm_(0.05),
+                           torch.nn.utils.clip_grad_norm_(ref_model.parameters(), 0.05))
+        for o in (opt, ref):
+            o.step()
+            o.zero_grad()
+    assert_same(model, ref_model, opt, ref)

@@ -44,9 +44,13 @@ def _dense(t: torch.Tensor) -> bool:
 
 
 def _shaped(flat: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
-    """A view of the uint8 buffer ``flat`` with ``like``'s dtype, shape and strides."""
-    return flat[: like.numel() * like.element_size()].view(like.dtype).as_strided(
-        like.size(), like.stride())
+    """A tensor on the memory of the uint8 buffer ``flat`` with ``like``'s dtype, shape
+    and strides. Not a view (set_, not view ops): it has a version counter of its own,
+    so an in-place change of one host gradient is told apart from the others'
+    (_offload_norms)."""
+    start = flat.storage_offset()  # bytes: flat is uint8; 64-byte aligned, so a whole element
+    return torch.empty(0, dtype=like.dtype).set_(
+        flat.untyped_storage(), start // like.element_size(), like.size(), like.stride())
 
 
 class Staging:

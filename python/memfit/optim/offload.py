@@ -38,6 +38,7 @@ import torch
 
 from memfit._C import MemfitTypeError, MemfitValueError
 from memfit.optim import _dtensor
+from memfit.optim._offload_norms import LandedNorms
 from memfit.optim._offload_staging import Staging
 from memfit.optim._offload_thread import _host_threads, _release, _weak_hook, _Worker
 from memfit.optim._offload_torch import _Group, _groups_of, _inner_step
@@ -171,6 +172,7 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
         self._slot_of = {id(s.dev): s for s in slots}
         self._worker = _Worker(threads)
         self._events = None
+        self._norms = LandedNorms()  # clipping's per-tensor norms, taken as gradients land
         self.host_threads = threads
         # the host buffers gradients land in: allocated once (_offload_staging)
         self._staging = Staging([s.host for s in slots], pinned=cuda,
@@ -245,6 +247,14 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
 
     @property
     def param_groups(self) -> list:
+        # the caller may change the gradients through these (a scaler's unscale_, whose
+        # kernel leaves their version counters as they were): the norms taken as they
+        # landed no longer count (forgotten once every landing has recorded its norm)
+        groups = self._landed_groups()
+        self._norms.forget()
+        return groups
+
+    def _landed_groups(self) -> list:
         # gradients the caller assigned on the device join the host ones, and every host
         # gradient has landed: a scaler or clipping may read them
         if self._offload_grads and not self._in_backward:
@@ -255,6 +265,7 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
     @property
     def state(self) -> dict:
         self._worker.wait()
+        self._norms.forget()  # its keys reach the host gradients too
         inner = self.optimizer.state
         return {p: inner[h] for g, ig in zip(self._groups, self.optimizer.param_groups)
                 for p, h in zip(g["params"], ig["params"]) if h in inner}
@@ -383,6 +394,8 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
                 else:
                     h.grad.add_(staged)  # gradient accumulation, as autograd adds on the device
                 self._staging.release(staged)
+        if self._norms.wanted and positions is None:
+            self._norms.record(s.index, h.grad)  # for clipping, while backward goes on
         if positions is not None:  # step in backward: the tensor steps at once
             self._log("tensor_start", s.index)
             self._host_step([s], None, None, after, positions)
@@ -581,7 +594,17 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
             raise RuntimeError("CPUOffloadOptimizer.clip_grad_norm_: with step_in_backward=True "
                                "each tensor steps before the others' gradients exist, so there "
                                "is no global norm to clip by; use step_in_backward=False")
-        params = [p for g in self.param_groups for p in g["params"]]
+        params = [p for g in self._landed_groups() for p in g["params"]]
+        if self._offload_grads and float(norm_type) == 2.0 and foreach is None:
+            # the norms the worker took as the gradients landed (_offload_norms): from the
+            # next backward on, once clipping has been asked for
+            self._norms.wanted = True
+            have = [(p.grad, k) for k, p in enumerate(params) if p.grad is not None]
+            total = self._norms.total([g for g, _ in have], [k for _, k in have],
+                                      error_if_nonfinite)
+            if total is not None:
+                torch.nn.utils.clip_grads_with_norm_(params, max_norm, total, foreach)
+                return total
         return torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type, error_if_nonfinite,
                                               foreach)
 
