@@ -23,8 +23,11 @@ the time spent in the gradient hooks on the autograd thread, and the host buffer
 allocated during the timed steps (0: the arena and spill buffers are reused). The
 copy columns (bytes and GB/s each way, the part of each copy exposed after backward,
 the device's idle gap before the next forward) need a GPU's events and print
-"gpu-only" on the CPU. A third table times the host step alone at several thread
-counts against torch's AdamW (fused where torch has it) over the same bf16 tensors.
+"gpu-only" on the CPU. Then a predicted-versus-measured line per offloaded recipe
+(forward + backward + the part of the host step not hidden behind backward), the
+pinned copy bandwidth both ways (GPU only), and a third table timing the host step
+alone at several thread counts against torch's AdamW (fused where torch has it) over
+the same bf16 tensors.
 
     python benchmarks/bench_offload.py                 # the CPU, a tiny GPT (seconds)
     python benchmarks/bench_offload.py --size 1b       # a lent GPU: about 1B parameters
@@ -164,6 +167,41 @@ def host_step_alone(cfg, device, threads_list, repeats=3) -> list:
     return rows
 
 
+def pinned_bandwidth(device, nbytes=256 << 20, repeats=3) -> dict | None:
+    """GB/s of one pinned host buffer to the GPU and back (CUDA events); None on the CPU."""
+    if device.type != "cuda":
+        return None
+    host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    dev = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    out = {}
+    for name, dst, src in (("h2d_gb_s", dev, host), ("d2h_gb_s", host, dev)):
+        times = []
+        for _ in range(repeats):
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            dst.copy_(src, non_blocking=True)
+            b.record()
+            b.synchronize()
+            times.append(a.elapsed_time(b) / 1e3)
+        out[name] = nbytes / statistics.median(times) / 1e9
+    return out
+
+
+def predicted_ms(recipe, b) -> float | None:
+    """A simple model of one offloaded step from its measured parts: forward, then
+    backward, then what of the host step is not hidden behind backward (offload: all of
+    it, after backward; step in backward: what runs past the end of backward, at least
+    the last tensor's). Copies are not modelled on the CPU (they are memcpy in the
+    hooks and the host step there)."""
+    if b.get("host_step_ms") is None:
+        return None
+    if recipe == "offload":
+        return b["forward_ms"] + b["backward_ms"] + b["host_step_ms"]
+    calls = max(1, b.get("host_calls") or 1)
+    tail = max(b["host_step_ms"] - b["backward_ms"], b["host_step_ms"] / calls)
+    return b["forward_ms"] + b["backward_ms"] + tail
+
+
 def run(recipe, cfg, args, device, batches):
     torch.manual_seed(0)
     model = CheckpointedGPT(cfg).to(device=device, dtype=torch.bfloat16)
@@ -282,6 +320,19 @@ def main(argv=None):
         fmt = lambda v: f"{v:.2f}" if isinstance(v, float) else ("-" if v is None else str(v))
         for r in broken:
             print(f"| {r['recipe']} | " + " | ".join(fmt(r["breakdown"][k]) for k in keys) + " |")
+    for r in broken:
+        b = r["breakdown"]
+        pred = predicted_ms(r["recipe"], b)
+        r["predicted_ms"] = pred
+        if pred is not None:
+            measured = b["forward_ms"] + b["backward_ms"] + b["step_after_backward_ms"]
+            print(f"{r['recipe']}: predicted {pred:.1f} ms per step (forward + backward + the "
+                  f"host step not hidden), measured {measured:.1f} ms (forward + backward + "
+                  f"step() after it)")
+    bandwidth = pinned_bandwidth(device)
+    if bandwidth:
+        print(f"pinned copies: host->device {bandwidth['h2d_gb_s']:.1f} GB/s, "
+              f"device->host {bandwidth['d2h_gb_s']:.1f} GB/s")
     cores = len(os.sched_getaffinity(0))
     alone = host_step_alone(cfg, device, sorted({1, max(1, cores - 1), cores}))
     print("\nhost step alone (bf16 parameters, the model's tensors)")
@@ -293,7 +344,8 @@ def main(argv=None):
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"meta": _common.metadata(str(device)), "size": args.size,
-                               "rows": rows, "host_step_alone": alone}, indent=1))
+                               "rows": rows, "host_step_alone": alone,
+                               "pinned_bandwidth": bandwidth}, indent=1))
     print(f"wrote {out}")
     return rows
 
