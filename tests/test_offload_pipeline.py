@@ -293,3 +293,42 @@ def test_clipping_after_the_gradients_changed_takes_the_norms_again():
             o.step()
             o.zero_grad()
     assert_same(model, ref_model, opt, ref)
+
+
+# -- gradient accumulation with the step in backward: no_step() ----------------------------------
+
+@pytest.mark.parametrize("offload", [True, False], ids=["host", "device"])
+def test_no_step_accumulates_and_the_last_backward_steps(offload):
+    """Three micro-batches, the first two under no_step(): the steps run during the last
+    backward (the event log: before it ended, on the host) and equal the wrapped
+    optimizer stepping the sum of the three, bit for bit (bf16, stochastic rounding).
+    step() right after no_step() backwards steps the sums too."""
+    dtype = torch.bfloat16
+    model, ref_model = make_model(dtype), make_model(dtype)
+    opt = CPUOffloadOptimizer(groups(model), mo.AdamW8bit, lr=1e-2, offload=offload,
+                              offload_gradients=offload, step_in_backward=True)
+    ref = mo.AdamW8bit(groups(ref_model), lr=1e-2)
+    for s in range(3):
+        opt._events = []
+        for a in range(3):
+            x = batch(3 * s + a, dtype)
+            if a < 2 or s == 2:  # the third step: every backward under no_step()
+                with opt.no_step():
+                    slow_loss(model, x, 0.05 if offload else 0.0).backward()
+            else:
+                slow_loss(model, x, 0.05 if offload else 0.0).backward()
+            backward_end = time.perf_counter_ns()
+            loss_of(ref_model, x).backward()
+            if a < 2:
+                assert not any(k == "tensor_end" for _, k, _ in opt._events)  # nothing stepped
+        if offload and s < 2:
+            assert {1, 2, 4, 5} <= {i for t, k, i in opt._events
+                                    if k == "tensor_end" and t < backward_end}
+        opt.step()
+        ref.step()
+        opt.zero_grad()
+        ref.zero_grad()
+    assert_same(model, ref_model, opt, ref)
+    with pytest.raises(memfit.MemfitValueError, match="no_step"):
+        with CPUOffloadOptimizer(model.parameters(), offload_gradients=True).no_step():
+            pass

@@ -30,6 +30,7 @@ first: a GradScaler and global clipping are refused.
 
 from __future__ import annotations
 
+import contextlib
 import time
 import weakref
 from collections import OrderedDict
@@ -172,6 +173,7 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
         self._slot_of = {id(s.dev): s for s in slots}
         self._worker = _Worker(threads)
         self._events = None
+        self._accumulating = 0  # no_step() depth: backwards sum their gradients
         self._norms = LandedNorms()  # clipping's per-tensor norms, taken as gradients land
         self.host_threads = threads
         # the host buffers gradients land in: allocated once (_offload_staging)
@@ -212,6 +214,27 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
         self._positions = None
 
     # -- lifecycle ------------------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def no_step(self):
+        """Gradient accumulation with ``step_in_backward=True``: the backwards inside sum
+        their gradients (on the host with offload, in ``p.grad`` without) and step
+        nothing; the next backward outside steps each tensor, with the sum, as its
+        gradient lands: the steps run during the last micro-batch's backward. ::
+
+            for i, batch in enumerate(micro_batches):
+                with opt.no_step() if i < len(micro_batches) - 1 else nullcontext():
+                    loss(batch).backward()
+            opt.step()
+        """
+        if not self._in_backward:
+            raise MemfitValueError("no_step: only with step_in_backward=True (without it "
+                                   "backwards add up until step() anyway)")
+        self._accumulating += 1
+        try:
+            yield self
+        finally:
+            self._accumulating -= 1
 
     def close(self) -> None:
         """Waits for the work in flight, then removes the gradient hooks from the model and
@@ -304,8 +327,15 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
             raise RuntimeError(
                 f"CPUOffloadOptimizer: {s.where} got a second gradient before step(): with "
                 "step_in_backward=True every backward steps the parameters, so call step() "
-                "after each backward (gradient accumulation is not possible)")
+                "after each backward (accumulate with `with opt.no_step(): loss.backward()` "
+                "for every micro-batch but the last)")
         g = p.grad
+        if self._in_backward and self._accumulating:  # no_step(): summed, not stepped
+            if self._offload:
+                staged, landed, after = self._to_host(s, g)
+                p.grad = None
+                self._worker.submit(lambda: self._land(s, staged, landed, after))
+            return  # without offload p.grad stays: autograd adds the next one to it
         positions = None
         if self._in_backward:
             positions = self._backward_positions()
@@ -519,6 +549,16 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
                     "each tensor stepped during backward, before the scaler could check the "
                     "gradients for inf/NaN; use step_in_backward=False")
             late = [s for s in self._slots if s.dev.grad is not None and not s.stepped]
+            # summed on the host under no_step() and not stepped since (no gradient in the
+            # last backward, or step() right after no_step()): stepped now
+            summed = [s for s in self._slots if s.host is not s.dev and not s.stepped
+                      and s.host.grad is not None and s not in late]
+            if summed:
+                positions = self._backward_positions()
+                after = (torch.cuda.current_stream(self._device).record_event()
+                         if self._h2d is not None else None)
+                self._worker.submit(lambda: self._host_step(summed, None, None, after, positions))
+                self._worker.wait()
             if late:
                 positions = self._backward_positions()
                 if any(id(s.host) not in positions for s in late):  # frozen, assigned a grad
