@@ -198,14 +198,12 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
                         for gi, ig in enumerate(self.optimizer.param_groups)]
         # the gradient hooks (weak: _weak_hook), removed with the thread by close() or
         # when this optimizer is collected; a parameter frozen now gets its hook once it
-        # requires a gradient (_sync_hooks: at each step, and the first gradient of each
-        # backward; a gradient it got before that is taken at step(), as one the caller
-        # assigned)
+        # requires a gradient (_sync_hooks: at each step() and zero_grad(); a gradient it
+        # got before that is taken at step(), as one the caller assigned)
         self._hooks, self._hooked = [], set()
         self._hook = _weak_hook(self)
         self._finalizer = weakref.finalize(self, _release, self._hooks, self._worker,
                                            self._staging)
-        self._hooks_synced = False
         self._sync_hooks()
         # step_in_backward: the wrapped optimizer's parameters that step in each backward
         # (those requiring a gradient at its first gradient), and the numbers its step()
@@ -258,7 +256,6 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
         has none yet (torch refuses hooks on frozen tensors: unfrozen ones get theirs
         here). A hook stays when its parameter is frozen again: it fires only for a
         gradient autograd computes."""
-        self._hooks_synced = True
         if not (self._offload_grads or self._in_backward) or not self._finalizer.alive:
             return
         for s in self._slots:
@@ -319,8 +316,6 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
             self._log("hook", (self._slot_of[id(p)].index, time.perf_counter_ns() - t0))
 
     def _take_grad(self, p) -> None:
-        if not self._hooks_synced:  # the first gradient since a step: unfrozen parameters
-            self._sync_hooks()
         s = self._slot_of[id(p)]
         if self._in_backward and s.stepped:
             p.grad = None  # as before this backward: its gradient was consumed by the step
@@ -607,6 +602,7 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
                 "were stepped during backward and step() has not been called yet); call "
                 "step() first; nothing was cleared")
         self._worker.wait()
+        self._sync_hooks()  # parameters unfrozen since the last step: hooked from now on
         with torch.no_grad():
             for s in self._slots:
                 for t in {id(s.dev): s.dev, id(s.host): s.host}.values():
