@@ -15,6 +15,20 @@ per step (median), tokens/s, the host bytes the optimizer holds, and whether the
 parameters equal the device recipe's bit for bit (offload and offload+sib must,
 docs/offload.md).
 
+A second table breaks each offloaded step down (medians over the timed steps, from the
+offloader's own event log): forward and backward time, the time step() takes after
+backward, the host step's start and end relative to the end of backward (negative:
+during backward), its core-ns per parameter, its threads and the CPU kernel variant,
+the time spent in the gradient hooks on the autograd thread, and the host buffers
+allocated during the timed steps (0: the arena and spill buffers are reused). The
+copy columns (bytes and GB/s each way, the part of each copy exposed after backward,
+the device's idle gap before the next forward) need a GPU's events and print
+"gpu-only" on the CPU. Then a predicted-versus-measured line per offloaded recipe
+(forward + backward + the part of the host step not hidden behind backward), the
+pinned copy bandwidth both ways (GPU only), and a third table timing the host step
+alone at several thread counts against torch's AdamW (fused where torch has it) over
+the same bf16 tensors.
+
     python benchmarks/bench_offload.py                 # the CPU, a tiny GPT (seconds)
     python benchmarks/bench_offload.py --size 1b       # a lent GPU: about 1B parameters
 """
@@ -32,6 +46,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import _common
+import memfit
 import memfit.optim as mo
 import torch
 from memfit.checkpoint import checkpoint
@@ -80,15 +95,111 @@ def make_optimizer(recipe, params, lr):
 
 
 def host_bytes(recipe, opt) -> int | None:
-    """Bytes of the host tensors the optimizer keeps (copies, gradients, states)."""
+    """Bytes of the host tensors the optimizer keeps (copies, gradient buffers, states)."""
     if recipe == "device":
         return 0
     if recipe == "torchao":
         return None
     inner = opt.optimizer
     params = [p for g in inner.param_groups for p in g["params"]]
-    return storage_bytes([*params, *(p.grad for p in params),
-                          *(v for st in inner.state.values() for v in st.values())])
+    # the gradients live in the offloader's host buffers (kept across zero_grad)
+    return storage_bytes([*params, *(v for st in inner.state.values() for v in st.values())]
+                         ) + opt._staging.nbytes
+
+
+def step_phases(opt, t0, t1, t2, t3) -> dict:
+    """One step's phases (ms) from the offloader's event log (_events): the host work's
+    start and end relative to the end of backward (t2), and the hooks' time."""
+    ev = opt._events
+    ms = lambda ns: ns / 1e6
+    work = [t for t, kind, _ in ev if kind in ("host_step_start", "tensor_start")]
+    ends = [t for t, kind, _ in ev if kind in ("host_step_end", "tensor_end")]
+    busy = 0
+    starts = [t for t, kind, _ in ev if kind in ("host_step_start", "tensor_start")]
+    for a, b in zip(starts, ends):
+        busy += b - a
+    return {"forward_ms": ms(t1 - t0), "backward_ms": ms(t2 - t1),
+            "step_after_backward_ms": ms(t3 - t2),
+            "host_start_vs_backward_end_ms": ms(min(work) - t2) if work else None,
+            "host_end_vs_backward_end_ms": ms(max(ends) - t2) if ends else None,
+            "host_step_ms": ms(busy) if starts else None,
+            "hook_ms": ms(sum(d for _, kind, (_, d) in
+                              ((t, k, v) for t, k, v in ev if k == "hook"))),
+            "host_calls": sum(1 for _, kind, _ in ev if kind in ("tensor_start",
+                                                                  "host_step_start"))}
+
+
+def host_step_alone(cfg, device, threads_list, repeats=3) -> list:
+    """The host step by itself over the model's bf16 parameters (random gradients), at
+    several thread counts, against torch's AdamW (fused where torch has it for the
+    CPU): median seconds and ns per parameter."""
+    torch.manual_seed(0)
+    model = CheckpointedGPT(cfg).to(dtype=torch.bfloat16)
+    params = [p.detach().clone().requires_grad_(True) for p in model.parameters()]
+    for p in params:
+        p.grad = torch.randn_like(p)
+    n = sum(p.numel() for p in params)
+    rows = []
+    before = memfit.get_num_threads()
+    for threads in threads_list:
+        for name in ("memfit AdamW8bit", "torch AdamW"):
+            if name.startswith("memfit"):
+                opt = mo.AdamW8bit(params, lr=1e-4)
+            else:
+                try:
+                    opt = torch.optim.AdamW(params, lr=1e-4, fused=True)
+                except (RuntimeError, ValueError):
+                    opt = torch.optim.AdamW(params, lr=1e-4, foreach=True)
+            memfit.set_num_threads(threads)
+            torch_threads = torch.get_num_threads()
+            torch.set_num_threads(threads)
+            opt.step()  # states made
+            times = []
+            for _ in range(repeats):
+                t0 = time.perf_counter()
+                opt.step()
+                times.append(time.perf_counter() - t0)
+            torch.set_num_threads(torch_threads)
+            t = statistics.median(times)
+            rows.append({"step": name, "threads": threads, "s": t,
+                         "ns_per_param": t * 1e9 / n, "core_ns_per_param": t * 1e9 * threads / n})
+    memfit.set_num_threads(before)
+    return rows
+
+
+def pinned_bandwidth(device, nbytes=256 << 20, repeats=3) -> dict | None:
+    """GB/s of one pinned host buffer to the GPU and back (CUDA events); None on the CPU."""
+    if device.type != "cuda":
+        return None
+    host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    dev = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    out = {}
+    for name, dst, src in (("h2d_gb_s", dev, host), ("d2h_gb_s", host, dev)):
+        times = []
+        for _ in range(repeats):
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            dst.copy_(src, non_blocking=True)
+            b.record()
+            b.synchronize()
+            times.append(a.elapsed_time(b) / 1e3)
+        out[name] = nbytes / statistics.median(times) / 1e9
+    return out
+
+
+def predicted_ms(recipe, b) -> float | None:
+    """A simple model of one offloaded step from its measured parts: forward, then
+    backward, then what of the host step is not hidden behind backward (offload: all of
+    it, after backward; step in backward: what runs past the end of backward, at least
+    the last tensor's). Copies are not modelled on the CPU (they are memcpy in the
+    hooks and the host step there)."""
+    if b.get("host_step_ms") is None:
+        return None
+    if recipe == "offload":
+        return b["forward_ms"] + b["backward_ms"] + b["host_step_ms"]
+    calls = max(1, b.get("host_calls") or 1)
+    tail = max(b["host_step_ms"] - b["backward_ms"], b["host_step_ms"] / calls)
+    return b["forward_ms"] + b["backward_ms"] + tail
 
 
 def run(recipe, cfg, args, device, batches):
@@ -98,22 +209,51 @@ def run(recipe, cfg, args, device, batches):
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
-    times = []
+    times, phases = [], []
+    offloaded = isinstance(opt, mo.CPUOffloadOptimizer)
+    allocations = None
     for i, (x, y) in enumerate(batches):
+        if offloaded:
+            opt._events = []
+            if i == args.warmup:
+                allocations = opt._staging.allocations
         sync()
-        t0 = time.perf_counter()
-        model(x, y).backward()
+        t0 = time.perf_counter_ns()
+        loss = model(x, y)
+        sync()
+        t1 = time.perf_counter_ns()
+        loss.backward()
+        sync()
+        t2 = time.perf_counter_ns()
         opt.step()
+        sync()
+        t3 = time.perf_counter_ns()
         opt.zero_grad(set_to_none=True)
         sync()
         if i >= args.warmup:  # the first step allocates the states
-            times.append(time.perf_counter() - t0)
+            times.append((time.perf_counter_ns() - t0) / 1e9)
+            if offloaded:
+                phases.append(step_phases(opt, t0, t1, t2, t3))
     peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
     final = [p.detach().to("cpu", copy=True) for p in model.parameters()]
     row = {"recipe": recipe, "params": sum(p.numel() for p in model.parameters()),
            "s_per_step": statistics.median(times),
            "tokens_per_s": x.numel() / statistics.median(times),
            "peak_device_bytes": peak, "host_bytes": host_bytes(recipe, opt)}
+    if phases:
+        n = row["params"]
+        row["breakdown"] = {k: statistics.median(p[k] for p in phases if p[k] is not None)
+                            if any(p[k] is not None for p in phases) else None
+                            for k in phases[0]}
+        b = row["breakdown"]
+        b["host_core_ns_per_param"] = (None if b["host_step_ms"] is None else
+                                       b["host_step_ms"] * 1e6 * opt.host_threads / n)
+        b["threads"] = opt.host_threads
+        b["kernels"] = memfit.cpu_kernels()
+        b["allocations_timed"] = opt._staging.allocations - allocations
+        for k in ("d2h_gb_s", "h2d_gb_s", "d2h_exposed_ms", "h2d_exposed_ms",
+                  "device_idle_ms"):
+            b[k] = "gpu-only" if device.type != "cuda" else None  # needs CUDA events
     del model, opt
     if device.type == "cuda":
         torch.cuda.empty_cache()
@@ -171,10 +311,41 @@ def main(argv=None):
         exact = {None: "-", True: "yes", False: "no"}[r["bit_exact_vs_device"]]
         print(f"| {r['recipe']} | {r['s_per_step']:.3f} | {ratio} | {r['tokens_per_s']:.0f} | "
               f"{gb(r['peak_device_bytes'])} | {gb(r['host_bytes'])} | {exact} |")
+    broken = [r for r in rows if "breakdown" in r]
+    if broken:
+        keys = list(broken[0]["breakdown"])
+        print("\nper step (medians; ms; vs backward end: negative = during backward)")
+        print("| recipe | " + " | ".join(keys) + " |")
+        print("|---|" + "---|" * len(keys))
+        fmt = lambda v: f"{v:.2f}" if isinstance(v, float) else ("-" if v is None else str(v))
+        for r in broken:
+            print(f"| {r['recipe']} | " + " | ".join(fmt(r["breakdown"][k]) for k in keys) + " |")
+    for r in broken:
+        b = r["breakdown"]
+        pred = predicted_ms(r["recipe"], b)
+        r["predicted_ms"] = pred
+        if pred is not None:
+            measured = b["forward_ms"] + b["backward_ms"] + b["step_after_backward_ms"]
+            print(f"{r['recipe']}: predicted {pred:.1f} ms per step (forward + backward + the "
+                  f"host step not hidden), measured {measured:.1f} ms (forward + backward + "
+                  f"step() after it)")
+    bandwidth = pinned_bandwidth(device)
+    if bandwidth:
+        print(f"pinned copies: host->device {bandwidth['h2d_gb_s']:.1f} GB/s, "
+              f"device->host {bandwidth['d2h_gb_s']:.1f} GB/s")
+    cores = len(os.sched_getaffinity(0))
+    alone = host_step_alone(cfg, device, sorted({1, max(1, cores - 1), cores}))
+    print("\nhost step alone (bf16 parameters, the model's tensors)")
+    print("| step | threads | s | ns/param | core-ns/param |")
+    print("|---|---|---|---|---|")
+    for r in alone:
+        print(f"| {r['step']} | {r['threads']} | {r['s']:.4f} | {r['ns_per_param']:.2f} | "
+              f"{r['core_ns_per_param']:.2f} |")
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"meta": _common.metadata(str(device)), "size": args.size,
-                               "rows": rows}, indent=1))
+                               "rows": rows, "host_step_alone": alone,
+                               "pinned_bandwidth": bandwidth}, indent=1))
     print(f"wrote {out}")
     return rows
 

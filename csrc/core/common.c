@@ -94,11 +94,17 @@ mf_status mf_check_same_device(const mf_tensor *a, const char *a_name,
 }
 
 static int mf_threads = 0;
+/* The calling thread's own count, over the process's (memfit.optim.offload's worker
+ * steps with cores - 1 threads while the training thread keeps its own setting). */
+static _Thread_local int mf_thread_threads = 0;
 
 void mf_set_num_threads(int n) { mf_threads = n > 0 ? n : 0; }
 
+void mf_set_thread_num_threads(int n) { mf_thread_threads = n > 0 ? n : 0; }
+
 int mf_get_num_threads(void) {
 #ifdef _OPENMP
+  if (mf_thread_threads > 0) return mf_thread_threads;
   return mf_threads > 0 ? mf_threads : omp_get_max_threads();
 #else
   return 1;

@@ -45,6 +45,18 @@ static PyObject *py_set_num_threads(PyObject *self, PyObject *arg) {
   Py_RETURN_NONE;
 }
 
+static PyObject *py_set_thread_num_threads(PyObject *self, PyObject *arg) {
+  (void)self;
+  long n = PyLong_AsLong(arg);
+  if (n == -1 && PyErr_Occurred()) return NULL;
+  if (n < 0) {
+    PyErr_SetString(mf_py_ValueError, "n: must be >= 0 (0: the process's count)");
+    return NULL;
+  }
+  mf_set_thread_num_threads((int)n);
+  Py_RETURN_NONE;
+}
+
 static PyObject *py_get_num_threads(PyObject *self, PyObject *noargs) {
   (void)self;
   (void)noargs;
@@ -123,6 +135,8 @@ static PyMethodDef core_methods[] = {
     {"build_info", py_build_info, METH_NOARGS, "What this build of memfit was compiled with."},
     {"set_num_threads", py_set_num_threads, METH_O, "Threads for CPU kernels (0: default)."},
     {"get_num_threads", py_get_num_threads, METH_NOARGS, "Threads CPU kernels use."},
+    {"set_thread_num_threads", py_set_thread_num_threads, METH_O,
+     "Threads for CPU kernels called from this thread (0: the process's count)."},
     {"cpu_kernels", py_cpu_kernels, METH_NOARGS, "Vector form of the CPU kernels in use."},
     {"cpu_info", py_cpu_info, METH_NOARGS, "CPU model name, vendor and native bf16 features."},
     {"optim_kernel", py_optim_kernel, METH_NOARGS,

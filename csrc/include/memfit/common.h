@@ -93,6 +93,8 @@ mf_status mf_check_same_device(const mf_tensor *a, const char *a_name,
  * default" (OMP_NUM_THREADS or the number of cores). */
 void mf_set_num_threads(int n);
 int mf_get_num_threads(void);
+/* The calling thread's count, over mf_set_num_threads's for that thread only (0: none). */
+void mf_set_thread_num_threads(int n);
 
 /* Which vector form the CPU kernels run on this machine: "avx512-vbmi", "avx512",
  * "avx2" or "generic" (the widest the CPU has, capped by MEMFIT_CPU_ISA). */

@@ -222,6 +222,11 @@ class _BnbOptimizer:
     """Mixin of the classes below: the state format of each parameter also follows the
     GlobalOptimManager's overrides (bitsandbytes' override_config)."""
 
+    # memfit.optim.offload builds the optimizer on host copies of the model's parameters
+    # and maps each copy to its parameter here (id(copy) -> parameter): the overrides
+    # registered for the parameter are the copy's
+    _override_alias: dict = {}
+
     def _set_bits(self, bits):
         # the state format of every group that does not say otherwise (memfit's "bits"
         # group option); set before the base constructor reads it
@@ -234,7 +239,7 @@ class _BnbOptimizer:
         return sd
 
     def _format(self, group, p) -> int:
-        config = GlobalOptimManager.get_instance()._config_for(p)
+        config = GlobalOptimManager.get_instance()._config_for(self._override_alias.get(id(p), p))
         if not config:
             return _MemfitOptimizer._format(group, p)
         bits = config.get("optim_bits", group["bits"])

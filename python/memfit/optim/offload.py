@@ -30,15 +30,19 @@ first: a GradScaler and global clipping are refused.
 
 from __future__ import annotations
 
-import queue
-import threading
+import contextlib
+import time
+import weakref
 from collections import OrderedDict
-from collections.abc import MutableMapping
 
 import torch
 
 from memfit._C import MemfitTypeError, MemfitValueError
 from memfit.optim import _dtensor
+from memfit.optim._offload_norms import LandedNorms
+from memfit.optim._offload_staging import Staging
+from memfit.optim._offload_thread import _host_threads, _release, _weak_hook, _Worker
+from memfit.optim._offload_torch import _Group, _groups_of, _inner_step
 from memfit.optim._torch import (
     _MemfitOptimizer,
     run_load_state_dict_post_hooks,
@@ -49,111 +53,18 @@ from memfit.optim._torch import (
 __all__ = ["CPUOffloadOptimizer"]
 
 
-class _Group(MutableMapping):
-    """One of :attr:`CPUOffloadOptimizer.param_groups`: the wrapped optimizer's group
-    (so an LR scheduler's ``group['lr'] = ...`` changes the lr the host step uses), with
-    ``'params'`` the tensors whose ``.grad`` the step reads. The group is looked up at
-    each use: the wrapped optimizer's load_state_dict replaces its group dicts."""
-
-    def __init__(self, optimizer, index: int, params: list):
-        self._optimizer, self._index, self._params = optimizer, index, params
-
-    @property
-    def _inner(self) -> dict:
-        return self._optimizer.param_groups[self._index]
-
-    def __getitem__(self, key):
-        return self._params if key == "params" else self._inner[key]
-
-    def __setitem__(self, key, value):
-        if key == "params":
-            raise MemfitValueError("CPUOffloadOptimizer: param_groups[g]['params'] cannot be "
-                                   "replaced; build a new optimizer over the new parameters")
-        self._inner[key] = value
-
-    def __delitem__(self, key):
-        if key == "params":
-            raise MemfitValueError("CPUOffloadOptimizer: param_groups[g]['params'] cannot be "
-                                   "deleted")
-        del self._inner[key]
-
-    def __iter__(self):
-        return iter(self._inner)
-
-    def __len__(self):
-        return len(self._inner)
-
-    def __repr__(self):
-        return repr({**self._inner, "params": self._params})
-
-
-class _Worker:
-    """One thread that runs jobs in submission order. The first error a job raises is
-    kept and raised by :meth:`wait` in the caller's thread; jobs after it still run
-    (each one is self-contained), so the queue always drains."""
-
-    def __init__(self):
-        self._jobs: queue.Queue = queue.Queue()
-        self._error = None
-        self._thread = None
-
-    def submit(self, job) -> None:
-        if self._thread is None:
-            self._thread = threading.Thread(target=self._run, name="memfit-offload", daemon=True)
-            self._thread.start()
-        self._jobs.put(job)
-
-    def _run(self):
-        while True:
-            job = self._jobs.get()
-            try:
-                job()
-            except BaseException as e:  # handed to the caller by wait()
-                if self._error is None:
-                    self._error = e
-            finally:
-                self._jobs.task_done()
-
-    def wait(self) -> None:
-        """Blocks until every submitted job has run; raises the first error one raised."""
-        self._jobs.join()
-        error, self._error = self._error, None
-        if error is not None:
-            raise error
-
-
 class _Slot:
     """One parameter: the model's tensor (``dev``), its host copy (``host``; ``dev``
     itself without offload) and where it is in the current step."""
 
-    __slots__ = ("dev", "h2d_done", "host", "landed", "stepped", "where")
+    __slots__ = ("claimed", "dev", "h2d_done", "host", "index", "landed", "stepped", "where")
 
-    def __init__(self, dev, host, where):
-        self.dev, self.host, self.where = dev, host, where
+    def __init__(self, dev, host, where, index):
+        self.dev, self.host, self.where, self.index = dev, host, where, index
+        self.claimed = False   # the host gradient is (or is landing in) its arena view
         self.landed = None     # CUDA event: the last device->host gradient copy is complete
         self.stepped = False   # step_in_backward: stepped since the last step()
         self.h2d_done = None   # CUDA event: the last host->device parameter copy is complete
-
-
-def _groups_of(params) -> list:
-    """The param groups as dicts with a list of params (torch's forms: tensors, dicts)."""
-    if isinstance(params, torch.Tensor):
-        raise MemfitTypeError("params: expected an iterable of tensors or dicts, got a tensor; "
-                              "pass [tensor] or model.parameters()")
-    items = list(params)
-    if not items:
-        raise MemfitValueError("params: optimizer got an empty parameter list")
-    if not isinstance(items[0], dict):
-        items = [{"params": items}]
-    groups = []
-    for gi, g in enumerate(items):
-        if not isinstance(g, dict):
-            raise MemfitTypeError(f"params[{gi}]: expected a dict (a param group) like params[0], "
-                                  f"got {type(g).__name__}")
-        ps = g.get("params")
-        ps = [ps] if isinstance(ps, torch.Tensor) else list(ps if ps is not None else ())
-        groups.append({**g, "params": ps})
-    return groups
 
 
 class CPUOffloadOptimizer(torch.optim.Optimizer):
@@ -173,6 +84,9 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
             backward per :meth:`step`; no GradScaler, no global clipping.
         offload: False keeps everything on the device (only with
             ``step_in_backward=True``: the step in backward without offload).
+        host_threads: the threads of the host step (memfit's core, on the worker
+            thread only); default: the cores this process may use, less one for the
+            training thread.
 
     ``param_groups`` are the wrapped optimizer's groups (an LR scheduler changes the
     host step's lr), with ``'params'`` the tensors whose ``.grad`` the step reads: the
@@ -186,7 +100,7 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
     _memfit_scale_in_kernel = True  # grad_scale/found_inf reach the wrapped step (amp/in_kernel.py)
 
     def __init__(self, params, optimizer_class=None, *, offload_gradients=False,
-                 step_in_backward=False, offload=True, **kwargs):
+                 step_in_backward=False, offload=True, host_threads=None, **kwargs):
         if optimizer_class is None:
             from memfit.optim.optimizers import AdamW8bit as optimizer_class
         if not (isinstance(optimizer_class, type) and issubclass(optimizer_class, _MemfitOptimizer)):
@@ -206,6 +120,7 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
                                    "backward on the device); else use optimizer_class directly")
         if not offload and offload_gradients:
             raise MemfitValueError("offload_gradients=True needs offload=True")
+        threads = _host_threads(host_threads)
         groups = _groups_of(params)
         device, seen = None, set()
         for gi, g in enumerate(groups):
@@ -246,13 +161,24 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
                         h = torch.empty_like(p, device="cpu", pin_memory=cuda).copy_(p.detach())
                         h.requires_grad_(p.requires_grad)
                     hosts.append(h)
-                    slots.append(_Slot(p, h, f"param_groups[{gi}]['params'][{i}]"))
+                    slots.append(_Slot(p, h, f"param_groups[{gi}]['params'][{i}]", len(slots)))
                 inner_groups.append({**g, "params": hosts})
         # raises (bad hyperparameters) before any hook is registered
         self.optimizer = optimizer_class(inner_groups, **kwargs)
+        if offload and hasattr(self.optimizer, "_override_alias"):
+            # memfit.optim.bnb: GlobalOptimManager's overrides are registered for the
+            # model's parameters; each host copy takes its parameter's
+            self.optimizer._override_alias = {id(s.host): s.dev for s in slots}
         self._slots = slots
         self._slot_of = {id(s.dev): s for s in slots}
-        self._worker = _Worker()
+        self._worker = _Worker(threads)
+        self._events = None
+        self._accumulating = 0  # no_step() depth: backwards sum their gradients
+        self._norms = LandedNorms()  # clipping's per-tensor norms, taken as gradients land
+        self.host_threads = threads
+        # the host buffers gradients land in: allocated once (_offload_staging)
+        self._staging = Staging([s.host for s in slots], pinned=cuda,
+                                 ring=not step_in_backward) if offload else None
         self._stepping = False
         # what torch.optim.Optimizer's own methods (hooks, repr) read
         self.defaults = self.optimizer.defaults
@@ -270,28 +196,96 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
         self._groups = [_Group(self.optimizer, gi, [(s.host if offload_gradients else s.dev)
                                                     for s in (next(it) for _ in ig["params"])])
                         for gi, ig in enumerate(self.optimizer.param_groups)]
-        self._hooks = []
-        if offload_gradients or step_in_backward:
-            for s in slots:
-                if s.dev.requires_grad:
-                    self._hooks.append(s.dev.register_post_accumulate_grad_hook(self._grad_ready))
+        # the gradient hooks (weak: _weak_hook), removed with the thread by close() or
+        # when this optimizer is collected; a parameter frozen now gets its hook once it
+        # requires a gradient (_sync_hooks: at each step() and zero_grad(); a gradient it
+        # got before that is taken at step(), as one the caller assigned)
+        self._hooks, self._hooked = [], set()
+        self._hook = _weak_hook(self)
+        self._finalizer = weakref.finalize(self, _release, self._hooks, self._worker,
+                                           self._staging)
+        self._sync_hooks()
         # step_in_backward: the wrapped optimizer's parameters that step in each backward
-        # (those with a hook), and the numbers its step() would give them
-        # (_MemfitOptimizer._sr_positions: the same random bits), made at the first
-        # gradient of each backward
-        self._in_step_set = {id(s.host) for s in slots if s.dev.requires_grad}
+        # (those requiring a gradient at its first gradient), and the numbers its step()
+        # would give them (_MemfitOptimizer._sr_positions: the same random bits), made at
+        # the first gradient of each backward
         self._positions = None
+
+    # -- lifecycle ------------------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def no_step(self):
+        """Gradient accumulation with ``step_in_backward=True``: the backwards inside sum
+        their gradients (on the host with offload, in ``p.grad`` without) and step
+        nothing; the next backward outside steps each tensor, with the sum, as its
+        gradient lands: the steps run during the last micro-batch's backward. ::
+
+            for i, batch in enumerate(micro_batches):
+                with opt.no_step() if i < len(micro_batches) - 1 else nullcontext():
+                    loss(batch).backward()
+            opt.step()
+        """
+        if not self._in_backward:
+            raise MemfitValueError("no_step: only with step_in_backward=True (without it "
+                                   "backwards add up until step() anyway)")
+        self._accumulating += 1
+        try:
+            yield self
+        finally:
+            self._accumulating -= 1
+
+    def close(self) -> None:
+        """Waits for the work in flight, then removes the gradient hooks from the model and
+        ends the worker thread; afterwards the model trains with any other optimizer. Done
+        as well when this optimizer is garbage collected, and by ``with``. Idempotent."""
+        if not self._finalizer.alive:
+            return
+        try:
+            self._worker.wait()
+        finally:
+            self._finalizer()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def _sync_hooks(self) -> None:
+        """Registers the gradient hook of every parameter that requires a gradient and
+        has none yet (torch refuses hooks on frozen tensors: unfrozen ones get theirs
+        here). A hook stays when its parameter is frozen again: it fires only for a
+        gradient autograd computes."""
+        if not (self._offload_grads or self._in_backward) or not self._finalizer.alive:
+            return
+        for s in self._slots:
+            if s.dev.requires_grad and id(s.dev) not in self._hooked:
+                self._hooks.append(s.dev.register_post_accumulate_grad_hook(self._hook))
+                self._hooked.add(id(s.dev))
 
     # -- what torch's Optimizer API exposes ---------------------------------------------
 
     @property
     def param_groups(self) -> list:
-        self._worker.wait()  # host gradients landed: a scaler or clipping may read them
+        # the caller may change the gradients through these (a scaler's unscale_, whose
+        # kernel leaves their version counters as they were): the norms taken as they
+        # landed no longer count (forgotten once every landing has recorded its norm)
+        groups = self._landed_groups()
+        self._norms.forget()
+        return groups
+
+    def _landed_groups(self) -> list:
+        # gradients the caller assigned on the device join the host ones, and every host
+        # gradient has landed: a scaler or clipping may read them
+        if self._offload_grads and not self._in_backward:
+            self._adopt_device_grads()
+        self._worker.wait()
         return self._groups
 
     @property
     def state(self) -> dict:
         self._worker.wait()
+        self._norms.forget()  # its keys reach the host gradients too
         inner = self.optimizer.state
         return {p: inner[h] for g, ig in zip(self._groups, self.optimizer.param_groups)
                 for p, h in zip(g["params"], ig["params"]) if h in inner}
@@ -313,21 +307,41 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
 
     def _grad_ready(self, p) -> None:
         """Autograd has accumulated p's gradient (this backward's last contribution)."""
+        if self._events is None:
+            return self._take_grad(p)
+        t0 = time.perf_counter_ns()
+        try:
+            return self._take_grad(p)
+        finally:
+            self._log("hook", (self._slot_of[id(p)].index, time.perf_counter_ns() - t0))
+
+    def _take_grad(self, p) -> None:
         s = self._slot_of[id(p)]
         if self._in_backward and s.stepped:
             p.grad = None  # as before this backward: its gradient was consumed by the step
             raise RuntimeError(
                 f"CPUOffloadOptimizer: {s.where} got a second gradient before step(): with "
                 "step_in_backward=True every backward steps the parameters, so call step() "
-                "after each backward (gradient accumulation is not possible)")
+                "after each backward (accumulate with `with opt.no_step(): loss.backward()` "
+                "for every micro-batch but the last)")
         g = p.grad
+        if self._in_backward and self._accumulating:  # no_step(): summed, not stepped
+            if self._offload:
+                staged, landed, after = self._to_host(s, g)
+                p.grad = None
+                self._worker.submit(lambda: self._land(s, staged, landed, after))
+            return  # without offload p.grad stays: autograd adds the next one to it
         positions = None
         if self._in_backward:
-            if self._positions is None:  # the first gradient of this backward: O(n), once
-                self._positions = self.optimizer._sr_positions(self._in_step_set)
-            positions = self._positions
+            positions = self._backward_positions()
         if not self._offload:  # step in backward on the device
-            self.optimizer._step_params([p], positions)
+            try:
+                self.optimizer._step_params([p], positions)
+            except BaseException:
+                # backward ends with this error: the next one starts anew, with no
+                # gradient of this one added to it and no parameter marked as stepped
+                self._reset_backward_step()
+                raise
             p.grad = None
             s.stepped = True
             return
@@ -337,13 +351,44 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
             s.stepped = True
         self._worker.submit(lambda: self._land(s, staged, landed, after, positions))
 
+    def _backward_positions(self) -> dict:
+        """step_in_backward: the places of this backward's step (made at its first
+        gradient, O(parameters), once), for every parameter that requires a gradient."""
+        if self._positions is None:
+            stepping = {id(s.host) for s in self._slots if s.dev.requires_grad}
+            self._positions = self.optimizer._sr_positions(stepping)
+        return self._positions
+
+    def _adopt_device_grads(self) -> list:
+        """offload_gradients=True: a gradient on the device at this point was assigned by
+        the caller (``p.grad = g``) or computed for a parameter unfrozen since its hooks
+        were made; it becomes the host gradient, replacing what was there (as assigning
+        ``p.grad`` replaces it for a plain optimizer). Returns their slots."""
+        adopted = []
+        for s in self._slots:
+            g = s.dev.grad
+            if g is None or s.host is s.dev or (self._in_backward and s.stepped):
+                continue
+            staged, landed, after = self._to_host(s, g)
+            s.dev.grad = None
+            self._worker.submit(lambda s=s, job=(staged, landed, after):
+                                self._land(s, *job, replace=True))
+            adopted.append(s)
+        return adopted
+
     def _to_host(self, s, g):
-        """Starts copying gradient g of slot s into a fresh host buffer; returns the buffer
-        and two CUDA events (None on the CPU, where the copy is already done): the copy is
-        complete; the compute stream has reached this point (what a later host -> device
-        copy of this parameter must wait for: kernels already queued may still read it)."""
+        """Starts copying gradient g of slot s into a host buffer (its view of the arena
+        when it becomes the host gradient as it is, else a spill buffer: _offload_staging);
+        returns the buffer and two CUDA events (None on the CPU, where the copy is
+        already done): the copy is complete; the compute stream has reached this point
+        (what a later host -> device copy of this parameter must wait for: kernels
+        already queued may still read it)."""
         with torch.no_grad():
-            staged = torch.empty_like(s.host, pin_memory=self._d2h is not None)
+            if not self._in_backward and not s.claimed:
+                staged = self._staging.view(s.index)
+                s.claimed = True
+            else:
+                staged = self._staging.spill(s.index)
             if self._d2h is None:
                 staged.copy_(g)
                 return staged, None, None
@@ -354,19 +399,39 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
                 g.record_stream(self._d2h)  # its memory is not reused before the copy ends
                 return staged, self._d2h.record_event(), ready
 
-    def _land(self, s, staged, landed, after, positions=None) -> None:
-        """Worker: the copied gradient becomes (or is added to) the host gradient; with
-        step_in_backward (``positions`` given), the tensor steps right away."""
+    def _land(self, s, staged, landed, after, positions=None, replace=False) -> None:
+        """Worker: the copied gradient becomes (or is added to, unless ``replace``) the
+        host gradient; with step_in_backward (``positions`` given), the tensor steps
+        right away."""
         if landed is not None:
             landed.synchronize()
         h = s.host
         with torch.no_grad():
             if h.grad is None:
-                h.grad = staged
+                if self._in_backward or staged is self._staging.view(s.index):
+                    h.grad = staged  # a spill buffer lives until the tensor has stepped
+                else:  # the caller had dropped the host gradient
+                    h.grad = self._staging.view(s.index).copy_(staged)
+                    self._staging.release(staged)
             else:
-                h.grad.add_(staged)  # gradient accumulation, as autograd adds on the device
-        if positions is not None:
+                if replace:
+                    h.grad.copy_(staged)
+                else:
+                    h.grad.add_(staged)  # gradient accumulation, as autograd adds on the device
+                self._staging.release(staged)
+        if self._norms.wanted and positions is None:
+            self._norms.record(s.index, h.grad)  # for clipping, while backward goes on
+        if positions is not None:  # step in backward: the tensor steps at once
+            self._log("tensor_start", s.index)
             self._host_step([s], None, None, after, positions)
+            self._log("tensor_end", s.index)
+
+    def _log(self, kind, detail=None) -> None:
+        """The pipeline's event log (``_events``: a list, or None when off): what the
+        tests and benchmarks/bench_offload.py read to place the host work against
+        backward."""
+        if self._events is not None:
+            self._events.append((time.perf_counter_ns(), kind, detail))
 
     def _host_step(self, slots, grad_scale, found_inf, after, positions=None) -> None:
         """Worker: the wrapped optimizer's own step over the host gradients of ``slots``
@@ -384,7 +449,9 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
             inner.found_inf = found_inf
         try:
             if positions is None:
-                inner.step()
+                self._log("host_step_start")
+                _inner_step(inner)
+                self._log("host_step_end")
             else:
                 inner._step_params([s.host for s in slots], positions)
         finally:
@@ -395,7 +462,7 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
                 if s.host.grad is None:
                     continue
                 if not self._offload_grads or self._in_backward:
-                    s.host.grad = None  # consumed; else kept until zero_grad, as torch keeps p.grad
+                    self._drop_host_grad(s)  # consumed; else kept until zero_grad, as torch keeps p.grad
                 if self._h2d is None:
                     s.dev.detach().copy_(s.host)
                     continue
@@ -424,22 +491,27 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
                 loss = closure()
         grad_scale = getattr(self, "grad_scale", None)
         found_inf = getattr(self, "found_inf", None)
-        if self._in_backward:
-            self._worker.wait()
-            if grad_scale is not None or found_inf is not None:
-                raise RuntimeError(
-                    "CPUOffloadOptimizer(step_in_backward=True) cannot be used with a GradScaler: "
-                    "each tensor stepped during backward, before the scaler could check the "
-                    "gradients for inf/NaN; use step_in_backward=False")
-            self.optimizer._advance_sr_step()  # one optimizer step, as the wrapped step()
-            self._positions = None  # the next backward numbers its parameters anew
-            for s in self._slots:
-                s.stepped = False
-            self._landed_on_device()
-            return loss
+        try:
+            if self._in_backward:
+                self._step_in_backward_done(grad_scale, found_inf)
+            else:
+                self._step(grad_scale, found_inf)
+        except BaseException:
+            # a GradScaler sets these before step() and deletes them after it returns: a
+            # step that raised must not leave them to the next step
+            self.__dict__.pop("grad_scale", None)
+            self.__dict__.pop("found_inf", None)
+            raise
+        finally:
+            self._sync_hooks()  # parameters unfrozen since: hooked from the next backward
+        return loss
+
+    def _step(self, grad_scale, found_inf) -> None:
         self._stepping = True
         try:
-            if not self._offload_grads:
+            if self._offload_grads:
+                self._adopt_device_grads()
+            else:
                 for s in self._slots:
                     if s.dev.grad is not None:
                         job = self._to_host(s, s.dev.grad)
@@ -452,11 +524,73 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
             finally:
                 if not self._offload_grads:  # a step that raised leaves no host copy behind
                     for s in self._slots:
-                        s.host.grad = None
+                        self._drop_host_grad(s)
             self._landed_on_device()
         finally:
             self._stepping = False
-        return loss
+
+    def _step_in_backward_done(self, grad_scale, found_inf) -> None:
+        """step() with step_in_backward: waits for the steps taken during backward, steps
+        the gradients no hook saw (assigned by the caller, or of a parameter unfrozen
+        since the hooks were made) at their places, and ends the optimizer step. Whatever
+        raises, the next backward starts anew: nothing of this one is carried over."""
+        ok = False
+        try:
+            self._worker.wait()
+            self._log("step_returning")
+            if grad_scale is not None or found_inf is not None:
+                raise RuntimeError(
+                    "CPUOffloadOptimizer(step_in_backward=True) cannot be used with a GradScaler: "
+                    "each tensor stepped during backward, before the scaler could check the "
+                    "gradients for inf/NaN; use step_in_backward=False")
+            late = [s for s in self._slots if s.dev.grad is not None and not s.stepped]
+            # summed on the host under no_step() and not stepped since (no gradient in the
+            # last backward, or step() right after no_step()): stepped now
+            summed = [s for s in self._slots if s.host is not s.dev and not s.stepped
+                      and s.host.grad is not None and s not in late]
+            if summed:
+                positions = self._backward_positions()
+                after = (torch.cuda.current_stream(self._device).record_event()
+                         if self._h2d is not None else None)
+                self._worker.submit(lambda: self._host_step(summed, None, None, after, positions))
+                self._worker.wait()
+            if late:
+                positions = self._backward_positions()
+                if any(id(s.host) not in positions for s in late):  # frozen, assigned a grad
+                    stepping = {id(s.host) for s in self._slots if s.stepped or s in late}
+                    positions = self.optimizer._sr_positions(stepping)
+                if self._offload:
+                    for s in late:
+                        job = self._to_host(s, s.dev.grad)
+                        s.dev.grad = None
+                        self._worker.submit(lambda s=s, job=job: self._land(s, *job, positions))
+                    self._worker.wait()
+                else:
+                    self.optimizer._step_params([s.dev for s in late], positions)
+            ok = True
+        finally:
+            if ok:
+                self.optimizer._advance_sr_step()  # one optimizer step, as the wrapped step()
+            self._reset_backward_step()
+        self._landed_on_device()
+
+    def _reset_backward_step(self) -> None:
+        """step_in_backward: ready for the next backward, nothing of this one kept (a
+        gradient that did not step is dropped, as a refused step drops it)."""
+        self._positions = None  # the next backward numbers its parameters anew
+        with torch.no_grad():
+            for s in self._slots:
+                s.stepped = False
+                s.dev.grad = None
+                if s.host is not s.dev:
+                    self._drop_host_grad(s)
+
+    def _drop_host_grad(self, s) -> None:
+        """The host gradient is consumed: its spill buffer goes back to the pool and the
+        next gradient lands in the arena view again."""
+        self._staging.release(s.host.grad)
+        s.host.grad = None
+        s.claimed = False
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clears the gradients on the device and on the host. Refused (RuntimeError,
@@ -468,15 +602,24 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
                 "were stepped during backward and step() has not been called yet); call "
                 "step() first; nothing was cleared")
         self._worker.wait()
+        self._sync_hooks()  # parameters unfrozen since the last step: hooked from now on
         with torch.no_grad():
             for s in self._slots:
                 for t in {id(s.dev): s.dev, id(s.host): s.host}.values():
                     if t.grad is None:
                         continue
                     if set_to_none:
-                        t.grad = None
+                        if t is s.host and s.host is not s.dev:
+                            self._drop_host_grad(s)
+                        else:
+                            t.grad = None
                     else:
-                        t.grad.detach_().zero_()
+                        # as torch's zero_grad (host gradients are views of the arena)
+                        if t.grad.grad_fn is not None:
+                            t.grad.detach_()
+                        else:
+                            t.grad.requires_grad_(False)
+                        t.grad.zero_()
 
     def clip_grad_norm_(self, max_norm, norm_type=2.0, error_if_nonfinite=False, foreach=None):
         """torch.nn.utils.clip_grad_norm_ over the gradients the step reads (on the host
@@ -487,7 +630,17 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
             raise RuntimeError("CPUOffloadOptimizer.clip_grad_norm_: with step_in_backward=True "
                                "each tensor steps before the others' gradients exist, so there "
                                "is no global norm to clip by; use step_in_backward=False")
-        params = [p for g in self.param_groups for p in g["params"]]
+        params = [p for g in self._landed_groups() for p in g["params"]]
+        if self._offload_grads and float(norm_type) == 2.0 and foreach is None:
+            # the norms the worker took as the gradients landed (_offload_norms): from the
+            # next backward on, once clipping has been asked for
+            self._norms.wanted = True
+            have = [(p.grad, k) for k, p in enumerate(params) if p.grad is not None]
+            total = self._norms.total([g for g, _ in have], [k for _, k in have],
+                                      error_if_nonfinite)
+            if total is not None:
+                torch.nn.utils.clip_grads_with_norm_(params, max_norm, total, foreach)
+                return total
         return torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type, error_if_nonfinite,
                                               foreach)
 

@@ -1,0 +1,117 @@
+"""The offloader's worker thread and what ties it, and the gradient hooks, to the
+optimizer's lifetime (memfit.optim.offload; docs/offload.md, "Its lifetime")."""
+
+from __future__ import annotations
+
+import os
+import queue
+import threading
+import traceback
+import weakref
+
+from memfit._C import MemfitTypeError, MemfitValueError
+
+
+class _Worker:
+    """One thread that runs jobs in submission order. The first error a job raises is
+    kept and raised by :meth:`wait` in the caller's thread; jobs after it still run
+    (each one is self-contained), so the queue always drains. The thread holds no
+    reference to the optimizer between jobs (a job's closure does, while it is queued),
+    so a dropped optimizer is collected and its finalizer stops the thread."""
+
+    _STOP = object()
+
+    def __init__(self, threads: int = 0):
+        self._threads = threads  # the core's threads for the host step (0: the process's)
+        self._jobs: queue.Queue = queue.Queue()
+        self._error = None
+        self._thread = None
+        self._stopped = False
+
+    def submit(self, job) -> None:
+        if self._stopped:
+            raise RuntimeError("CPUOffloadOptimizer: the optimizer was closed; build a new one")
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="memfit-offload", daemon=True)
+            self._thread.start()
+        self._jobs.put(job)
+
+    def _run(self):
+        from memfit import _C
+
+        _C.set_thread_num_threads(self._threads)  # this thread's kernels only
+        while True:
+            job = self._jobs.get()
+            try:
+                if job is _Worker._STOP:
+                    return
+                job()
+            except BaseException as e:  # handed to the caller by wait()
+                # the frames' locals (the optimizer among them) are let go: an error
+                # nobody collects must not keep a dropped optimizer alive
+                traceback.clear_frames(e.__traceback__)
+                if self._error is None:
+                    self._error = e
+            finally:
+                job = None  # not kept alive while the thread waits for the next one
+                self._jobs.task_done()
+
+    def wait(self) -> None:
+        """Blocks until every submitted job has run; raises the first error one raised."""
+        self._jobs.join()
+        error, self._error = self._error, None
+        if error is not None:
+            raise error
+
+    def stop(self) -> None:
+        """Lets the queued jobs run, then ends the thread (joined unless this is it)."""
+        if self._stopped:
+            return
+        self._stopped = True
+        thread = self._thread
+        if thread is None:
+            return
+        self._jobs.put(_Worker._STOP)
+        if thread is not threading.current_thread():
+            thread.join()
+
+
+def _release(hooks: list, worker: _Worker, staging=None) -> None:
+    """What an offloader leaves on the model and in the process: its gradient hooks, its
+    thread and its host buffers' CUDA registration (weakref.finalize: runs at close()
+    or when the optimizer is collected)."""
+    for handle in hooks:
+        handle.remove()
+    hooks.clear()
+    worker.stop()
+    if staging is not None:
+        staging.close()
+
+
+def _weak_hook(optimizer):
+    """The gradient hook: holds the optimizer weakly, so the hook does not keep a dropped
+    optimizer (and its host copies and states) alive; once it is gone, does nothing."""
+    ref = weakref.ref(optimizer)
+
+    def hook(p):
+        opt = ref()
+        if opt is not None:
+            opt._grad_ready(p)
+    return hook
+
+
+def _host_threads(n) -> int:
+    """The core's threads for the host step (CPUOffloadOptimizer's ``host_threads``):
+    by default one per core this process may run on, less one for the training thread
+    (autograd, the GPU's launches), at least one."""
+    if n is None:
+        try:
+            cores = len(os.sched_getaffinity(0))
+        except (AttributeError, OSError):
+            cores = os.cpu_count() or 1
+        return max(1, cores - 1)
+    if isinstance(n, bool) or not isinstance(n, int):
+        raise MemfitTypeError(f"host_threads: expected an int or None, got {type(n).__name__}")
+    if n < 1:
+        raise MemfitValueError(f"host_threads: expected at least 1 thread, got {n}")
+    return n
