@@ -38,6 +38,7 @@ from collections import OrderedDict
 import torch
 
 from memfit._C import MemfitTypeError, MemfitValueError
+from memfit.amp.in_kernel import TORCH_FLAG
 from memfit.optim import _dtensor
 from memfit.optim._offload_norms import LandedNorms
 from memfit.optim._offload_staging import Staging
@@ -120,6 +121,11 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
                                    "backward on the device); else use optimizer_class directly")
         if not offload and offload_gradients:
             raise MemfitValueError("offload_gradients=True needs offload=True")
+        if step_in_backward:
+            # the gradients are consumed in backward, so torch's scaler has nothing left to
+            # unscale: torch's flag makes it hand its scale to step(), which refuses it with
+            # the reason instead of torch's "No inf checks were recorded"
+            setattr(self, TORCH_FLAG, True)
         threads = _host_threads(host_threads)
         groups = _groups_of(params)
         device, seen = None, set()
