@@ -463,3 +463,30 @@ def test_muon_param_groups_head_as_a_string():
     for bad in (5, ["lm_head", 3], None):
         with pytest.raises(MemfitTypeError, match="head"):
             mo.muon_param_groups(m, head=bad)
+
+
+@pytest.mark.parametrize("cls", [mo.Muon8bit, mo.Muon])
+def test_channels_last_filter_torch_state_dict_both_ways(cls):
+    """A channels_last filter's momentum reads (dequantized_state, to_torch_state_dict)
+    as the contiguous filter's, and a torch-format dict of either loads into both
+    layouts alike (the same values; 8-bit: requantized, within its error)."""
+    w = _params(37, [(64, 32, 3, 3)])[0]
+    ct = w.clone().requires_grad_()
+    cl = w.clone().contiguous(memory_format=torch.channels_last).requires_grad_()
+    opts = [cls([q], lr=0.02) for q in (ct, cl)]
+    for (g,) in _grads(38, [w], 2):
+        ct.grad, cl.grad = g.clone(), g.contiguous(memory_format=torch.channels_last)
+        for o in opts:
+            o.step()
+    momenta = [_dequantized_momentum(o, q) for o, q in zip(opts, (ct, cl))]
+    assert torch.equal(*momenta) and momenta[0].abs().max() > 0
+    sds = [mo.to_torch_state_dict(o) for o in opts]
+    assert torch.equal(sds[0]["state"][0]["momentum_buffer"], sds[1]["state"][0]["momentum_buffer"])
+    for sd in sds:  # requantized as the contiguous filter's would be, in either layout
+        loaded = []
+        for q in (ct, cl):
+            into = cls([q], lr=0.02)
+            into.load_state_dict(sd)
+            loaded.append(_dequantized_momentum(into, q))
+        assert torch.equal(*loaded)
+        torch.testing.assert_close(loaded[0], momenta[0], rtol=0, atol=0.02 * momenta[0].abs().max())

@@ -147,17 +147,12 @@ class _MemfitOptimizer(torch.optim.Optimizer, _format.MemfitOptimizerBase):
             out["kahan_comp"] = (tuple(p.shape), p.dtype)
         return out
 
-    def _row_major_states(self, group) -> bool:
-        """Whether the states of p's shape are row-major whatever p's layout (Muon's:
-        its momentum pass never touches p, and a conv filter's momentum is the row-major
-        matrix Newton-Schulz takes) instead of laid out as p (the default)."""
-        return False
-
     def _zero_state(self, p, key, shape, dtype, row_major=False):
         """A zero state of global ``shape`` for ``p`` (step: a plain scalar on p's local
         device). States of p's shape follow p's memory layout (zeros_like keeps the
-        strides of a dense tensor, channels_last included), unless ``row_major``: the
-        kernels run over the storage in memory order, the same for p, its grad and these."""
+        strides of a dense tensor, channels_last included), unless ``row_major``
+        (``_row_major_states``): the kernels run over the storage in memory order, the
+        same for p, its grad and these."""
         if _dtensor.is_dtensor(p) and key != "step":
             # a DTensor of p's mesh and placements, of the global shape
             return _dtensor.zeros_state(p, shape, dtype, self._where)

@@ -117,7 +117,9 @@ def _memfit_state(optimizer, where, group, p, floats, step, extra=None):
         if value is None:
             raise _refuse(optimizer, f"{where}: has no {nm!r} state to convert (it has "
                                      f"{', '.join(map(repr, floats)) or 'none'})")
-        dense = torch.empty_like(p, dtype=torch.float32, device=value.device).copy_(value)
+        # laid out as p's states are (p's layout, or row-major ones: Muon's)
+        dense = torch.empty_like(optimizer._state_like(group, p), dtype=torch.float32,
+                                 device=value.device).copy_(value)
         if f"absmax{k}" not in expected:
             out[f"state{k}"] = dense
             continue
