@@ -191,19 +191,20 @@ class _MuonBase(_MemfitOptimizer):
                     raise MemfitValueError(f"{e}; nothing was updated" if at_step else str(e)) \
                         from None
 
-    def _check_use_muon(self, gi, group, done) -> None:
+    def _check_use_muon(self, gi, group, done, members=None) -> None:
         """Refuses a group whose ``use_muon`` was flipped after its parameters were
         stepped: their states are the other math's (AdamW's two moments in a Muon group,
         a Muon momentum in an AdamW one: Muon keeps no state2, AdamW always does), which
         neither step can continue and no Muon8bit would load from a state dict.
-        ``done``: what the caller did not do (the message ends with it). Each group is
-        checked again only when it, or its use_muon, changed (a dict lookup per
-        parameter: the step in backward stays O(1) per tensor)."""
+        ``done``: what the caller did not do (the message ends with it). ``members``:
+        None (the whole group, checked again only when it or its use_muon changed), or
+        only these [(index, p)] (the step in backward: O(1) per tensor)."""
         use_muon = group.get("use_muon", True)
-        seen = self.__dict__.setdefault("_use_muon_checked", {}).get(gi)
-        if seen is not None and seen[0] is group and seen[1] == use_muon:
-            return
-        for i, p in enumerate(group["params"]):
+        if members is None:
+            seen = self.__dict__.setdefault("_use_muon_checked", {}).get(gi)
+            if seen is not None and seen[0] is group and seen[1] == use_muon:
+                return
+        for i, p in (enumerate(group["params"]) if members is None else members):
             state = self.state.get(p)
             if state and "state1" in state and ("state2" in state) == use_muon:
                 was = "AdamW (use_muon=False)" if use_muon else "Muon (use_muon=True)"
@@ -212,14 +213,16 @@ class _MuonBase(_MemfitOptimizer):
                     f"{use_muon}, but the parameter was stepped as {was} and holds that "
                     "math's states; use_muon cannot change after a group's first step: set it "
                     f"back, or move the parameters to a new optimizer; {done}")
-        self._use_muon_checked[gi] = (group, use_muon)
+        if members is None:
+            self._use_muon_checked[gi] = (group, use_muon)
 
     def _plan_step(self, members=None):
         # Muon's own refusals too, before anything is written; of the parameters being
         # stepped only (members: the step in backward steps one tensor at a time, in O(1))
         for gi, group in enumerate(self.param_groups):
             if members is None or gi in members:
-                self._check_use_muon(gi, group, "nothing was updated")
+                self._check_use_muon(gi, group, "nothing was updated",
+                                     None if members is None else members[gi])
                 self._check_muon_params(gi, group, at_step=True,
                                         members=None if members is None else members[gi])
         return super()._plan_step(members)
