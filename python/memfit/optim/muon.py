@@ -151,9 +151,10 @@ class _MuonBase(_MemfitOptimizer):
         if not use_muon:
             missing = [k for k in ("betas", "eps", "weight_decay") if k not in group]
             if missing:  # a Muon group switched to use_muon=False after it was built
-                raise MemfitValueError(f"use_muon=False: the group has no {', '.join(missing)} (it was "
-                                 "built as a Muon group); give AdamW groups use_muon=False when "
-                                 "they are made (constructor, add_param_group)")
+                raise MemfitValueError(
+                    f"use_muon=False: the group has no {', '.join(missing)} (it was built as a "
+                    "Muon group); give AdamW groups use_muon=False when they are made "
+                    "(constructor, add_param_group)")
             b1, b2 = _pair("betas", group["betas"])
             return _core.hparams(lr=group["lr"], beta1=b1, beta2=b2, eps=group["eps"],
                                  weight_decay=group["weight_decay"])
