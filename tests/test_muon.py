@@ -329,6 +329,8 @@ def test_flipping_use_muon_after_a_step_is_refused_and_changes_nothing(cls, flip
         opt.step()
     with pytest.raises(MemfitValueError, match=r"use_muon.*nothing was saved"):
         opt.state_dict()
+    with pytest.raises(MemfitValueError, match=r"use_muon"):
+        mo.to_torch_state_dict(opt)
     assert all(torch.equal(p, q) for p, q in zip(m.parameters(), params))
     assert all(opt.state[p].keys() == st.keys() and all(torch.equal(opt.state[p][k], v)
                                                         for k, v in st.items())

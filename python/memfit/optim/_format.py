@@ -32,6 +32,12 @@ class MemfitOptimizerBase:
         Muon groups and ``use_muon=False`` AdamW groups)."""
         return self._kind
 
+    def _check_saveable(self, done) -> None:
+        """Raises (MemfitValueError) where the states cannot be saved as they are, so
+        that no state dict memfit cannot read is written (memfit.optim.Muon8bit: a
+        group's use_muon flipped after its first step); ``done``: what was not done.
+        Nothing to check by default."""
+
     def _row_major_states(self, group) -> bool:
         """Whether the states of p's shape are row-major whatever p's layout (Muon's:
         its momentum pass never touches p, and a conv filter's momentum is the row-major

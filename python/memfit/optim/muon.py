@@ -228,12 +228,15 @@ class _MuonBase(_MemfitOptimizer):
                                         members=None if members is None else members[gi])
         return super()._plan_step(members)
 
+    def _check_saveable(self, done) -> None:
+        for gi, group in enumerate(self.param_groups):
+            self._check_use_muon(gi, group, done)
+
     def state_dict(self):
         """torch's (and memfit's) state dict; refused (MemfitValueError naming use_muon)
         where a group's use_muon was flipped after its first step: such a dict could not
         be loaded."""
-        for gi, group in enumerate(self.param_groups):
-            self._check_use_muon(gi, group, "nothing was saved")
+        self._check_saveable("nothing was saved")
         return super().state_dict()
 
     def _step_bucket(self, group, hp, device, fmt, items, grad_scale, found_inf):

@@ -146,6 +146,7 @@ def to_torch_state_dict(optimizer) -> dict:
     >>> t.load_state_dict(memfit.optim.to_torch_state_dict(opt))  # doctest: +SKIP
     """
     _check_optimizer(optimizer)
+    optimizer._check_saveable("nothing was exported")
     adam = {_core.ADAM, _core.ADAMW}  # one torch.optim.Adam/AdamW dict holds both decays
     for gi, g in enumerate(optimizer.param_groups):
         if optimizer._group_kind(g) != optimizer._kind \
