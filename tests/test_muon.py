@@ -307,20 +307,188 @@ def test_newton_schulz_matches_torch():
         assert torch.equal(ours, _zeropower_via_newtonschulz(g, (3.4445, -4.7750, 2.0315), 5, 1e-7))
 
 
-def test_switching_a_muon_group_to_adamw_is_refused_and_changes_nothing():
-    """A group built for Muon has no AdamW betas: flipping use_muon afterwards is refused
-    by the step (naming the group and what is missing), before anything is written."""
+@pytest.mark.parametrize("cls", [mo.Muon8bit, mo.Muon])
+@pytest.mark.parametrize("flip", ["muon_to_adamw", "adamw_to_muon"])
+def test_flipping_use_muon_after_a_step_is_refused_and_changes_nothing(cls, flip):
+    """Flipping a stepped group's use_muon (either way) is refused by step and by
+    state_dict, naming use_muon, with nothing changed (issue 38, item 11): the states
+    are the other math's, and a dict saved so could be loaded by no Muon8bit. Set back,
+    the optimizer steps and saves a dict that loads."""
     torch.manual_seed(0)
-    m = torch.nn.Linear(64, 96)
-    opt = mo.Muon8bit(mo.muon_param_groups(m), lr=0.02)
+    m = torch.nn.Sequential(torch.nn.Linear(64, 96), torch.nn.LayerNorm(96))
+    opt = cls(mo.muon_param_groups(m), lr=0.02)
     m(torch.randn(4, 64)).sum().backward()
     opt.step()
     params = [p.detach().clone() for p in m.parameters()]
-    states = copy.deepcopy(opt.state_dict()["state"])
-    muon_group = next(g for g in opt.param_groups if g.get("use_muon", True))
-    muon_group["use_muon"] = False
-    with pytest.raises(ValueError, match=r"param_groups\[\d\]: use_muon=False: the group has no betas"):
+    states = {p: {k: v.clone() for k, v in opt.state[p].items()} for p in m.parameters()}
+    group = opt.param_groups[0 if flip == "muon_to_adamw" else 1]
+    if flip == "muon_to_adamw":  # with AdamW's values, so that only the states are wrong
+        group.update(betas=(0.9, 0.95), eps=1e-8)
+    group["use_muon"] = flip == "adamw_to_muon"
+    with pytest.raises(MemfitValueError, match=r"param_groups\[\d\]\['params'\]\[0\]: use_muon"):
         opt.step()
+    with pytest.raises(MemfitValueError, match=r"use_muon.*nothing was saved"):
+        opt.state_dict()
+    with pytest.raises(MemfitValueError, match=r"use_muon"):
+        mo.to_torch_state_dict(opt)
     assert all(torch.equal(p, q) for p, q in zip(m.parameters(), params))
-    after = opt.state_dict()["state"]
-    assert all(torch.equal(after[k][n], v) for k, st in states.items() for n, v in st.items())
+    assert all(opt.state[p].keys() == st.keys() and all(torch.equal(opt.state[p][k], v)
+                                                        for k, v in st.items())
+               for p, st in states.items())
+    group["use_muon"] = flip != "adamw_to_muon"
+    opt.step()
+    cls(mo.muon_param_groups(m), lr=0.02).load_state_dict(opt.state_dict())
+
+
+def test_switching_a_muon_group_without_betas_to_adamw_is_refused():
+    """A Muon group flipped to use_muon=False before any step, without AdamW's betas: the
+    step refuses it (naming the group and what is missing) before anything is written."""
+    m = torch.nn.Linear(64, 96)
+    opt = mo.Muon8bit(mo.muon_param_groups(m), lr=0.02)
+    m(torch.randn(4, 64)).sum().backward()
+    before = [p.detach().clone() for p in m.parameters()]
+    opt.param_groups[0]["use_muon"] = False
+    with pytest.raises(MemfitValueError,
+                       match=r"param_groups\[0\]: use_muon=False: the group has no betas"):
+        opt.step()
+    assert all(torch.equal(p, q) for p, q in zip(m.parameters(), before)) and not opt.state
+
+
+def _conv_model(memory_format):
+    torch.manual_seed(7)
+    m = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Conv2d(8, 64, 3),
+                            torch.nn.Conv2d(64, 32, 1), torch.nn.Conv2d(32, 16, 3))
+    return m.to(memory_format=memory_format)
+
+
+@pytest.mark.parametrize("cls", [mo.Muon8bit, mo.Muon])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_channels_last_conv_filters_step_as_their_contiguous_copies(cls, dtype):
+    """channels_last conv filters (muon_param_groups on a channels_last model) step bit
+    for bit as the same model in contiguous memory: Muon's momentum is row-major
+    whatever the filter's layout, so the 8-bit blocks, Newton-Schulz's matrix and the
+    stochastic rounding's element numbers are the contiguous ones (issue 38, item 8).
+    Their state dicts load into each other."""
+    models = [_conv_model(f).to(dtype) for f in (torch.contiguous_format, torch.channels_last)]
+    assert models[1][1].weight.is_contiguous(memory_format=torch.channels_last)
+    opts = [cls(mo.muon_param_groups(m), lr=0.02) for m in models]
+    gen = torch.Generator().manual_seed(8)
+    for _ in range(3):
+        grads = [torch.randn(p.shape, generator=gen).to(dtype) for p in models[0].parameters()]
+        for m, opt in zip(models, opts):
+            for p, g in zip(m.parameters(), grads):
+                p.grad = g.clone(memory_format=torch.preserve_format).contiguous(
+                    memory_format=torch.channels_last if p.dim() == 4 and m is models[1]
+                    else torch.contiguous_format)
+            opt.step()
+    for p, q in zip(*(m.parameters() for m in models)):
+        assert torch.equal(p, q)
+        for key, value in opts[0].state[p].items():
+            assert torch.equal(value, opts[1].state[q][key]), key
+    assert any(opts[1].state[q]["state1"].dtype == (torch.uint8 if cls is mo.Muon8bit
+                                                    else torch.float32)
+               for q in models[1].parameters() if q.dim() == 4)
+    for m, sd in zip(reversed(models), (opt.state_dict() for opt in opts)):
+        cls(mo.muon_param_groups(m), lr=0.02).load_state_dict(sd)
+
+
+def test_tensor_lr_as_torch_muon():
+    """A one-element tensor lr (torch.optim.Muon takes it) steps as torch's, bit for bit,
+    in both classes (issue 38, item 9: it raised in add_ after the momentum moved)."""
+    init = _params(30)
+    a, b, c = _leaves(init), _leaves(init), _leaves(init)
+    ref = torch.optim.Muon(a, lr=torch.tensor([0.02]), weight_decay=0.1)
+    opt = mo.Muon(b, lr=torch.tensor([0.02]), weight_decay=0.1)
+    opt8 = mo.Muon8bit(c, lr=torch.tensor([0.02]), weight_decay=0.1, min_8bit_size=0)
+    for gs in _grads(31, init, 3):
+        for o, ps in ((ref, a), (opt, b), (opt8, c)):
+            _run(o, ps, gs)
+    for x, y, z, p0 in zip(a, b, c, init):
+        assert torch.equal(x, y) and not torch.equal(x, p0)
+        assert (x - z).abs().max() < 0.02  # the 8-bit momentum's quantization only
+
+
+def test_empty_matrices_are_a_no_op():
+    """(5, 0) and (0, 5) matrices step as nothing, and the others as without them (a
+    (5, 0) one raised ZeroDivisionError after the others had stepped: issue 38, item 9)."""
+    init = _params(32)
+    a, b = _leaves(init), _leaves(init)
+    empty = [torch.zeros(5, 0, requires_grad=True), torch.zeros(0, 5, requires_grad=True)]
+    ref, opt = mo.Muon8bit(a, lr=0.02), mo.Muon8bit([b[0], *empty, b[1]], lr=0.02)
+    for gs in _grads(33, init, 2):
+        for e in empty:
+            e.grad = torch.zeros(e.shape)
+        _run(ref, a, gs)
+        _run(opt, b, gs)
+    assert all(torch.equal(x, y) for x, y in zip(a, b))
+    assert all(e.shape in ((5, 0), (0, 5)) for e in empty)
+
+
+def test_a_step_that_raises_late_changes_nothing():
+    """Whatever a Muon group refuses is refused before the first write: a two-element
+    tensor lr, a NaN momentum, with matrices that would be stepped first."""
+    init = _params(34)
+    for bad in (dict(lr=torch.tensor([0.02, 0.03])), dict(momentum=float("nan"))):
+        b = _leaves(init)
+        opt = mo.Muon8bit(b, lr=0.02)
+        for p, g in zip(b, _grads(35, init, 1)[0]):
+            p.grad = g
+        opt.param_groups[0].update(bad)
+        with pytest.raises((MemfitValueError, MemfitTypeError, ValueError)):
+            opt.step()
+        assert all(torch.equal(x, y) for x, y in zip(b, init)) and not opt.state
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+def test_newton_schulz_leaves_its_bfloat16_input_alone(shape):
+    """zeropower_via_newtonschulz does not modify its input, bfloat16 included (wide and
+    tall; issue 38, item 10), and returns torch's bits."""
+    from torch.optim._muon import _zeropower_via_newtonschulz
+
+    g = torch.randn(shape, generator=torch.Generator().manual_seed(36)).bfloat16()
+    before = g.clone()
+    out = zeropower_via_newtonschulz(g)
+    assert torch.equal(g, before)
+    assert torch.equal(out, _zeropower_via_newtonschulz(before.clone(), (3.4445, -4.7750, 2.0315),
+                                                        5, 1e-7))
+
+
+def test_muon_param_groups_head_as_a_string():
+    """head="lm_head" is one name, not the set of its characters: a Linear named "h"
+    stays in Muon (issue 38, item 12); a head that is no names is refused."""
+    m = torch.nn.ModuleDict({"h": torch.nn.Linear(8, 8), "lm_head": torch.nn.Linear(8, 4),
+                             "out": torch.nn.Linear(4, 4)})
+    for head in ("lm_head", ["lm_head"], ("lm_head",)):
+        muon, adamw = mo.muon_param_groups(m, head=head)
+        assert [id(p) for p in muon["params"]] == [id(m["h"].weight), id(m["out"].weight)]
+        assert id(m["lm_head"].weight) in {id(p) for p in adamw["params"]}
+    for bad in (5, ["lm_head", 3], None):
+        with pytest.raises(MemfitTypeError, match="head"):
+            mo.muon_param_groups(m, head=bad)
+
+
+@pytest.mark.parametrize("cls", [mo.Muon8bit, mo.Muon])
+def test_channels_last_filter_torch_state_dict_both_ways(cls):
+    """A channels_last filter's momentum reads (dequantized_state, to_torch_state_dict)
+    as the contiguous filter's, and a torch-format dict of either loads into both
+    layouts alike (the same values; 8-bit: requantized, within its error)."""
+    w = _params(37, [(64, 32, 3, 3)])[0]
+    ct = w.clone().requires_grad_()
+    cl = w.clone().contiguous(memory_format=torch.channels_last).requires_grad_()
+    opts = [cls([q], lr=0.02) for q in (ct, cl)]
+    for (g,) in _grads(38, [w], 2):
+        ct.grad, cl.grad = g.clone(), g.contiguous(memory_format=torch.channels_last)
+        for o in opts:
+            o.step()
+    momenta = [_dequantized_momentum(o, q) for o, q in zip(opts, (ct, cl))]
+    assert torch.equal(*momenta) and momenta[0].abs().max() > 0
+    sds = [mo.to_torch_state_dict(o) for o in opts]
+    assert torch.equal(sds[0]["state"][0]["momentum_buffer"], sds[1]["state"][0]["momentum_buffer"])
+    for sd in sds:  # requantized as the contiguous filter's would be, in either layout
+        loaded = []
+        for q in (ct, cl):
+            into = cls([q], lr=0.02)
+            into.load_state_dict(sd)
+            loaded.append(_dequantized_momentum(into, q))
+        assert torch.equal(*loaded)
+        torch.testing.assert_close(loaded[0], momenta[0], rtol=0, atol=0.02 * momenta[0].abs().max())

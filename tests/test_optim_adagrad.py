@@ -317,3 +317,25 @@ def test_torch_flags_and_signature():
     with pytest.raises(RuntimeError, match="fused"):
         mo.Adagrad([p], foreach=True, fused=True)
     assert _core.state_layout(_core.ADAGRAD, 8, 256, 512)["signed"][0] is False
+
+
+@pytest.mark.parametrize("cls", [mo.Adagrad8bit, mo.Adagrad])
+def test_initial_accumulator_value_beyond_float32_is_refused(cls):
+    """initial_accumulator_value=1e39 cannot start a float32 sum: refused at
+    construction naming it (torch refuses it there too; issue 38, item 15), and in a
+    group edit before anything changes; float32's largest value is taken."""
+    from memfit import MemfitValueError
+
+    p = torch.nn.Parameter(torch.randn(SHAPE))
+    with pytest.raises(RuntimeError):
+        torch.optim.Adagrad([p], initial_accumulator_value=1e39)
+    with pytest.raises(MemfitValueError, match="initial_accumulator_value: 1e\\+39 is beyond float32"):
+        cls([p], initial_accumulator_value=1e39)
+    cls([p], initial_accumulator_value=_core.FLOAT32_MAX)
+    opt = cls([p])
+    p.grad = torch.randn_like(p)
+    opt.param_groups[0]["initial_accumulator_value"] = 1e39
+    before = p.detach().clone()
+    with pytest.raises(MemfitValueError, match="initial_accumulator_value"):
+        opt.step()
+    assert torch.equal(p, before) and not opt.state[p]

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 import memfit.optim as mo
+from memfit import MemfitValueError
 
 ROOT = Path(__file__).resolve().parents[1]
 STEPS = 20
@@ -259,3 +260,31 @@ def test_exp_against_math_exp(tmp_path):
     ys = np.frombuffer(out, dtype="<f8")
     assert ys[0] == math.inf and ys[1] == 0.0 and math.isnan(ys[2])
     assert ys[3] == math.inf and ys[4] == 0.0
+
+
+@pytest.mark.parametrize("cls", [mo.AdEMAMix8bit, mo.AdEMAMix])
+@pytest.mark.parametrize("key,value,match", [
+    ("t_alpha", 10**400, r"t_alpha: an int of \d+ bits is too large"),
+    ("t_beta3", 10**400, r"t_beta3: an int of \d+ bits is too large"),
+    ("alpha", 1e39, r"alpha: 1e\+39 is beyond float32's range"),
+    ("lr", 1e39, r"lr: 1e\+39 is beyond float32's range"),
+    ("eps", -1e39, r"eps: -1e\+39 is beyond float32's range"),
+])
+def test_values_beyond_float32_are_refused_naming_them(cls, key, value, match):
+    """A value the float32 states cannot represent (or that no double holds) is refused
+    at construction and when a group edit reaches step(), naming it, with nothing
+    changed (issue 38, item 15: a bare OverflowError, or training frozen silently). The
+    schedules' step counts stay in double: t_alpha=10**39 is taken."""
+    p = torch.nn.Parameter(torch.randn(64, 80))
+    with pytest.raises(MemfitValueError, match=match):
+        cls([p], **{key: value})
+    cls([p], t_alpha=10**39, t_beta3=10**39)
+    opt = cls([p], t_alpha=5)
+    p.grad = torch.randn_like(p)
+    opt.step()
+    before = p.detach().clone(), {k: v.clone() for k, v in opt.state[p].items()}
+    opt.param_groups[0][key] = value
+    with pytest.raises(MemfitValueError, match=match):
+        opt.step()
+    assert torch.equal(p, before[0])
+    assert all(torch.equal(v, before[1][k]) for k, v in opt.state[p].items())

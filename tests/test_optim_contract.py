@@ -37,6 +37,7 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.optim.swa_utils import SWALR, AveragedModel
 
 import memfit.optim as mo
+from memfit import MemfitValueError
 from memfit.optim import bnb, muon
 from test_optim_gradient_patterns import AdEMAMix64
 
@@ -416,6 +417,24 @@ def test_add_param_group_refuses_bad_hyperparameters(case):
     with pytest.raises(ValueError, match="lr"):
         opt.add_param_group({"params": [_P()], "lr": -1.0})
     assert len(opt.param_groups) == 1
+
+
+@cases()
+def test_lr_beyond_float32_is_refused_naming_it(case):
+    """lr=1e39 would be Inf in the kernels' float32 (training frozen or NaN, silently):
+    every class refuses it naming lr, at construction and in a group edit at step, with
+    nothing changed (issue 38, item 15)."""
+    _memfit_only(case)
+    with pytest.raises(MemfitValueError, match="lr: 1e\\+39 is beyond float32's range"):
+        case.make([_P()], lr=1e39)
+    p = _P()
+    opt = case.make([p])
+    p.grad = torch.ones_like(p)
+    before = p.detach().clone()
+    opt.param_groups[0]["lr"] = 1e39
+    with pytest.raises(MemfitValueError, match="lr: 1e\\+39"):
+        opt.step()
+    assert torch.equal(p, before) and not opt.state[p]
 
 
 # -- constructor keywords of a one-line swap from torch (issue 30 §4) ----------------------

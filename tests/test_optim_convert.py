@@ -701,7 +701,9 @@ def bnb_state_dict(source, group=None, opt_bits=8, min_8bit_size=500):
     ``min_8bit_size`` elements uint8 codes of the parameter's shape with 'absmax1'/'absmax2'
     (one per 256 elements, flat over the tensor) and 'qmap1'/'qmap2' (the signed and
     unsigned dynamic maps: memfit's 8-bit codes, which are bitsandbytes' map to within
-    an ulp; the converter reads the dict's own); all but 'step' nested under
+    an ulp; the converter reads the dict's own; a one-state optimizer's 'qmap1' is the
+    signed map, also for RMSprop's and Adagrad's second moments, as bitsandbytes'
+    Optimizer1State has it); all but 'step' nested under
     __bnb_optimizer_quant_state__ (hidden from FSDP); param groups {lr, betas, eps,
     weight_decay} (and Adam's AdEMAMix keys), from BNB_HYPER or ``group``. AdEMAMix's
     'state1' stacks exp_avg and exp_avg_slow, (2, *shape), with 'absmax1' (2, blocks)."""
@@ -723,7 +725,11 @@ def bnb_state_dict(source, group=None, opt_bits=8, min_8bit_size=500):
             if halves == 2:
                 x = torch.stack([x, floats["exp_avg_slow"]])
             if opt_bits == 8 and p.numel() >= min_8bit_size:
-                code = torch.as_tensor(_core.code_table(8, signed[k - 1]))
+                # Optimizer1State quantizes its state1 with the signed map ("dynamic")
+                # whatever it holds (RMSprop's square_avg, Adagrad's sum); Optimizer2State
+                # state2 with the unsigned one
+                code_signed = signed[k - 1] or len(names) == 1
+                code = torch.as_tensor(_core.code_table(8, code_signed))
                 codes, absmax = _blocks.quantize_state(x, 8, code, 256, halves,
                                                        keep_positive=not signed[k - 1])
                 absmax = absmax.reshape(halves, -1) if halves == 2 else absmax.reshape(-1)
@@ -783,6 +789,24 @@ def test_bitsandbytes_state_dict_of_every_kind_loads(cls, kw, bits):
     assert quantized == 2 * len(_core.STATE_NAMES[cls._kind] if cls is not mo.RMSprop8bit else [1])
     train(m, opt, 1, seed=2)
     assert all(torch.isfinite(p).all() for p in m.parameters())
+
+
+@pytest.mark.parametrize("cls", [mo.RMSprop8bit, mo.Adagrad8bit])
+def test_bitsandbytes_one_state_second_moment_in_the_signed_map(cls):
+    """bitsandbytes' RMSprop8bit and Adagrad8bit keep their second moment in the signed
+    map (Optimizer1State's qmap1; issue 38, item 14): such a dict loads, its values read
+    with the dict's own code (bnb_state_dict builds it so: the test above checks the
+    values); a code that reads as a negative second moment is refused, nothing loaded."""
+    _, source = trained(cls, 2)
+    sd = bnb_state_dict(source)
+    inner = next(s[BNB_WRAPPED] for s in sd["state"].values() if "qmap1" in s[BNB_WRAPPED])
+    assert bool((inner["qmap1"] < 0).any())  # the signed map, as bitsandbytes saves it
+    cls(model().parameters(), min_8bit_size=500).load_state_dict(sd)
+    inner["state1"].view(-1)[0] = 0  # code 0 of the signed map: -1 (times the absmax)
+    opt = cls(model().parameters(), min_8bit_size=500)
+    with pytest.raises(_C.MemfitValueError, match="negative"):
+        opt.load_state_dict(sd)
+    assert not opt.state
 
 
 @pytest.mark.parametrize("cls,kw", BNB_TARGETS, ids=[c.__name__ for c, _ in BNB_TARGETS])

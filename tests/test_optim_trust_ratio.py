@@ -394,3 +394,60 @@ def test_lamb_and_lars_state_dicts_refused_where_the_math_would_change():
                 x.grad = torch.tensor(g)
                 o.step()
         assert torch.equal(p, q)
+
+
+def _stepped(opt, params, seed, steps=2):
+    g = torch.Generator().manual_seed(seed)
+    for _ in range(steps):
+        for p in params:
+            p.grad = torch.randn(p.shape, generator=g)
+        opt.step()
+    return opt
+
+
+@pytest.mark.parametrize("cls", LAMB_CLASSES)
+def test_lamb_l2_mode_converts_as_adam(cls):
+    """LAMB with adam_w_mode=False decays as L2, as torch.optim.Adam (issue 38, item 13):
+    an Adam dict loads (and, with max_unorm=0, LAMB goes on as Adam does), an AdamW dict
+    (decoupled decay: another meaning) is refused naming adam_w_mode with nothing
+    loaded, and to_torch_state_dict exports an Adam dict that torch.optim.Adam loads.
+    memfit's own dicts alike: Adam8bit's loads, AdamW8bit's is refused."""
+    init = torch.randn(64, 128, generator=torch.Generator().manual_seed(40))
+    a, b = (init.clone().requires_grad_() for _ in range(2))
+    kw = dict(lr=1e-2, weight_decay=0.1)
+    adam = _stepped(torch.optim.Adam([a], **kw), [a], 41)
+    lamb = cls([b], adam_w_mode=False, max_unorm=0.0, min_8bit_size=0, **kw)
+    lamb.load_state_dict(adam.state_dict())
+    b.data.copy_(a.detach())
+    _stepped(adam, [a], 42)
+    _stepped(lamb, [b], 42)
+    tol = dict(rtol=0, atol=1e-6) if cls is mo.LAMB else dict(rtol=0, atol=2e-3)
+    torch.testing.assert_close(b, a, **tol)
+    assert not torch.equal(a, init)
+
+    w = init.clone().requires_grad_()
+    adamw = _stepped(torch.optim.AdamW([w], **kw), [w], 43)
+    fresh = cls([init.clone().requires_grad_()], adam_w_mode=False, **kw)
+    with pytest.raises(MemfitValueError, match="AdamW with weight decay.*as L2.*adam_w_mode=True"):
+        fresh.load_state_dict(adamw.state_dict())
+    assert not fresh.state
+    cls([init.clone().requires_grad_()], adam_w_mode=True, **kw).load_state_dict(adamw.state_dict())
+
+    sd = mo.to_torch_state_dict(lamb)
+    assert sd["param_groups"][0]["decoupled_weight_decay"] is False
+    c = init.clone().requires_grad_()
+    back = torch.optim.Adam([c], **kw)
+    back.load_state_dict(sd)
+    assert torch.equal(back.state[c]["exp_avg"], mo.dequantized_state(lamb, b)["exp_avg"])
+
+    eight = cls is mo.LAMB8bit
+    for src, ok in (((mo.Adam8bit if eight else mo.Adam), True),
+                    ((mo.AdamW8bit if eight else mo.AdamW), False)):
+        p = init.clone().requires_grad_()
+        saved = _stepped(src([p], min_8bit_size=0, **kw), [p], 44).state_dict()
+        into = cls([init.clone().requires_grad_()], adam_w_mode=False, min_8bit_size=0, **kw)
+        if ok:
+            into.load_state_dict(saved)
+        else:
+            with pytest.raises(MemfitValueError, match="adam_w_mode=True"):
+                into.load_state_dict(saved)

@@ -63,12 +63,13 @@ def refuse_grad(where, p, g):
         "parameter; nothing was updated")
 
 
-def state_problem(key, value, shape, dtype, p):
+def state_problem(key, value, shape, dtype, p, row_major=False):
     """None, or (exception class, message) for a state ``key`` of p that the kernels
     cannot take as p's: not a tensor, another dtype or (global) shape, not laid out as
     p's states are (a DTensor of p's mesh and placements for a DTensor p, except step),
     another device, or other strides (p's for a state of one value per element, else
-    contiguous). Metadata only: no host sync."""
+    contiguous; contiguous for all with ``row_major``, the optimizer's
+    ``_row_major_states``). Metadata only: no host sync."""
     if not torch.is_tensor(value):
         return MemfitTypeError, f"state {key!r} is a {type(value).__name__}, not a tensor"
     if value.dtype != dtype:
@@ -85,7 +86,7 @@ def state_problem(key, value, shape, dtype, p):
     lp = p.to_local() if dp else p
     if local.device != lp.device:
         return MemfitValueError, f"state {key!r} is on {local.device}, the parameter on {lp.device}"
-    if key != "step" and shape == tuple(p.shape):
+    if key != "step" and shape == tuple(p.shape) and not row_major:
         if not same_layout(local, lp):
             return MemfitValueError, (f"state {key!r} has strides {tuple(local.stride())}, but "
                                       "holds one value per element and must be laid out as the "
@@ -128,9 +129,10 @@ def check_saved_keys(where, saved, expected) -> None:
                 f"{_SAVED_FOR_ANOTHER}, or is truncated; nothing was loaded")
 
 
-def laid_out(where, key, value, p):
+def laid_out(where, key, value, p, row_major=False):
     """``value`` (a loaded copy of p's state ``key``) in the memory layout the kernels
-    need: p's for a state of one value per element, else contiguous. Relaying out is
+    need: p's for a state of one value per element, else (and for all with
+    ``row_major``, see state_problem) contiguous. Relaying out is
     exact where each value keeps its meaning: float32 states, Kahan buffers, absmax and
     4-bit codes (logical arrays), 8-bit codes stored in p's memory order (only their
     strides differ, as in a slice). 8-bit codes stored in another order are refused: a
@@ -139,7 +141,14 @@ def laid_out(where, key, value, p):
     dv = _dtensor.is_dtensor(value)
     local = value.to_local() if dv else value
     lp = p.to_local() if _dtensor.is_dtensor(p) else p
-    if key != "step" and tuple(value.shape) == tuple(p.shape):
+    per_element = key != "step" and tuple(value.shape) == tuple(p.shape)
+    if per_element and row_major and local.dtype == torch.uint8 and not local.is_contiguous() \
+            and dim_order(local) != tuple(d for d in range(local.dim()) if local.shape[d] != 1):
+        raise MemfitValueError(
+            f"{where}: state {key!r} (8-bit codes) has strides {tuple(local.stride())}, not in "
+            "row-major order: its codes belong to the quantization blocks of other elements; "
+            "nothing was loaded")
+    if per_element and not row_major:
         if same_layout(local, lp):
             return value
         if local.dtype == torch.uint8 and dim_order(local) != dim_order(lp):

@@ -84,6 +84,15 @@ def code_like(bits: int, signed: bool, like):
     return c
 
 
+# the largest float32: the kernels compute in float32 (mf_optim_consts) and keep their
+# states in it; a larger hyperparameter would become Inf there (frozen or NaN training)
+FLOAT32_MAX = float(np.finfo(np.float32).max)
+# the hyperparameters the kernels round to float32 (t_alpha, t_beta3 and lr_decay stay
+# in double: mf_optim_prepare)
+_FLOAT32_HPARAMS = ("lr", "beta1", "beta2", "beta3", "eps", "weight_decay", "momentum",
+                    "dampening", "alpha", "max_unorm")
+
+
 def hparams(lr=0.0, beta1=0.0, beta2=0.0, eps=0.0, weight_decay=0.0, momentum=0.0,
             dampening=0.0, alpha=0.0, nesterov=False, maximize=False, sr_seed=0,
             lr_decay=0.0, max_unorm=0.0, bias_correction=True, beta3=0.0, t_alpha=0,
@@ -92,24 +101,43 @@ def hparams(lr=0.0, beta1=0.0, beta2=0.0, eps=0.0, weight_decay=0.0, momentum=0.
     ``sr_seed`` != 0 writes half-precision parameters with stochastic rounding seeded
     by it; ``max_unorm`` > 0 scales each tensor's update by its trust ratio (LAMB, LARS:
     :func:`step` then needs ``trust``). ``beta3``, ``t_alpha``, ``t_beta3``: AdEMAMix's
-    (0: no scheduler)."""
-    return {"lr": _real("lr", lr), "beta1": _real("beta1", beta1), "beta2": _real("beta2", beta2),
-            "eps": _real("eps", eps), "weight_decay": _real("weight_decay", weight_decay),
-            "momentum": _real("momentum", momentum), "dampening": _real("dampening", dampening),
-            "alpha": _real("alpha", alpha), "lr_decay": _real("lr_decay", lr_decay),
-            "nesterov": bool(nesterov),
-            "maximize": bool(maximize), "sr_seed": int(sr_seed) & ((1 << 64) - 1),
-            "max_unorm": _real("max_unorm", max_unorm),
-            "no_bias_correction": not bias_correction,
-            "beta3": _real("beta3", beta3), "t_alpha": _real("t_alpha", t_alpha),
-            "t_beta3": _real("t_beta3", t_beta3)}
+    (0: no scheduler). A finite value beyond float32's range where the kernels compute
+    in float32 (``_FLOAT32_HPARAMS``), or beyond a double's anywhere, is refused
+    (MemfitValueError naming it); NaN, Inf and out-of-range values are the core's to
+    refuse (:func:`check`)."""
+    out = {"lr": _real("lr", lr), "beta1": _real("beta1", beta1), "beta2": _real("beta2", beta2),
+           "eps": _real("eps", eps), "weight_decay": _real("weight_decay", weight_decay),
+           "momentum": _real("momentum", momentum), "dampening": _real("dampening", dampening),
+           "alpha": _real("alpha", alpha), "lr_decay": _real("lr_decay", lr_decay),
+           "nesterov": bool(nesterov),
+           "maximize": bool(maximize), "sr_seed": int(sr_seed) & ((1 << 64) - 1),
+           "max_unorm": _real("max_unorm", max_unorm),
+           "no_bias_correction": not bias_correction,
+           "beta3": _real("beta3", beta3), "t_alpha": _real("t_alpha", t_alpha),
+           "t_beta3": _real("t_beta3", t_beta3)}
+    for name in _FLOAT32_HPARAMS:
+        check_float32(name, out[name])
+    return out
+
+
+def check_float32(name: str, value: float) -> None:
+    """Refuses a finite ``value`` that float32 cannot hold (it would be Inf there)."""
+    if FLOAT32_MAX < abs(value) < float("inf"):
+        raise _C.MemfitValueError(
+            f"{name}: {value!r} is beyond float32's range (|{name}| <= {FLOAT32_MAX:.8g}), in "
+            "which the optimizer computes and keeps its states: it would be Inf there")
 
 
 def _real(name: str, value) -> float:
     """float(value), or the error naming the hyperparameter (a Tensor lr of two
-    elements, a string): float() alone says neither which value nor what it needs."""
+    elements, a string, an int too large for a double): float() alone says neither
+    which value nor what it needs."""
     try:
         return float(value)
+    except OverflowError:
+        got = (f"an int of {value.bit_length()} bits" if isinstance(value, int) else repr(value))
+        raise _C.MemfitValueError(f"{name}: {got} is too large for a floating-point number (a "
+                                  "double: about 1.8e308 at most)") from None
     except (TypeError, ValueError):
         shape = getattr(value, "shape", None)
         got = f"an array of shape {tuple(shape)}" if shape is not None else repr(value)

@@ -32,6 +32,26 @@ class MemfitOptimizerBase:
         Muon groups and ``use_muon=False`` AdamW groups)."""
         return self._kind
 
+    def _check_saveable(self, done) -> None:
+        """Raises (MemfitValueError) where the states cannot be saved as they are, so
+        that no state dict memfit cannot read is written (memfit.optim.Muon8bit: a
+        group's use_muon flipped after its first step); ``done``: what was not done.
+        Nothing to check by default."""
+
+    def _row_major_states(self, group) -> bool:
+        """Whether the states of p's shape are row-major whatever p's layout (Muon's:
+        its momentum pass never touches p, and a conv filter's momentum is the row-major
+        matrix Newton-Schulz takes) instead of laid out as p (the default)."""
+        return False
+
+    def _state_like(self, group, p):
+        """A tensor of p's shape in the memory layout of p's per-element states in
+        ``group``: p itself, or a new contiguous one for row-major states of a p in
+        another layout (a channels_last filter's in a Muon group)."""
+        if not self._row_major_states(group) or p.is_contiguous():
+            return p
+        return torch.empty(p.shape, dtype=p.dtype, device=p.device)
+
 
 def check_optimizer(optimizer) -> None:
     """Raises TypeError unless ``optimizer`` is one of memfit's torch optimizers."""
@@ -71,9 +91,11 @@ def state_codes(optimizer, group) -> list:
 
 def dequantize_states(optimizer, group, state, param, rows=None) -> dict:
     """float32 copies of the states in ``state`` (one parameter's, as ``group`` keeps
-    them), keyed by torch's names, each of ``param``'s shape and memory layout.
-    ``rows``: of the row-block layout, by default state_rows(param); 1 reads format 1."""
+    them), keyed by torch's names, each of ``param``'s shape and its states' memory
+    layout (:meth:`MemfitOptimizerBase._state_like`). ``rows``: of the row-block
+    layout, by default state_rows(param); 1 reads format 1."""
     out = {}
+    like = optimizer._state_like(group, param)
     for k, (nm, code) in enumerate(state_codes(optimizer, group), start=1):
         s = state.get(f"state{k}")
         if s is None:
@@ -82,7 +104,7 @@ def dequantize_states(optimizer, group, state, param, rows=None) -> dict:
             out[nm] = s.detach().clone().reshape(param.shape)
             continue
         out[nm] = _blocks.dequantize_state(s.detach(), state[f"absmax{k}"].detach(),
-                                           group["bits"], code, group["block_size"], param,
+                                           group["bits"], code, group["block_size"], like,
                                            rows=rows)
     return out
 

@@ -147,23 +147,24 @@ class _MemfitOptimizer(torch.optim.Optimizer, _format.MemfitOptimizerBase):
             out["kahan_comp"] = (tuple(p.shape), p.dtype)
         return out
 
-    def _zero_state(self, p, key, shape, dtype):
+    def _zero_state(self, p, key, shape, dtype, row_major=False):
         """A zero state of global ``shape`` for ``p`` (step: a plain scalar on p's local
         device). States of p's shape follow p's memory layout (zeros_like keeps the
-        strides of a dense tensor, channels_last included): the kernels run over the
-        storage in memory order, the same for p, its grad and these."""
+        strides of a dense tensor, channels_last included), unless ``row_major``
+        (``_row_major_states``): the kernels run over the storage in memory order, the
+        same for p, its grad and these."""
         if _dtensor.is_dtensor(p) and key != "step":
             # a DTensor of p's mesh and placements, of the global shape
             return _dtensor.zeros_state(p, shape, dtype, self._where)
         local = p.to_local() if _dtensor.is_dtensor(p) else p
-        if shape == tuple(p.shape) and key != "step":
+        if shape == tuple(p.shape) and key != "step" and not row_major:
             return torch.zeros_like(local, dtype=dtype)
         return torch.zeros(shape, dtype=dtype, device=local.device)
 
     def _initial_state(self, group, p, key, shape, dtype):
         """The value a new state of p in ``group`` starts from: zeros (_zero_state), but
         for classes whose state starts elsewhere (Adagrad's initial_accumulator_value)."""
-        return self._zero_state(p, key, shape, dtype)
+        return self._zero_state(p, key, shape, dtype, self._row_major_states(group))
 
     def _new_states(self, where, group, p, state) -> tuple:
         """(states to add, whether to drop kahan_comp) for p before its first step or
@@ -181,7 +182,8 @@ class _MemfitOptimizer(torch.optim.Optimizer, _format.MemfitOptimizerBase):
             if value is None:
                 added[key] = self._initial_state(group, p, key, shape, dtype)
                 continue
-            problem = _checks.state_problem(key, value, shape, dtype, p)
+            problem = _checks.state_problem(key, value, shape, dtype, p,
+                                            self._row_major_states(group))
             if problem is not None:
                 raise problem[0](f"{where}: {problem[1]}; nothing was updated")
         return added, "kahan_comp" in state and "kahan_comp" not in expected
@@ -559,10 +561,11 @@ class _MemfitOptimizer(torch.optim.Optimizer, _format.MemfitOptimizerBase):
                 saved = {**saved, "step": _checks.saved_step(where, saved["step"])}
             expected = self._expected_state(group, p)
             _checks.check_saved_keys(where, saved, expected)
-            loaded = {k: _checks.laid_out(where, k, self._loaded_value(k, v, p), p)
+            row_major = self._row_major_states(group)
+            loaded = {k: _checks.laid_out(where, k, self._loaded_value(k, v, p), p, row_major)
                       for k, v in saved.items()}
             for key, value in loaded.items():
-                problem = _checks.state_problem(key, value, *expected[key], p)
+                problem = _checks.state_problem(key, value, *expected[key], p, row_major)
                 if problem is not None:
                     raise problem[0](f"{where}: {problem[1]}; nothing was loaded")
             _checks.check_values(self, where, group, p, loaded)

@@ -34,7 +34,7 @@ import numbers
 import torch
 
 from memfit import _cast
-from memfit._C import MemfitValueError
+from memfit._C import MemfitTypeError, MemfitValueError
 from memfit.optim import _core, _dtensor, _muon_dist
 from memfit.optim._torch import _MemfitOptimizer
 
@@ -62,7 +62,9 @@ def zeropower_via_newtonschulz(g, ns_coefficients=NS_COEFFICIENTS, ns_steps=NS_S
     if g.dim() != 2:
         raise ValueError(f"g: Newton-Schulz needs a 2-D matrix, got shape {tuple(g.shape)}")
     a, b, c = ns_coefficients
-    x = g.to(NS_DTYPE)
+    # a copy even of a bfloat16 g (the normalization below is in place; torch's
+    # g.bfloat16() would be g itself, and its caller's matrix would be overwritten)
+    x = g.to(NS_DTYPE, copy=True)
     tall = g.size(0) > g.size(1)
     if tall:
         x = x.T
@@ -75,7 +77,11 @@ def zeropower_via_newtonschulz(g, ns_coefficients=NS_COEFFICIENTS, ns_steps=NS_S
 
 
 def adjusted_lr(lr, adjust_lr_fn, rows, cols) -> float:
-    """torch.optim.Muon's learning rate for an update of ``rows`` x ``cols``."""
+    """torch.optim.Muon's learning rate for an update of ``rows`` x ``cols`` (``lr``: a
+    float, or a 0-d tensor as torch's step makes of a tensor lr). An empty matrix
+    (``rows * cols == 0``) has no update: 0."""
+    if rows * cols == 0:
+        return 0.0
     if adjust_lr_fn is None or adjust_lr_fn == "original":
         ratio = math.sqrt(max(1, rows / cols))
     elif adjust_lr_fn == "match_rms_adamw":
@@ -141,13 +147,14 @@ class _MuonBase(_MemfitOptimizer):
     def _hparams(self, group) -> dict:
         use_muon = group.get("use_muon", True)
         if not isinstance(use_muon, bool):
-            raise TypeError(f"use_muon: expected True or False, got {use_muon!r}")
+            raise MemfitTypeError(f"use_muon: expected True or False, got {use_muon!r}")
         if not use_muon:
             missing = [k for k in ("betas", "eps", "weight_decay") if k not in group]
             if missing:  # a Muon group switched to use_muon=False after it was built
-                raise ValueError(f"use_muon=False: the group has no {', '.join(missing)} (it was "
-                                 "built as a Muon group); give AdamW groups use_muon=False when "
-                                 "they are made (constructor, add_param_group)")
+                raise MemfitValueError(
+                    f"use_muon=False: the group has no {', '.join(missing)} (it was built as a "
+                    "Muon group); give AdamW groups use_muon=False when they are made "
+                    "(constructor, add_param_group)")
             b1, b2 = _pair("betas", group["betas"])
             return _core.hparams(lr=group["lr"], beta1=b1, beta2=b2, eps=group["eps"],
                                  weight_decay=group["weight_decay"])
@@ -185,14 +192,52 @@ class _MuonBase(_MemfitOptimizer):
                     raise MemfitValueError(f"{e}; nothing was updated" if at_step else str(e)) \
                         from None
 
+    def _check_use_muon(self, gi, group, done, members=None) -> None:
+        """Refuses a group whose ``use_muon`` was flipped after its parameters were
+        stepped: their states are the other math's (AdamW's two moments in a Muon group,
+        a Muon momentum in an AdamW one: Muon keeps no state2, AdamW always does), which
+        neither step can continue and no Muon8bit would load from a state dict.
+        ``done``: what the caller did not do (the message ends with it). ``members``:
+        None (the whole group, checked again only when it or its use_muon changed), or
+        only these [(index, p)] (the step in backward: O(1) per tensor)."""
+        use_muon = group.get("use_muon", True)
+        if members is None:
+            seen = self.__dict__.setdefault("_use_muon_checked", {}).get(gi)
+            if seen is not None and seen[0] is group and seen[1] == use_muon:
+                return
+        for i, p in (enumerate(group["params"]) if members is None else members):
+            state = self.state.get(p)
+            if state and "state1" in state and ("state2" in state) == use_muon:
+                was = "AdamW (use_muon=False)" if use_muon else "Muon (use_muon=True)"
+                raise MemfitValueError(
+                    f"{type(self).__name__}: param_groups[{gi}]['params'][{i}]: use_muon is "
+                    f"{use_muon}, but the parameter was stepped as {was} and holds that "
+                    "math's states; use_muon cannot change after a group's first step: set it "
+                    f"back, or move the parameters to a new optimizer; {done}")
+        if members is None:
+            self._use_muon_checked[gi] = (group, use_muon)
+
     def _plan_step(self, members=None):
         # Muon's own refusals too, before anything is written; of the parameters being
         # stepped only (members: the step in backward steps one tensor at a time, in O(1))
         for gi, group in enumerate(self.param_groups):
             if members is None or gi in members:
+                self._check_use_muon(gi, group, "nothing was updated",
+                                     None if members is None else members[gi])
                 self._check_muon_params(gi, group, at_step=True,
                                         members=None if members is None else members[gi])
         return super()._plan_step(members)
+
+    def _check_saveable(self, done) -> None:
+        for gi, group in enumerate(self.param_groups):
+            self._check_use_muon(gi, group, done)
+
+    def state_dict(self):
+        """torch's (and memfit's) state dict; refused (MemfitValueError naming use_muon)
+        where a group's use_muon was flipped after its first step: such a dict could not
+        be loaded."""
+        self._check_saveable("nothing was saved")
+        return super().state_dict()
 
     def _step_bucket(self, group, hp, device, fmt, items, grad_scale, found_inf):
         if not group.get("use_muon", True):
@@ -207,7 +252,15 @@ class _MuonBase(_MemfitOptimizer):
         call_seed = hp["sr_seed"]
         hp = dict(hp, sr_seed=0)  # the pass writes an update, rounded to nearest
         stochastic = self._rounding(group) == "stochastic"
-        lr, decay = group["lr"], 1 - group["lr"] * group["weight_decay"]
+        # what could raise is computed before the first write (a step that raises has
+        # changed nothing): the decay and each matrix's lr, with torch.optim.Muon's
+        # arithmetic (a tensor lr as the 0-d tensor torch's step makes of it)
+        lr, wd = _scalar(group["lr"]), _scalar(group["weight_decay"])
+        decay = float(1 - lr * wd)
+        shapes = []  # per item: the whole matrix's (rows, cols) and -(its adjusted lr)
+        for p, _, _, seen in items:
+            rows, cols = _matrix_shape((p if seen[8] is None else seen[8]).shape)
+            shapes.append((rows, cols, -float(adjusted_lr(lr, group["adjust_lr_fn"], rows, cols))))
 
         def newton_schulz(u):
             return zeropower_via_newtonschulz(u, group["ns_coefficients"], group["ns_steps"],
@@ -219,27 +272,41 @@ class _MuonBase(_MemfitOptimizer):
             updates = []
             for n in batch:
                 p, g, states, seen = items[n]
-                # the momentum pass writes the update into `out` (the kernels' "param")
+                # the momentum pass writes the update into `out` (the kernels' "param"):
+                # row-major, as Muon's states are (_row_major_states), whatever p's layout
+                # (a channels_last filter: its gradient is read as a row-major copy)
                 out = torch.empty_like(g, memory_format=torch.contiguous_format)
                 super()._step_bucket(group, hp, device, fmt, [(out, g, states, seen)],
                                      grad_scale, None)
-                whole = p if seen[8] is None else seen[8]
-                rows, cols = _matrix_shape(whole.shape)  # the whole matrix's
-                updates.append((seen[8], out.view(p.shape[0], cols), rows, cols))
-            orthogonal = _muon_dist.orthogonalize([u[:2] for u in updates], newton_schulz,
-                                                  NS_DTYPE)
-            for n, o, (_, _, rows, cols) in zip(batch, orthogonal, updates):
+                updates.append((seen[8], out.view(p.shape[0], shapes[n][1])))
+            orthogonal = _muon_dist.orthogonalize(updates, newton_schulz, NS_DTYPE)
+            for n, o in zip(batch, orthogonal):
                 p, seen = items[n][0], items[n][3]
+                rows, cols, alpha = shapes[n]
+                if rows * cols == 0:
+                    continue  # an empty matrix: no update (torch: none, or ZeroDivisionError)
                 o = o.view(p.shape)
-                alpha = -adjusted_lr(lr, group["adjust_lr_fn"], rows, cols)
                 if p.dtype == torch.float32 or not stochastic:
                     p.mul_(decay)  # torch.optim.Muon's two ops
                     p.add_(o, alpha=alpha)
                     continue
-                # tensor n of the call, its element index_base + i for local element i
+                # tensor n of the call, its element index_base + i for local element i, in
+                # row-major order (a channels_last filter draws the contiguous one's bits)
                 seed = _core.cast_seed(_core.stream_seed(call_seed, n), seen[3])
-                v = p.float().mul_(decay).add_(o, alpha=alpha)
+                v = p.to(torch.float32, memory_format=torch.contiguous_format)
+                v.mul_(decay).add_(o, alpha=alpha)
                 p.copy_(_cast.cast(v, p.dtype, rounding="stochastic", seed=seed))
+
+    def _row_major_states(self, group) -> bool:
+        # the momentum of a Muon group: row-major, as the matrix Newton-Schulz takes, so a
+        # channels_last conv filter steps as its contiguous copy (same 8-bit blocks)
+        return group.get("use_muon", True)
+
+
+def _scalar(value):
+    """A hyperparameter as torch.optim.Muon's step uses it: a tensor (one element, as
+    check_group checked) as a 0-d tensor on the host (torch's _to_scalar), else as it is."""
+    return value.detach().reshape(()).cpu() if torch.is_tensor(value) else value
 
 
 def _pair(name, value):
@@ -309,14 +376,23 @@ def muon_param_groups(model, head=HEAD_NAMES, **adamw_group) -> list:
     ``nn.Linear`` and ``nn.Conv2d`` modules go to Muon, except output heads (modules whose
     name ends in one of ``head``) and weights shared with an ``nn.Embedding`` (tied);
     everything else (embeddings, norms, biases) goes to a ``use_muon=False`` (AdamW)
-    group, with ``adamw_group``'s keys (``lr=3e-4``, ...). Parameters that do not
-    require grad are left out; each parameter appears once."""
+    group, with ``adamw_group``'s keys (``lr=3e-4``, ...). ``head``: names, or one
+    name as a string. Parameters that do not require grad are left out; each parameter
+    appears once."""
     from torch import nn
+
+    names = (head,) if isinstance(head, str) else head  # one name, not a set of characters
+    try:
+        names = frozenset(names)
+    except TypeError:
+        names = None
+    if names is None or not all(isinstance(h, str) for h in names):
+        raise MemfitTypeError(f"head: expected a module name or names (strings), got {head!r}")
 
     tied = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
     muon_ids = set()
     for name, m in model.named_modules():
-        if isinstance(m, (nn.Linear, nn.Conv2d)) and name.rsplit(".", 1)[-1] not in head \
+        if isinstance(m, (nn.Linear, nn.Conv2d)) and name.rsplit(".", 1)[-1] not in names \
                 and id(m.weight) not in tied:
             muon_ids.add(id(m.weight))
     muon, other, seen = [], [], set()

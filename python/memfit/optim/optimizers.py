@@ -247,12 +247,13 @@ class _AdagradBase(_MemfitOptimizer):
 
     @staticmethod
     def _initial_value(group) -> float:
-        """The group's initial_accumulator_value, checked as torch checks it (and finite:
-        states never hold Inf)."""
+        """The group's initial_accumulator_value, checked as torch checks it (and finite
+        in float32, the state's dtype: states never hold Inf)."""
         value = _core._real("initial_accumulator_value", group["initial_accumulator_value"])
         if not 0.0 <= value < float("inf"):
             raise ValueError(f"initial_accumulator_value: invalid value {value!r} (must be a "
                              "finite number >= 0)")
+        _core.check_float32("initial_accumulator_value", value)  # the sum starts at it
         return value
 
     def _hparams(self, group):

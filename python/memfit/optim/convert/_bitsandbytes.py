@@ -177,7 +177,8 @@ def from_bitsandbytes(optimizer, state_dict, block_size=None):
                 continue
             if torch.is_tensor(s) and s.dtype == torch.uint8:
                 s = _bnb_dequantize(optimizer, where, k, names[k - 1], signed[k - 1], s, p,
-                                    absmax, saved.get(f"qmap{k}"), block_size)
+                                    absmax, saved.get(f"qmap{k}"), block_size,
+                                    any_code=not two_state)
             out[names[k - 1]] = s
         momentum = groups[gi].get("momentum", 0)
         if kind == _core.RMSPROP and isinstance(momentum, numbers.Real) and momentum > 0:
@@ -189,10 +190,15 @@ def from_bitsandbytes(optimizer, state_dict, block_size=None):
                         labels)
 
 
-def _bnb_dequantize(optimizer, where, k, nm, signed, codes, p, absmax, qmap, block_size):
+def _bnb_dequantize(optimizer, where, k, nm, signed, codes, p, absmax, qmap, block_size,
+                    any_code=False):
     """float32 values of bitsandbytes' 8-bit state{k} (torch's ``nm``) of p, after its
     absmax{k} and qmap{k} are checked: finite, absmax >= 0, qmap within [-1, 1] and
-    signed (negative entries) exactly where the state is (a first moment's)."""
+    signed (negative entries) exactly where the state is (a first moment's). With
+    ``any_code`` (the state of a one-state optimizer: bitsandbytes' Optimizer1State
+    quantizes state1 with the signed map whatever it holds, RMSprop's and Adagrad's
+    second moments too) a second moment may come in either code: its values are read
+    with the dict's own, and a negative one is refused afterwards (_float_state)."""
     for key, t in ((f"absmax{k}", absmax), (f"qmap{k}", qmap)):
         problem = _tensor_problem(t) if t is not None else "is missing"
         if not problem and not t.is_floating_point():
@@ -223,7 +229,7 @@ def _bnb_dequantize(optimizer, where, k, nm, signed, codes, p, absmax, qmap, blo
     if not bool((qmap.abs() <= 1).all()):  # False for NaN
         raise _refuse(optimizer, f"{where}: qmap{k} holds NaN or values outside [-1, 1]: not a "
                                  "bitsandbytes code; the state dict is corrupt")
-    if bool((qmap < 0).any()) != signed:
+    if bool((qmap < 0).any()) != signed and not (any_code and not signed):
         raise _refuse(optimizer, f"{where}: qmap{k} is "
                                  + (f"an unsigned code, but state{k} ({nm}) is signed" if signed else
                                     f"a signed code, but state{k} ({nm}) is a second moment (>= 0)")

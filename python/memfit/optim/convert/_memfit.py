@@ -61,18 +61,27 @@ def _same_math(optimizer, state_dict):
                                      f"memfit optimizer class; load a state dict saved by {name} or "
                                      "by a memfit class of the same math")
         saved_groups = state_dict["param_groups"]
+        adam = {_core.ADAM, _core.ADAMW}
+        if cls._kind != optimizer._kind and not {cls._kind, optimizer._kind} <= adam:
+            raise _refuse(optimizer, f"the state dict was saved by {_qualified(saver)}, which does "
+                                     f"{_KIND_MATH[cls._kind]}, and {name} does "
+                                     f"{_KIND_MATH[optimizer._kind]}")
+        if {cls._kind, optimizer._kind} <= adam:
+            # Adam and AdamW agree without decay; per group, as LAMB's adam_w_mode chooses
+            # (the saved one where the group has it: the loaded group keeps it)
+            for gi, sg in enumerate(saved_groups):
+                saved_kind = ((_core.ADAMW if sg["adam_w_mode"] else _core.ADAM)
+                              if "adam_w_mode" in sg else cls._kind)
+                kind = optimizer._group_kind(sg)
+                if saved_kind != kind and sg.get("weight_decay"):
+                    raise _decay_refusal(optimizer, f"param_groups[{gi}]", saved_kind == _core.ADAMW,
+                                         _qualified(saver), kind)
         if cls._kind != optimizer._kind:
-            if {cls._kind, optimizer._kind} != {_core.ADAM, _core.ADAMW}:
-                raise _refuse(optimizer, f"the state dict was saved by {_qualified(saver)}, which does "
-                                         f"{_KIND_MATH[cls._kind]}, and {name} does "
-                                         f"{_KIND_MATH[optimizer._kind]}")
-            for gi, sg in enumerate(saved_groups):  # Adam and AdamW agree without decay
-                if sg.get("weight_decay"):
-                    raise _decay_refusal(optimizer, f"param_groups[{gi}]", cls._kind == _core.ADAMW,
-                                         _qualified(saver))
-            # ... and then the saved flag of the decay's meaning becomes this class's
+            # ... and then the saved flag of the decay's meaning becomes this class's (LAMB
+            # keeps none: its adam_w_mode says it)
             fixed = {k: v for k, v, _ in optimizer._fixed_options if k == "decoupled_weight_decay"}
-            saved_groups = [{**sg, **fixed} if "decoupled_weight_decay" in sg else sg
+            saved_groups = [{**{k: v for k, v in sg.items() if k != "decoupled_weight_decay"},
+                             **fixed} if "decoupled_weight_decay" in sg else sg
                             for sg in saved_groups]
             state_dict = {**state_dict, "param_groups": saved_groups}
         if getattr(cls, "_TRUST_KEYS", ()) and not getattr(optimizer, "_TRUST_KEYS", ()):
@@ -108,7 +117,9 @@ def _memfit_state(optimizer, where, group, p, floats, step, extra=None):
         if value is None:
             raise _refuse(optimizer, f"{where}: has no {nm!r} state to convert (it has "
                                      f"{', '.join(map(repr, floats)) or 'none'})")
-        dense = torch.empty_like(p, dtype=torch.float32, device=value.device).copy_(value)
+        # laid out as p's states are (p's layout, or row-major ones: Muon's)
+        dense = torch.empty_like(optimizer._state_like(group, p), dtype=torch.float32,
+                                 device=value.device).copy_(value)
         if f"absmax{k}" not in expected:
             out[f"state{k}"] = dense
             continue

@@ -31,16 +31,23 @@ def _refuse(optimizer, what) -> MemfitValueError:
     return MemfitValueError(f"{_name(optimizer)}.load_state_dict: {what}; nothing was loaded")
 
 
-def _decay_refusal(optimizer, where, decoupled, saved_by) -> MemfitValueError:
+def _decay_refusal(optimizer, where, decoupled, saved_by, kind=None) -> MemfitValueError:
     """The refusal of Adam states saved with weight decay of the other meaning (decoupled
-    or L2), with the memfit class that applies it as the saver did."""
+    or L2), with the memfit class (or LAMB's adam_w_mode) that applies it as the saver
+    did. ``kind``: the kind of the group it would be loaded into (default: the class's;
+    LAMB's groups are ADAM with adam_w_mode=False)."""
     name = _name(optimizer)
-    bits = optimizer.param_groups[0]["bits"] if optimizer.param_groups else 8
-    cls = ({8: "AdamW8bit", 4: "AdamW4bit", 32: "AdamW"} if decoupled
-           else {32: "Adam"}).get(bits, "AdamW8bit" if decoupled else "Adam8bit")
+    kind = optimizer._kind if kind is None else kind
+    if getattr(optimizer, "_TRUST_KEYS", ()):  # LAMB: the same class, the other mode
+        advice = f"give {name} adam_w_mode={bool(decoupled)} for it"
+    else:
+        bits = optimizer.param_groups[0]["bits"] if optimizer.param_groups else 8
+        cls = ({8: "AdamW8bit", 4: "AdamW4bit", 32: "AdamW"} if decoupled
+               else {32: "Adam"}).get(bits, "AdamW8bit" if decoupled else "Adam8bit")
+        advice = f"load it into memfit.optim.{cls} instead"
     return _refuse(optimizer, f"{where} was saved by {saved_by} with weight decay; {name} applies "
-                              f"weight decay {'as L2' if optimizer._kind == _core.ADAM else 'decoupled'}, "
-                              f"which would change its meaning: load it into memfit.optim.{cls} instead")
+                              f"weight decay {'as L2' if kind == _core.ADAM else 'decoupled'} there, "
+                              f"which would change its meaning: {advice}")
 
 
 def check_state_ids(name, state_dict, ids, state_keys=None) -> None:

@@ -64,11 +64,12 @@ def _merged_groups(optimizer, saved_groups, source):
                                      f"as {name} (its keys: "
                                      f"{', '.join(sorted(map(str, (k for k in sg if k != 'params'))))})")
         decoupled = sg.get("decoupled_weight_decay")
-        if decoupled is not None and kind in (_core.ADAMW, _core.ADAM) \
-                and bool(decoupled) != (kind == _core.ADAMW) and sg.get("weight_decay", 0):
+        gkind = optimizer._group_kind(g)  # LAMB's: ADAM with adam_w_mode=False (L2)
+        if decoupled is not None and gkind in (_core.ADAMW, _core.ADAM) \
+                and bool(decoupled) != (gkind == _core.ADAMW) and sg.get("weight_decay", 0):
             saved_by = ("a bitsandbytes Adam or AdamW (both decay decoupled)" if source == "bitsandbytes"
                         else "AdamW" if decoupled else "Adam")
-            raise _decay_refusal(optimizer, f"param_groups[{i}]", bool(decoupled), saved_by)
+            raise _decay_refusal(optimizer, f"param_groups[{i}]", bool(decoupled), saved_by, gkind)
         ng = {k: v for k, v in g.items() if k != "params"}
         for k in _SHARED_HYPER:
             if k in sg and k in ng:
@@ -145,8 +146,11 @@ def to_torch_state_dict(optimizer) -> dict:
     >>> t.load_state_dict(memfit.optim.to_torch_state_dict(opt))  # doctest: +SKIP
     """
     _check_optimizer(optimizer)
+    optimizer._check_saveable("nothing was exported")
+    adam = {_core.ADAM, _core.ADAMW}  # one torch.optim.Adam/AdamW dict holds both decays
     for gi, g in enumerate(optimizer.param_groups):
-        if optimizer._group_kind(g) != optimizer._kind:
+        if optimizer._group_kind(g) != optimizer._kind \
+                and not {optimizer._group_kind(g), optimizer._kind} <= adam:
             raise MemfitValueError(
                 f"to_torch_state_dict: param_groups[{gi}] of {_name(optimizer)} is stepped by "
                 f"{_KIND_MATH[optimizer._group_kind(g)]} (use_muon=False), and one torch "
@@ -155,7 +159,8 @@ def to_torch_state_dict(optimizer) -> dict:
     index, groups, state = {}, [], {}
     for g in optimizer.param_groups:
         tg = {k: v for k, v in g.items() if k != "params" and k not in _MEMFIT_GROUP_KEYS}
-        for k, v in _TORCH_GROUP_DEFAULTS[optimizer._kind].items():
+        # per group: LAMB's adam_w_mode=False groups are Adam's (decoupled_weight_decay=False)
+        for k, v in _TORCH_GROUP_DEFAULTS[optimizer._group_kind(g)].items():
             tg.setdefault(k, v)
         ids = []
         for p in g["params"]:
