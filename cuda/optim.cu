@@ -680,7 +680,7 @@ __device__ __forceinline__ uint32_t quantize_state(const uint32_t *slice, const 
 }
 
 template <int BITS, int KIND, int PM>
-__global__ void __launch_bounds__(kThreads)
+__global__ void __launch_bounds__(kThreads, 2)
     optim_warp_kernel(LaunchList L, mf_optim_hparams h, const float *__restrict__ code1,
                       const float *__restrict__ code2, const float *grad_scale,
                       const float *found_inf, int use_slice) {
