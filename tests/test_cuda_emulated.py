@@ -4,7 +4,7 @@ The kernels of cuda/*.cu, unchanged, run on mfemu (cuda/emulate: one fiber per C
 thread, seeded schedules, warp-scoped shuffles, poisoned shared memory); the cases are
 in emulated_cases.py, the build in emulated_util.py. Which kernels each test executes:
 
-* quant: quantize_blockwise_kernel, dequantize_blockwise_kernel (quant.cu)
+* quant: quantize_kernel<BS> for every block size, dequantize_kernel (quant.cu)
 * optim: optim_quant_kernel<BS, 8/4> for every block size, optim_warp_kernel (8-bit
   blocks of 256, 4-bit of 128, with and without its code slices), optim_fp32_kernel,
   optim_count_kernel (optim.cu)
@@ -60,12 +60,13 @@ def test_kernels_match_under_random_schedules(emulated, seed):
     assert run.returncode == 0 and " 0 mismatches" in run.stdout, f"MFEMU_SEED={seed}\n" + eu.explain(run)
 
 
-def test_warp_kernel_with_code_slices(emulated):
+def test_kernels_with_code_slices(emulated):
     """optim_warp_kernel (8-bit blocks of 256, 4-bit of 128; AdamW, Adam, Lion, SGD, Muon)
-    with its code slices (cuda/code_slice.cuh) built in every launch: by default only
-    launches of MEMFIT_CUDA_SLICE_MIN = 2^24 elements and more build them, larger than
-    any case here, so the other tests run its binary-search form."""
-    run = eu.run_cases(emulated, "optim", env={"MEMFIT_CUDA_SLICE_MIN": "0"})
+    and quantize_kernel with their code slices (cuda/code_slice.cuh) built in every launch:
+    by default only launches of MEMFIT_CUDA_SLICE_MIN = 2^24 elements and more build them,
+    larger than any case here, so the other tests run the binary-search form. Under a
+    random schedule (seed 3), as the slices are built by all threads before a barrier."""
+    run = eu.run_cases(emulated, "quant", "optim", seed=3, env={"MEMFIT_CUDA_SLICE_MIN": "0"})
     assert run.returncode == 0 and " 0 mismatches" in run.stdout, eu.explain(run)
 
 
