@@ -36,7 +36,9 @@
 #include "memfit/numeric.h"
 #include "memfit/optim.h"
 
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 800
+#if defined(MF_CODE_SLICE_BINADES) /* tests/emulate/code_slice_check.cpp checks both forms */
+constexpr int kSliceBinades = MF_CODE_SLICE_BINADES;
+#elif defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 800
 constexpr int kSliceBinades = 12;
 #else
 constexpr int kSliceBinades = 25;

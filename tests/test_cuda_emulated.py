@@ -74,7 +74,8 @@ def test_code_slice_is_the_binary_search(tmp_path):
     """The slice's lookup gives mf_optim_quantize's index for memfit's four codes, nearest
     and keep_positive: every position of every bucket where the index steps, both ends
     and inner points of every other bucket, +-0, tiny, huge and non-finite values, and
-    random floats (tests/emulate/code_slice_check.cpp)."""
+    random floats (tests/emulate/code_slice_check.cpp); for the 25-binade slice and the
+    T4's 12-binade one."""
     cxx = shutil.which("g++")
     if cxx is None:
         pytest.skip("needs g++")
@@ -86,14 +87,16 @@ def test_code_slice_is_the_binary_search(tmp_path):
             f = tmp_path / f"code{bits}{'s' if signed else 'u'}.bin"
             f.write_bytes(_core.code_table(bits, signed).astype("<f4").tobytes())
             files.append(str(f))
-    exe = tmp_path / "code_slice_check"
-    build = subprocess.run([cxx, "-std=c++17", "-O2", "-ffp-contract=off", f"-I{eu.ROOT / 'cuda' / 'emulate'}",
-                            f"-I{eu.ROOT / 'cuda'}", f"-I{eu.ROOT / 'csrc' / 'include'}",
-                            str(eu.ROOT / "tests" / "emulate" / "code_slice_check.cpp"), "-o", str(exe)],
-                           capture_output=True, text=True)
-    assert build.returncode == 0, build.stderr
-    run = subprocess.run([str(exe), *files], capture_output=True, text=True, timeout=600)
-    assert run.returncode == 0 and "code slice ok" in run.stdout, run.stdout + run.stderr
+    for binades in (25, 12):  # the form of sm_80 and later, and the T4's
+        exe = tmp_path / f"code_slice_check{binades}"
+        build = subprocess.run([cxx, "-std=c++17", "-O2", "-ffp-contract=off", f"-DMF_CODE_SLICE_BINADES={binades}",
+                                f"-I{eu.ROOT / 'cuda' / 'emulate'}", f"-I{eu.ROOT / 'cuda'}",
+                                f"-I{eu.ROOT / 'csrc' / 'include'}",
+                                str(eu.ROOT / "tests" / "emulate" / "code_slice_check.cpp"), "-o", str(exe)],
+                               capture_output=True, text=True)
+        assert build.returncode == 0, build.stderr
+        run = subprocess.run([str(exe), *files], capture_output=True, text=True, timeout=600)
+        assert run.returncode == 0 and "code slice ok" in run.stdout, f"{binades} binades\n" + run.stdout + run.stderr
 
 
 def _query(emulated, code, **env):
