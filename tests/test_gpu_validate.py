@@ -51,6 +51,7 @@ def test_stops_after_a_build_that_cannot_run(tmp_path):
     assert not (tmp_path / "tests.log").exists(), "tests must not run on a failed build"
 
 
+@pytest.mark.slow
 def test_perf_stage_dry_run(tmp_path):
     """The perf stage (issue 39) end to end on the CPU: gpu_perf.py --dry-run checks every
     memfit kernel it times bit for bit (CPU against CPU here), times the rows, prints the
