@@ -22,6 +22,10 @@
  * neighbouring lanes and are packed with one shuffle. S3: the third state (AdEMAMix,
  * mf_optim_update_one3; signed, code1); the instantiations without it are the two-state
  * kernel as it was.
+ * optim_warp_kernel<BITS, KIND, PM>: the same step for the common cases (8-bit blocks of
+ *   256, 4-bit of 128; AdamW, Adam, Lion, SGD, Muon; float32 or bfloat16 parameters),
+ *   shaped for memory bandwidth: a warp per quantization block, a resident grid, the code
+ *   search through a shared-memory slice (below, "the warp kernel"; warp_form() picks it).
  * optim_fp32_kernel: float32 states, element-wise.
  * Both read and write parameters through mf_optim_load_param/mf_optim_store_param
  * (optim.h): the Kahan compensation buffer and stochastic rounding live there.
@@ -891,7 +895,9 @@ template <int BITS, int KIND, int PM>
 mf_status launch_warp(const LaunchList &L, const WarpLaunch &a) {
   const int64_t items = L.start[L.n];
   if (L.n == 0 || items == 0) return MF_OK;
-  /* a resident grid: as many blocks as fit the SMs at once, each walking its items */
+  /* a resident grid: as many blocks as fit the SMs at once, each walking its items (the
+   * blocks per SM are asked once per instantiation: a process with GPUs of two
+   * architectures gets the first one's count, which only sizes the grid) */
   static const int per_sm = [] {
     int b = 0;
     if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&b, optim_warp_kernel<BITS, KIND, PM>, kThreads, 0) !=
