@@ -9,6 +9,7 @@
 #   bash benchmarks/gpu_validate.sh build bench demo  # bench_optim, bench_gemm, bench_quant, bench_amp_path, demo
 #   bash benchmarks/gpu_validate.sh build offload     # the offloading optimizer on a 1B GPT
 #   bash benchmarks/gpu_validate.sh build muon        # Muon on the GPU
+#   MEMFIT_WHEEL=... bash benchmarks/gpu_validate.sh build perf   # issue 39: one call, < 8 min
 #
 # build: installs MEMFIT_WHEEL when set (a wheel built elsewhere for the device's Python
 #        and architecture: pip wheel -C cmake.define.MEMFIT_CUDA=ON
@@ -31,6 +32,18 @@
 # muon:  memfit.optim.Muon against torch.optim.Muon on CUDA (3 steps, bit for bit: the
 #        momentum pass's fmaf against torch's lerp on the GPU), then bench_muon on the
 #        GPU (Muon8bit, Muon, torch.optim.Muon; CUDA events; a 4096-wide block's matrices).
+# perf:  benchmarks/gpu_perf.py (issue 39): bitwise checks at 1B parameters on fresh random
+#        data, then CUDA-event medians of 15 interleaved repetitions of copy, a 16 B/param
+#        floor kernel, memfit's 8-bit/4-bit steps, the model layout, torch fused AdamW,
+#        bitsandbytes/torchao where importable, quantize/dequantize; one table last and
+#        $OUT/gpu_perf.json; then, with the time left (ncu on PATH), one ncu profile of the
+#        AdamW8bit step (gpu_perf_ncu.log). Sized for one call of at most 8 minutes with a
+#        carried wheel (the build stage then only installs it). GPU_PERF_ARGS adds arguments
+#        (--numel, --reps); GPU_PERF_DRY_RUN=1 runs the same stage on the CPU (--dry-run:
+#        tiny, the path and the JSON, not the numbers; no ncu).
+#
+# Each stage is a function stage_NAME and one name in STAGES: a new stage (offload's own,
+# say) is a function and a word there.
 #
 # Peers the device machine lacks travel as wheels (the device README: download them
 # here into .whl/, carry .whl, and start the command with its pip install line); this
@@ -138,6 +151,31 @@ assert d == 0.0, d
     cp benchmarks/out/bench_muon.json "$OUT/"
 }
 
+stage_perf() {
+  local dry=()
+  [ "${GPU_PERF_DRY_RUN:-0}" = 1 ] && dry=(--dry-run)
+  # shellcheck disable=SC2086  # GPU_PERF_ARGS: words on purpose
+  step "gpu_perf ${dry[*]}" perf.log $PY benchmarks/gpu_perf.py "${dry[@]}" --out "$OUT/gpu_perf.json" \
+    ${GPU_PERF_ARGS:-} || return 1
+  if [ ${#dry[@]} -eq 0 ] && command -v ncu >/dev/null; then
+    # one AdamW8bit step at 256M parameters, the kernel's counters (clocks left alone)
+    step "ncu: the 8-bit step" perf.log timeout 150 ncu --clock-control none --kernel-name regex:optim_warp_kernel \
+      --launch-skip 2 --launch-count 1 --section SpeedOfLight --section MemoryWorkloadAnalysis \
+      --section Occupancy --section LaunchStats -o "$OUT/gpu_perf_ncu" -f $PY -c '
+import torch
+from memfit.optim import _core
+n = 1 << 28
+p, g = torch.randn(n, device="cuda") * 0.1, torch.randn(n, device="cuda") * 0.01
+s1, s2 = (torch.randint(0, 256, (n,), dtype=torch.uint8, device="cuda") for _ in range(2))
+a1, a2 = (torch.rand(n // 256, device="cuda") + 0.01 for _ in range(2))
+st = torch.full((1,), 3.0, device="cuda")
+hp = _core.hparams(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01)
+for _ in range(4):
+    _core.step(_core.ADAMW, 8, 256, hp, [p], [g], [s1], [a1], [s2], [a2], [st])
+torch.cuda.synchronize()'
+  fi
+}
+
 stage_demo() {
   step "memfit demo --device cuda" demo.log $PY -m memfit demo --device cuda --out "$OUT/demo"
 }
@@ -146,10 +184,11 @@ if [ $# -eq 0 ]; then
   awk 'NR > 1 && /^#/ { print; next } NR > 1 { exit }' "$0"  # the header above
   exit 2
 fi
+STAGES="build tests sanitize bench demo offload muon perf"
 for stage in "$@"; do
-  case $stage in
-    build | tests | sanitize | bench | demo | offload | muon) ;;
-    *) echo "unknown stage: $stage (build, tests, sanitize, bench, demo, offload, muon)" >&2; exit 2 ;;
+  case " $STAGES " in
+    *" $stage "*) ;;
+    *) echo "unknown stage: $stage (${STAGES// /, })" >&2; exit 2 ;;
   esac
 done
 for stage in "$@"; do

@@ -22,6 +22,10 @@
  * neighbouring lanes and are packed with one shuffle. S3: the third state (AdEMAMix,
  * mf_optim_update_one3; signed, code1); the instantiations without it are the two-state
  * kernel as it was.
+ * optim_warp_kernel<BITS, KIND, PM>: the same step for the common cases (8-bit blocks of
+ *   256, 4-bit of 128; AdamW, Adam, Lion, SGD, Muon; float32 or bfloat16 parameters),
+ *   shaped for memory bandwidth: a warp per quantization block, a resident grid, the code
+ *   search through a shared-memory slice (below, "the warp kernel"; warp_form() picks it).
  * optim_fp32_kernel: float32 states, element-wise.
  * Both read and write parameters through mf_optim_load_param/mf_optim_store_param
  * (optim.h): the Kahan compensation buffer and stochastic rounding live there.
@@ -47,6 +51,7 @@
  * This file is compiled with --fmad=false (CMakeLists.txt): the CPU build uses
  * -ffp-contract=off, and both sides then round every operation the same way.
  */
+#include "code_slice.cuh"
 #include "cuda_util.cuh"
 #include "memfit/cuda_launch.h"
 #include "memfit/multi_tensor.h"
@@ -96,11 +101,11 @@ struct LaunchList {
 static_assert(sizeof(LaunchList) + sizeof(mf_optim_hparams) + 64 <= 4096,
               "kernel arguments must stay below 4 KB");
 
-/* The tensor of this thread block and the first element of its item. A tensor stepped
- * row by row (rows > 1) comes back as the row of the item (mf_optim_row), so the
- * kernels see one whole tensor whose blocks start at its element 0. */
-__device__ __forceinline__ TensorSlot locate(const LaunchList &L, int64_t *start) {
-  const int64_t b = blockIdx.x;
+/* The tensor of item b (a thread block's item, or a warp's in optim_warp_kernel) and
+ * the first element of the item. A tensor stepped row by row (rows > 1) comes back as
+ * the row of the item (mf_optim_row), so the kernels see one whole tensor whose blocks
+ * start at its element 0. */
+__device__ __forceinline__ TensorSlot locate(const LaunchList &L, int64_t b, int64_t *start) {
   const int64_t i = mf_mt_tensor_of(L.start, L.n, b);
   TensorSlot t = L.t[i];
   int64_t k = b - L.start[i];
@@ -140,16 +145,21 @@ __device__ __forceinline__ bool skipped(const float *found_inf) {
   return found_inf && *found_inf != 0.0f;
 }
 
-/* mf_optim_prepare() for tensor t by thread 0 into `out`; the caller's next
- * __syncthreads() publishes it. */
+/* mf_optim_prepare() for tensor t, its trust ratio applied. */
+__device__ __forceinline__ mf_optim_consts consts_of(const mf_optim_hparams &h, const TensorSlot &t,
+                                                     const float *grad_scale) {
+  const float step = *t.step + 1.0f;
+  mf_optim_consts c = mf_optim_prepare(&h, step, inverse_scale(grad_scale));
+  if (h.max_unorm > 0.0 && t.trust)
+    mf_optim_trust_apply(&h, &c, mf_optim_trust_scale(&h, step, t.trust[0], t.trust[1]));
+  return c;
+}
+
+/* consts_of() for tensor t by thread 0 into `out`; the caller's next __syncthreads()
+ * publishes it. */
 __device__ __forceinline__ void prepare_once(mf_optim_consts *out, const mf_optim_hparams &h,
                                              const TensorSlot &t, const float *grad_scale) {
-  if (threadIdx.x == 0) {
-    const float step = *t.step + 1.0f;
-    *out = mf_optim_prepare(&h, step, inverse_scale(grad_scale));
-    if (h.max_unorm > 0.0 && t.trust)
-      mf_optim_trust_apply(&h, out, mf_optim_trust_scale(&h, step, t.trust[0], t.trust[1]));
-  }
+  if (threadIdx.x == 0) *out = consts_of(h, t, grad_scale);
 }
 
 /* The fields a step slot (TensorSlot) and a norm-pass slot (NormSlot) take alike. */
@@ -343,7 +353,7 @@ __global__ void __launch_bounds__(kThreads)
     if (ns >= 2) c2s[i] = code2[i];
   }
   int64_t cstart;
-  const TensorSlot t = locate(L, &cstart);
+  const TensorSlot t = locate(L, blockIdx.x, &cstart);
   const int64_t cend = cstart + kItem < t.numel ? cstart + kItem : t.numel;
   prepare_once(&cs, h, t, grad_scale);
   const mf_dtype dt = (mf_dtype)t.dtype;
@@ -459,7 +469,7 @@ __global__ void __launch_bounds__(kThreads)
   if (skipped(found_inf)) return;
   const int ns = mf_optim_num_states(&h);
   int64_t cstart;
-  const TensorSlot t = locate(L, &cstart);
+  const TensorSlot t = locate(L, blockIdx.x, &cstart);
   const int64_t cend = cstart + kItem < t.numel ? cstart + kItem : t.numel;
   prepare_once(&cs, h, t, grad_scale);
   __syncthreads();
@@ -475,6 +485,316 @@ __global__ void __launch_bounds__(kThreads)
     if (ns >= 1) s1p[i] = s1;
     if (ns >= 2) s2p[i] = s2;
     if (ns >= 3) s3p[i] = s3;
+  }
+}
+
+/* ---- the warp kernel: 8-bit states in blocks of 256, 4-bit in blocks of 128 ---------- *
+ *
+ * optim_warp_kernel<BITS, KIND, PM> is optim_quant_kernel<256, 8, false> (BITS 8) and
+ * optim_quant_kernel<128, 4, false> (BITS 4) for the optimizers and parameter forms
+ * people run (warp_form() picks it; anything else takes the general kernel), shaped for
+ * memory bandwidth, with the same bits:
+ * - a warp owns whole quantization blocks: a tile of 256 elements is 8 consecutive
+ *   elements per lane, one block of 256 (8-bit) or two of 128 (4-bit, a half-warp
+ *   each), so the new absmax is 5 (4) shuffles and no barrier;
+ * - every load of a tile (both absmax, the codes as one 8-byte (4-byte) load per lane,
+ *   parameters and gradients as 16-byte loads) is issued before the first use; a lane
+ *   whose 8 elements are not all there or not aligned takes scalar loads and stores;
+ * - the optimizer kind, the number of states and the parameter form are template
+ *   parameters: the element math (mf_optim_update_one, the same function as everywhere)
+ *   folds to one optimizer's arithmetic;
+ * - the grid stays resident (a few blocks per SM) and each warp walks items of kItem
+ *   elements (the packer's items, LaunchList): the codes are loaded and the search
+ *   slices built once per block, the per-tensor constants computed once per tensor a
+ *   warp meets (every lane computes them: no barrier);
+ * - the code search is one shared-memory load (code_slice.cuh) in launches large enough
+ *   to pay for building the slice (slice_min_elements()), the binary search otherwise
+ *   and for what the slice does not cover. */
+enum ParamMode { kParamF32 = 0, kParamBF16 = 1, kParamBF16SR = 2 };
+constexpr int kPerLane = 8;           /* elements per lane per tile */
+constexpr int kTile = 32 * kPerLane;  /* a warp's tile */
+constexpr int kWarps = kThreads / 32;
+static_assert(kItem % kTile == 0, "items are whole tiles");
+
+struct alignas(16) Vec16 {
+  uint32_t w[4];
+};
+struct alignas(8) Vec8 {
+  uint32_t w[2];
+};
+
+__device__ __forceinline__ bool aligned_to(const void *p, uintptr_t a) {
+  return ((uintptr_t)p & (a - 1)) == 0;
+}
+
+/* Elements i .. i + 7 of a float32 (PM kParamF32) or bfloat16 array as floats: one or
+ * two 16-byte loads (vec), else the first `valid` of them one by one (the rest 0). */
+template <int PM>
+__device__ __forceinline__ void load8(const void *base, int64_t i, bool vec, int valid,
+                                      float v[kPerLane]) {
+  if (PM == kParamF32) {
+    const float *f = (const float *)base + i;
+    if (vec) {
+      const Vec16 a = ((const Vec16 *)f)[0], b = ((const Vec16 *)f)[1];
+#pragma unroll
+      for (int k = 0; k < 4; k++) {
+        v[k] = mf_f32_from_bits(a.w[k]);
+        v[k + 4] = mf_f32_from_bits(b.w[k]);
+      }
+    } else {
+#pragma unroll
+      for (int k = 0; k < kPerLane; k++) v[k] = k < valid ? f[k] : 0.0f;
+    }
+  } else {
+    const uint16_t *h = (const uint16_t *)base + i;
+    if (vec) {
+      const Vec16 a = *(const Vec16 *)h;
+#pragma unroll
+      for (int k = 0; k < 4; k++) {
+        v[2 * k] = mf_bf16_to_f32((uint16_t)a.w[k]);
+        v[2 * k + 1] = mf_bf16_to_f32((uint16_t)(a.w[k] >> 16));
+      }
+    } else {
+#pragma unroll
+      for (int k = 0; k < kPerLane; k++) v[k] = k < valid ? mf_bf16_to_f32(h[k]) : 0.0f;
+    }
+  }
+}
+
+/* Stores the updated parameters as mf_optim_store_param does for this form (no Kahan
+ * buffer here): float32, or bfloat16 rounded to nearest-even or stochastically with the
+ * bits mf_hash64(seed, index + k) of element number index + k. */
+template <int PM>
+__device__ __forceinline__ void store8(void *base, int64_t i, bool vec, int valid,
+                                       const float v[kPerLane], uint64_t seed, int64_t index) {
+  if (PM == kParamF32) {
+    float *f = (float *)base + i;
+    if (vec) {
+      Vec16 a, b;
+#pragma unroll
+      for (int k = 0; k < 4; k++) {
+        a.w[k] = mf_f32_bits(v[k]);
+        b.w[k] = mf_f32_bits(v[k + 4]);
+      }
+      ((Vec16 *)f)[0] = a;
+      ((Vec16 *)f)[1] = b;
+    } else {
+#pragma unroll
+      for (int k = 0; k < kPerLane; k++)
+        if (k < valid) f[k] = v[k];
+    }
+  } else {
+    uint16_t *h = (uint16_t *)base + i;
+    uint32_t r[kPerLane];
+#pragma unroll
+    for (int k = 0; k < kPerLane; k++)
+      r[k] = PM == kParamBF16SR
+                 ? mf_f32_to_bf16_sr(v[k], (uint32_t)mf_hash64(seed, (uint64_t)(index + k)))
+                 : mf_f32_to_bf16(v[k]);
+    if (vec) {
+      Vec16 a;
+#pragma unroll
+      for (int k = 0; k < 4; k++) a.w[k] = r[2 * k] | (r[2 * k + 1] << 16);
+      *(Vec16 *)h = a;
+    } else {
+#pragma unroll
+      for (int k = 0; k < kPerLane; k++)
+        if (k < valid) h[k] = (uint16_t)r[k];
+    }
+  }
+}
+
+/* Code indices of elements i .. i + 7 (i a multiple of 8): 8 bytes (8-bit) or 4 bytes
+ * (4-bit) in one load (vec), else the first `valid` one by one (the rest 0). */
+template <int BITS>
+__device__ __forceinline__ void load_codes(const void *s, int64_t i, bool vec, int valid,
+                                           uint32_t q[kPerLane]) {
+  if (BITS == 8) {
+    const uint8_t *b = (const uint8_t *)s + i;
+    if (vec) {
+      const Vec8 a = *(const Vec8 *)b;
+#pragma unroll
+      for (int k = 0; k < kPerLane; k++) q[k] = (a.w[k / 4] >> (8 * (k % 4))) & 255u;
+    } else {
+#pragma unroll
+      for (int k = 0; k < kPerLane; k++) q[k] = k < valid ? b[k] : 0u;
+    }
+  } else {
+    const uint8_t *b = (const uint8_t *)s + (i >> 1);
+    if (vec) {
+      const uint32_t a = *(const uint32_t *)b;
+#pragma unroll
+      for (int k = 0; k < kPerLane; k++) q[k] = (a >> (4 * k)) & 15u;
+    } else {
+#pragma unroll
+      for (int k = 0; k < kPerLane; k++) q[k] = k < valid ? (b[k >> 1] >> ((k & 1) * 4)) & 15u : 0u;
+    }
+  }
+}
+
+/* Writes the code indices of elements i .. i + 7 (those past `valid` are 0, so the high
+ * nibble of a 4-bit row's last byte is 0, as optim_quant_kernel writes it). */
+template <int BITS>
+__device__ __forceinline__ void store_codes(void *s, int64_t i, bool vec, int valid,
+                                            const uint32_t q[kPerLane]) {
+  if (BITS == 8) {
+    uint8_t *b = (uint8_t *)s + i;
+    if (vec) {
+      Vec8 a;
+#pragma unroll
+      for (int j = 0; j < 2; j++)
+        a.w[j] = q[4 * j] | (q[4 * j + 1] << 8) | (q[4 * j + 2] << 16) | (q[4 * j + 3] << 24);
+      *(Vec8 *)b = a;
+    } else {
+#pragma unroll
+      for (int k = 0; k < kPerLane; k++)
+        if (k < valid) b[k] = (uint8_t)q[k];
+    }
+  } else {
+    uint8_t *b = (uint8_t *)s + (i >> 1);
+    uint32_t w = 0;
+#pragma unroll
+    for (int k = 0; k < kPerLane; k++) w |= q[k] << (4 * k);
+    if (vec) {
+      *(uint32_t *)b = w;
+    } else {
+#pragma unroll
+      for (int j = 0; j < kPerLane / 2; j++)
+        if (2 * j < valid) b[j] = (uint8_t)(w >> (8 * j));
+    }
+  }
+}
+
+/* Max of v over the lanes of one quantization block (groups of `lanes` lanes). */
+template <int LANES>
+__device__ __forceinline__ uint32_t group_max_u32(uint32_t v) {
+#pragma unroll
+  for (int off = LANES / 2; off > 0; off >>= 1) {
+    const uint32_t o = __shfl_xor_sync(0xffffffffu, v, off);
+    v = o > v ? o : v;
+  }
+  return v;
+}
+
+/* State k's code index of x (normalised), through the slice or the binary search. */
+template <int CS>
+__device__ __forceinline__ uint32_t quantize_state(const uint32_t *slice, const float *code, bool keep,
+                                                   bool use_slice, float x) {
+  return use_slice ? slice_quantize<CS>(slice, code, keep, x) : mf_optim_quantize(code, CS, x, keep);
+}
+
+template <int BITS, int KIND, int PM>
+__global__ void __launch_bounds__(kThreads, 2)
+    optim_warp_kernel(LaunchList L, mf_optim_hparams h, const float *__restrict__ code1,
+                      const float *__restrict__ code2, const float *grad_scale,
+                      const float *found_inf, int use_slice) {
+  constexpr int CS = BITS == 8 ? MF_CODE_SIZE : MF_CODE4_SIZE;
+  constexpr int BS = BITS == 8 ? MF_OPTIM_BLOCK_8BIT : MF_OPTIM_BLOCK_4BIT;
+  constexpr int LANES = BS / kPerLane; /* lanes of one quantization block */
+  static_assert(LANES == 32 || LANES == 16, "a block is a warp or half a warp");
+  constexpr mf_optim_kind kind = (mf_optim_kind)KIND;
+  /* the kinds warp_form() admits: state1 signed, state2 (Adam's) non-negative */
+  constexpr int NS = KIND == MF_OPT_ADAMW || KIND == MF_OPT_ADAM ? 2 : 1;
+  __shared__ float c1s[CS], c2s[NS >= 2 ? CS : 1];
+  __shared__ uint32_t sl1[kSliceSigned], sl2[NS >= 2 ? kSlicePositive : 1];
+
+  if (skipped(found_inf)) return;
+  for (int i = threadIdx.x; i < CS; i += blockDim.x) {
+    c1s[i] = code1[i];
+    if (NS >= 2) c2s[i] = code2[i];
+  }
+  __syncthreads(); /* the codes */
+  if (use_slice) {
+    slice_build<CS>(sl1, c1s, false);
+    if (NS >= 2) slice_build<CS>(sl2, c2s, true);
+    __syncthreads(); /* the slices */
+  }
+  const bool slice = use_slice != 0;
+  const int lane = threadIdx.x % 32;
+  const int64_t items = L.start[L.n];
+  int64_t cur = -1;
+  mf_optim_consts c;
+  uint64_t seed = 0;
+  for (int64_t w = (int64_t)blockIdx.x * kWarps + threadIdx.x / 32; w < items;
+       w += (int64_t)gridDim.x * kWarps) {
+    int64_t first;
+    const TensorSlot t = locate(L, w, &first);
+    const int64_t ti = mf_mt_tensor_of(L.start, L.n, w);
+    if (ti != cur) { /* the same for every lane of the warp */
+      cur = ti;
+      c = consts_of(h, t, grad_scale);
+      seed = mf_optim_sr_seed(&h, t.sr_stream);
+    }
+    const int64_t end = first + kItem < t.numel ? first + kItem : t.numel;
+    for (int64_t base = first; base < end; base += kTile) {
+      const int64_t i = base + lane * kPerLane;
+      const int valid = i >= end ? 0 : (end - i >= kPerLane ? kPerLane : (int)(end - i));
+      const int64_t blk = (int64_t)((uint64_t)i / BS);
+      const int esize = PM == kParamF32 ? 4 : 2;
+      const bool vec = valid == kPerLane && aligned_to((const char *)t.p + i * esize, 16) &&
+                       aligned_to((const char *)t.g + i * esize, 16);
+      const uintptr_t cbytes = BITS == 8 ? 8 : 4;
+      const int64_t cat = BITS == 8 ? i : i / 2;
+      const bool cvec = valid == kPerLane && aligned_to((const uint8_t *)t.s1 + cat, cbytes) &&
+                        (NS < 2 || aligned_to((const uint8_t *)t.s2 + cat, cbytes));
+      /* every load of the tile first */
+      float am1 = 0.0f, am2 = 0.0f;
+      if (valid > 0) {
+        am1 = t.a1[blk];
+        if (NS >= 2) am2 = t.a2[blk];
+      }
+      uint32_t q1[kPerLane], q2[kPerLane];
+      load_codes<BITS>(t.s1, i, cvec, valid, q1);
+      if (NS >= 2) load_codes<BITS>(t.s2, i, cvec, valid, q2);
+      float p[kPerLane], g[kPerLane];
+      if (KIND != MF_OPT_MUON) { /* Muon's `param` is its output, never read */
+        load8<PM>(t.p, i, vec, valid, p);
+      } else {
+#pragma unroll
+        for (int k = 0; k < kPerLane; k++) p[k] = 0.0f;
+      }
+      load8<PM>(t.g, i, vec, valid, g);
+
+      float s1[kPerLane], s2[kPerLane];
+      uint32_t m1 = 0, m2 = 0;
+#pragma unroll
+      for (int k = 0; k < kPerLane; k++) {
+        float a = mf_dequantize_one(c1s, (uint8_t)q1[k], am1);
+        float b = NS >= 2 ? mf_dequantize_one(c2s, (uint8_t)q2[k], am2) : 0.0f;
+        if (k < valid) {
+          mf_optim_update_one(kind, &c, NS, &p[k], g[k], &a, &b);
+        } else {
+          a = 0.0f;
+          b = 0.0f;
+        }
+        s1[k] = a;
+        s2[k] = b;
+        const uint32_t b1 = mf_f32_bits(a) & 0x7fffffffu, b2 = mf_f32_bits(b) & 0x7fffffffu;
+        m1 = b1 > m1 ? b1 : m1;
+        m2 = b2 > m2 ? b2 : m2;
+      }
+      if (valid > 0) store8<PM>(t.p, i, vec, valid, p, seed, t.index_base + i);
+
+      /* the new absmax of each block, as optim_quant_kernel reduces it */
+      m1 = group_max_u32<LANES>(m1);
+      if (NS >= 2) m2 = group_max_u32<LANES>(m2);
+      if (lane % LANES == 0 && valid > 0) {
+        t.a1[blk] = mf_f32_from_bits(m1);
+        if (NS >= 2) t.a2[blk] = mf_f32_from_bits(m2);
+      }
+      if (valid == 0) continue;
+      const mf_block_scale sc1 = mf_absmax_scale(mf_f32_from_bits(m1));
+      const mf_block_scale sc2 = mf_absmax_scale(mf_f32_from_bits(m2));
+#pragma unroll
+      for (int k = 0; k < kPerLane; k++) {
+        const bool in = k < valid;
+        q1[k] = in ? quantize_state<CS>(sl1, c1s, false, slice, mf_block_normalize(s1[k], sc1)) : 0u;
+        if (NS >= 2)
+          q2[k] = in ? quantize_state<CS>(sl2, c2s, true, slice, mf_block_normalize(s2[k], sc2)) : 0u;
+      }
+      store_codes<BITS>(t.s1, i, cvec, valid, q1);
+      if (NS >= 2) store_codes<BITS>(t.s2, i, cvec, valid, q2);
+    }
   }
 }
 
@@ -524,6 +844,103 @@ mf_status launch(const LaunchList &L, const mf_optim_hparams *h, mf_state_format
   return mf_cuda_status(cudaGetLastError(), "optimizer step");
 }
 
+/* The parameter form (ParamMode) optim_warp_kernel takes for this call, or -1 where
+ * the general kernel must: 8-bit states in blocks of 256 or 4-bit ones in blocks of
+ * 128; AdamW, Adam, Lion, SGD with momentum or Muon (state1 signed, Adam's state2
+ * non-negative: the kernel's slices); every parameter float32, or every one bfloat16
+ * without a Kahan buffer. */
+int warp_form(const mf_optim_hparams *h, mf_state_format fmt, int64_t bs, const mf_optim_tensor *ts,
+              int64_t n) {
+  if (!((fmt == MF_STATE_8BIT && bs == MF_OPTIM_BLOCK_8BIT) ||
+        (fmt == MF_STATE_4BIT && bs == MF_OPTIM_BLOCK_4BIT)) || n == 0)
+    return -1;
+  switch (h->kind) {
+    case MF_OPT_ADAMW:
+    case MF_OPT_ADAM:
+    case MF_OPT_LION:
+    case MF_OPT_MUON: break;
+    case MF_OPT_SGD:
+      if (h->momentum != 0.0) break;
+      return -1;
+    default: return -1;
+  }
+  if (!mf_optim_state_signed(h->kind, 1) ||
+      (mf_optim_num_states(h) >= 2 && mf_optim_state_signed(h->kind, 2)))
+    return -1;
+  const mf_dtype dt = ts[0].param.dtype;
+  if (dt != MF_FLOAT32 && dt != MF_BFLOAT16) return -1;
+  for (int64_t i = 0; i < n; i++)
+    if (ts[i].param.dtype != dt || ts[i].comp.data) return -1;
+  return dt == MF_FLOAT32 ? kParamF32 : h->stochastic_round ? kParamBF16SR : kParamBF16;
+}
+
+/* Launches of at least this many elements build the code slices (code_slice.cuh):
+ * MEMFIT_CUDA_SLICE_MIN, default 2^24. Below it the build (about two binary searches
+ * per entry, once per resident block) would cost more than it saves. */
+int64_t slice_min_elements() {
+  static const int64_t v = [] {
+    const char *e = getenv("MEMFIT_CUDA_SLICE_MIN");
+    return e && *e ? (int64_t)atoll(e) : ((int64_t)1 << 24);
+  }();
+  return v;
+}
+
+struct WarpLaunch {
+  const mf_optim_hparams *h;
+  const float *code1, *code2, *scale, *inf;
+  cudaStream_t stream;
+};
+
+template <int BITS, int KIND, int PM>
+mf_status launch_warp(const LaunchList &L, const WarpLaunch &a) {
+  const int64_t items = L.start[L.n];
+  if (L.n == 0 || items == 0) return MF_OK;
+  /* a resident grid: as many blocks as fit the SMs at once, each walking its items (the
+   * blocks per SM are asked once per instantiation: a process with GPUs of two
+   * architectures gets the first one's count, which only sizes the grid) */
+  static const int per_sm = [] {
+    int b = 0;
+    if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&b, optim_warp_kernel<BITS, KIND, PM>, kThreads, 0) !=
+            cudaSuccess ||
+        b < 1) {
+      cudaGetLastError();
+      b = 2;
+    }
+    return b;
+  }();
+  int dev = 0, sms = 0;
+  cudaError_t err = cudaGetDevice(&dev);
+  if (err == cudaSuccess) err = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev);
+  if (err != cudaSuccess) return mf_cuda_status(err, "optimizer step");
+  const int64_t want = (items + kWarps - 1) / kWarps, resident = (int64_t)(sms > 0 ? sms : 1) * per_sm;
+  const unsigned blocks = (unsigned)(want < resident ? want : resident);
+  const int use_slice = items * kItem >= slice_min_elements();
+  optim_warp_kernel<BITS, KIND, PM><<<blocks, kThreads, 0, a.stream>>>(L, *a.h, a.code1, a.code2, a.scale,
+                                                                       a.inf, use_slice);
+  return mf_cuda_status(cudaGetLastError(), "optimizer step");
+}
+
+template <int BITS, int KIND>
+mf_status launch_warp_form(int form, const LaunchList &L, const WarpLaunch &a) {
+  switch (form) {
+    case kParamF32: return launch_warp<BITS, KIND, kParamF32>(L, a);
+    case kParamBF16: return launch_warp<BITS, KIND, kParamBF16>(L, a);
+    default: return launch_warp<BITS, KIND, kParamBF16SR>(L, a);
+  }
+}
+
+template <int BITS>
+mf_status launch_warp_kind(int form, const LaunchList &L, const WarpLaunch &a) {
+  switch (a.h->kind) {
+    case MF_OPT_ADAMW: return launch_warp_form<BITS, MF_OPT_ADAMW>(form, L, a);
+    case MF_OPT_ADAM: return launch_warp_form<BITS, MF_OPT_ADAM>(form, L, a);
+    case MF_OPT_LION: return launch_warp_form<BITS, MF_OPT_LION>(form, L, a);
+    case MF_OPT_SGD: return launch_warp_form<BITS, MF_OPT_SGD>(form, L, a);
+    case MF_OPT_MUON: return launch_warp_form<BITS, MF_OPT_MUON>(form, L, a);
+    default: return mf_error(MF_ERR_INTERNAL, "optimizer step: no warp kernel for kind %d", (int)a.h->kind);
+  }
+}
+
 }  // namespace
 
 extern "C" mf_status mf_cuda_optim_step(const mf_optim_hparams *h, mf_state_format fmt,
@@ -549,6 +966,7 @@ extern "C" mf_status mf_cuda_optim_step(const mf_optim_hparams *h, mf_state_form
   if (!split) return mf_error(MF_ERR_NOMEM, "optimizer step: out of host memory");
   for (int64_t i = 0; i < n; i++)
     split[i] = mf_optim_split_rows(fmt, block_size, ts[i].param.numel, ts[i].rows ? ts[i].rows : 1);
+  const int form = warp_form(h, fmt, block_size, ts, n);
   st = for_each_launch<LaunchList>(
       ts, n, split, kItem,
       [&](TensorSlot &s, const mf_optim_tensor &x, int64_t i) {
@@ -563,7 +981,11 @@ extern "C" mf_status mf_cuda_optim_step(const mf_optim_hparams *h, mf_state_form
         s.trust = h->max_unorm > 0.0 && x.param.numel > 0
                       ? mf_optim_trust_totals(x.trust.data, x.param.numel) : nullptr;
       },
-      [&](const LaunchList &L) { return launch(L, h, fmt, block_size, c1, c2, scale, inf, stream); });
+      [&](const LaunchList &L) {
+        if (form < 0) return launch(L, h, fmt, block_size, c1, c2, scale, inf, stream);
+        const WarpLaunch a = {h, c1, c2, scale, inf, stream};
+        return fmt == MF_STATE_8BIT ? launch_warp_kind<8>(form, L, a) : launch_warp_kind<4>(form, L, a);
+      });
   free(split);
   if (st) return st;
 

@@ -4,8 +4,9 @@ The kernels of cuda/*.cu, unchanged, run on mfemu (cuda/emulate: one fiber per C
 thread, seeded schedules, warp-scoped shuffles, poisoned shared memory); the cases are
 in emulated_cases.py, the build in emulated_util.py. Which kernels each test executes:
 
-* quant: quantize_blockwise_kernel, dequantize_blockwise_kernel (quant.cu)
-* optim: optim_quant_kernel<BS, 8/4> for every block size, optim_fp32_kernel,
+* quant: quantize_kernel<BS> for every block size, dequantize_kernel (quant.cu)
+* optim: optim_quant_kernel<BS, 8/4> for every block size, optim_warp_kernel (8-bit
+  blocks of 256, 4-bit of 128, with and without its code slices), optim_fp32_kernel,
   optim_count_kernel (optim.cu)
 * unscale: unscale_grads_kernel, grad_norm_partial_kernel, grad_norm_finish_kernel,
   clip_grads_kernel (unscale.cu)
@@ -57,6 +58,45 @@ def test_kernels_match_under_random_schedules(emulated, seed):
     without a barrier shows up as a mismatch (the seed is in the report)."""
     run = eu.run_cases(emulated, "quant", "optim-small", "unscale", "gemm", seed=seed)
     assert run.returncode == 0 and " 0 mismatches" in run.stdout, f"MFEMU_SEED={seed}\n" + eu.explain(run)
+
+
+def test_kernels_with_code_slices(emulated):
+    """optim_warp_kernel (8-bit blocks of 256, 4-bit of 128; AdamW, Adam, Lion, SGD, Muon)
+    and quantize_kernel with their code slices (cuda/code_slice.cuh) built in every launch:
+    by default only launches of MEMFIT_CUDA_SLICE_MIN = 2^24 elements and more build them,
+    larger than any case here, so the other tests run the binary-search form. Under a
+    random schedule (seed 3), as the slices are built by all threads before a barrier."""
+    run = eu.run_cases(emulated, "quant", "optim", seed=3, env={"MEMFIT_CUDA_SLICE_MIN": "0"})
+    assert run.returncode == 0 and " 0 mismatches" in run.stdout, eu.explain(run)
+
+
+def test_code_slice_is_the_binary_search(tmp_path):
+    """The slice's lookup gives mf_optim_quantize's index for memfit's four codes, nearest
+    and keep_positive: every position of every bucket where the index steps, both ends
+    and inner points of every other bucket, +-0, tiny, huge and non-finite values, and
+    random floats (tests/emulate/code_slice_check.cpp); for the 25-binade slice and the
+    T4's 12-binade one."""
+    cxx = shutil.which("g++")
+    if cxx is None:
+        pytest.skip("needs g++")
+    from memfit.optim import _core
+
+    files = []
+    for bits in (8, 4):
+        for signed in (True, False):
+            f = tmp_path / f"code{bits}{'s' if signed else 'u'}.bin"
+            f.write_bytes(_core.code_table(bits, signed).astype("<f4").tobytes())
+            files.append(str(f))
+    for binades in (25, 12):  # the form of sm_80 and later, and the T4's
+        exe = tmp_path / f"code_slice_check{binades}"
+        build = subprocess.run([cxx, "-std=c++17", "-O2", "-ffp-contract=off", f"-DMF_CODE_SLICE_BINADES={binades}",
+                                f"-I{eu.ROOT / 'cuda' / 'emulate'}", f"-I{eu.ROOT / 'cuda'}",
+                                f"-I{eu.ROOT / 'csrc' / 'include'}",
+                                str(eu.ROOT / "tests" / "emulate" / "code_slice_check.cpp"), "-o", str(exe)],
+                               capture_output=True, text=True)
+        assert build.returncode == 0, build.stderr
+        run = subprocess.run([str(exe), *files], capture_output=True, text=True, timeout=600)
+        assert run.returncode == 0 and "code slice ok" in run.stdout, f"{binades} binades\n" + run.stdout + run.stderr
 
 
 def _query(emulated, code, **env):
@@ -143,6 +183,8 @@ MUTANTS = [
     ("quant.cu", "  __syncthreads();\n  const int64_t stride", "  const int64_t stride", "quant"),
     ("optim.cu", "red1[parity]", "red1[0]", "optim-small"),  # no double buffer: a race
     ("optim.cu", "const int lead = warp & ~(WARPS - 1);", "const int lead = warp / WARPS;", "optim-small"),
+    # the warp kernel (8-bit blocks of 256: sgd8, adamw8 bs=256): half a block's absmax
+    ("optim.cu", "m1 = group_max_u32<LANES>(m1);", "m1 = group_max_u32<LANES / 2>(m1);", "optim-small"),
     ("optim.cu", "t.p = (char *)t.p + at.elem * esize;", "t.p = (char *)t.p + (at.elem + 1) * esize;",
      "optim-small"),
     ("unscale.cu", "for (int off = 16; off > 0; off >>= 1) v = max(",

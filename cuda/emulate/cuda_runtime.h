@@ -157,6 +157,18 @@ cudaError_t cudaEventCreate(cudaEvent_t *event);
 cudaError_t cudaEventDestroy(cudaEvent_t event);
 cudaError_t cudaEventRecord(cudaEvent_t event, cudaStream_t stream = nullptr);
 cudaError_t cudaStreamWaitEvent(cudaStream_t stream, cudaEvent_t event, unsigned flags = 0);
+/* Blocks of `kernel` one SM holds at once: mfemu runs blocks one after another and has no
+ * occupancy; it answers 2, so a launcher that sizes a resident grid from this (cuda/optim.cu's
+ * warp kernel) gets blocks that each walk several items, as on a GPU. */
+template <class K>
+cudaError_t cudaOccupancyMaxActiveBlocksPerMultiprocessor(int *blocks, K kernel, int block_size,
+                                                          size_t dynamic_smem) {
+  (void)kernel;
+  (void)dynamic_smem;
+  if (!blocks || block_size < 1) return cudaErrorInvalidValue;
+  *blocks = 2;
+  return cudaSuccess;
+}
 
 /* ---- mfemu's own interface ------------------------------------------------------------ */
 extern "C" {

@@ -86,6 +86,12 @@ static bool failed_with(const char *what) {
 
 int main() {
   int out[64 * 8];
+  /* the occupancy query a resident grid is sized by (cuda/optim.cu, quant.cu) */
+  int per_sm = 0;
+  CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, shuffles, 256, 0) == cudaSuccess && per_sm == 2,
+        "occupancy: %d", per_sm);
+  CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, shuffles, 0, 0) == cudaErrorInvalidValue,
+        "occupancy of 0 threads accepted");
   shuffles<<<1, 64>>>(out);
   CHECK(cudaGetLastError() == cudaSuccess, "shuffles: %s", mfemu_last_failure());
   for (int t = 0; t < 64; t++) {
