@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import statistics
+import sys
 import sysconfig
 from pathlib import Path
 
@@ -29,6 +30,9 @@ SIZES = {  # device -> (GPT config kwargs, batch, seq, default steps)
     "cuda": (dict(n_layer=8, d_model=384, n_head=6), 32, 256, 300),
 }
 
+
+# the files the demo writes into its --out folder (checked before training: memfit.cli)
+OUTPUTS = ("loss.png", "recipes.png", "demo.json")
 
 # The recipes chart's case: a 1B model on a free Colab (T4, 12.7 GB host), one sequence
 # of 2048 tokens per step, every layer checkpointed; the same as this command line.
@@ -167,17 +171,33 @@ def main(steps: int | None = None, device: str = "auto", out: str = "memfit-demo
           f"vs {base['final_val_loss']:.3f}.")
     outdir = Path(out)
     outdir.mkdir(parents=True, exist_ok=True)
+    written, failed = [], []
+
+    def write(name: str, draw, label: str = "") -> None:
+        """One output file: a file that cannot be written (a directory of its name, a full
+        disk) is reported and the others are still written."""
+        path = outdir / name
+        if path.exists() and not path.is_file():  # made so while the demo trained
+            failed.append(f"could not write {path} (it is {'a directory' if path.is_dir() else 'not a regular file'})")
+            return
+        try:
+            draw(path)
+            written.append(f"{path}{label}")
+        except (OSError, ValueError) as e:
+            failed.append(f"could not write {path} ({getattr(e, 'strerror', None) or e})")
+
     try:
-        plot(rows, outdir / "loss.png")
-        recipes_chart(outdir / "recipes.png")
-        chart = f"{outdir / 'loss.png'}, {outdir / 'recipes.png'} (memfit estimate {' '.join(RECIPES_EXAMPLE)} --plot) and "
+        write("loss.png", lambda p: plot(rows, p))
+        write("recipes.png", recipes_chart, f" (memfit estimate {' '.join(RECIPES_EXAMPLE)} --plot)")
     except ImportError as e:  # matplotlib missing: say how to get it, write the rest
         print(e)
-        chart = ""
     from memfit.hardware import cpu_info
 
     meta = {"device": device, "steps": steps, "precision": str(chosen), "precision_reason": chosen.reason,
             "cpu": cpu_info(), "cpu_kernels": memfit.cpu_kernels(), "threads": torch.get_num_threads()}
-    (outdir / "demo.json").write_text(json.dumps({**meta, "rows": rows}, indent=2))
-    print(f"wrote {chart}{outdir / 'demo.json'}")
-    return 0
+    write("demo.json", lambda p: p.write_text(json.dumps({**meta, "rows": rows}, indent=2)))
+    if written:
+        print(f"wrote {', '.join(written[:-1])}{' and ' if len(written) > 1 else ''}{written[-1]}")
+    for line in failed:  # one line each; the command fails (2) though the run itself is done
+        print(f"memfit demo: error: {line}; the results above are complete", file=sys.stderr)
+    return 2 if failed else 0
