@@ -3,8 +3,9 @@ every Python installation has (its own standard library), and show what changed.
 
 baseline  float32 weights and activations, torch.optim.AdamW, no checkpointing
 memfit    autocast in the best precision for the device (memfit.amp.precision: bf16
-          where native, fp16 + memfit's GradScaler on a T4, fp32 on a CPU that would
-          emulate bf16), memfit.optim.AdamW8bit, and memfit's planner checkpointing the
+          on GPUs that have it, fp16 + memfit's GradScaler on a T4; on a CPU, the faster
+          of fp32 and bf16 autocast for this GPT, timed on a few of its steps before
+          training: precision_step), memfit.optim.AdamW8bit, and memfit's planner checkpointing the
           blocks to half of their activation memory in half precision, a quarter in fp32
           (profile.checkpoint_budget: the same activation bytes either way)
 
@@ -81,9 +82,34 @@ class Batches:
         return chunk[:, :-1].to(self.device), chunk[:, 1:].to(self.device)
 
 
-def train(name: str, corpus, device, steps: int, seed: int = 0) -> dict:
+def precision_step(corpus, device, seed: int = 0):
+    """``(step, what)`` for memfit.amp.precision: ``step(bf16)`` runs one forward and
+    backward of a fresh copy of the demo's GPT on one training batch, under bf16
+    autocast when ``bf16``; ``what`` describes it (the reason's words, the cache's key).
+    The copy is built under its own RNG state: the runs train from the same weights."""
+    import torch
+
+    from memfit.models import GPT, GPTConfig
+
+    kw, batch, seq, _ = SIZES[device.type]
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = GPT(GPTConfig(vocab=256, max_pos=seq, **kw)).to(device)
+    x, y = Batches(corpus["train"], batch, seq, device, seed)()
+
+    def step(bf16: bool) -> None:
+        with torch.autocast(device.type, torch.bfloat16, enabled=bf16):
+            loss = model(x, y)[1]
+        loss.backward()
+        model.zero_grad(set_to_none=True)
+
+    return step, f"this GPT ({kw['n_layer']} layers, d_model {kw['d_model']}, batch {batch} x {seq})"
+
+
+def train(name: str, corpus, device, steps: int, seed: int = 0, precision: str = "auto") -> dict:
     """Trains one configuration (memfit.profile.CONFIGS) from the same initial
-    weights and data order, measures it, and adds the final validation loss."""
+    weights and data order, measures it, and adds the final validation loss;
+    ``precision``: the autocast precision of the memfit way ("auto": memfit.amp's)."""
     import torch
 
     from memfit._progress import Progress
@@ -96,7 +122,7 @@ def train(name: str, corpus, device, steps: int, seed: int = 0) -> dict:
     bar = Progress(steps, name)
     row = run_config(name, model, Batches(corpus["train"], batch, seq, device, seed),
                      lambda m, x, y: m(x, y)[1], steps,
-                     progress=lambda i, n, loss: bar.update(loss))
+                     progress=lambda i, n, loss: bar.update(loss), precision=precision)
     model.eval()
     val_batches = Batches(corpus["val"], batch, seq, device, seed + 1)
     with torch.no_grad(), row.pop("autocast"):
@@ -159,9 +185,10 @@ def main(steps: int | None = None, device: str = "auto", out: str = "memfit-demo
           f"Python's standard library, byte-level, batch {batch} x {seq}, {steps} steps, on {device}")
     from memfit.amp import precision
 
-    chosen = precision(dev.type)
+    step, what = precision_step(corpus, dev, seed) if dev.type == "cpu" else (None, None)
+    chosen = precision(dev.type, step=step, what=what)
     print(f"memfit way's precision: {chosen} ({chosen.reason})")
-    rows = [train("baseline", corpus, dev, steps, seed), train("memfit", corpus, dev, steps, seed)]
+    rows = [train("baseline", corpus, dev, steps, seed), train("memfit", corpus, dev, steps, seed, str(chosen))]
     print(format_rows(rows, {"val loss": lambda r: f"{r['final_val_loss']:.3f}"}))
     base, mf = rows
     print(f"\nmemfit used {total_bytes(mf) / total_bytes(base):.0%} of the baseline's training memory "

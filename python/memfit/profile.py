@@ -147,7 +147,7 @@ def make_optimizer(name: str, params, lr: float):
 
 
 def run_config(name: str, model, batches, loss_fn, steps: int, *, lr: float = 3e-3, progress=None,
-               schedule: bool = True) -> dict:
+               schedule: bool = True, precision: str = "auto") -> dict:
     """Trains `model` for `steps` steps under configuration `name` (see CONFIGS) and
     measures every component. The model is modified in place (checkpoint wrappers,
     weights); build a fresh one per configuration.
@@ -155,7 +155,9 @@ def run_config(name: str, model, batches, loss_fn, steps: int, *, lr: float = 3e
     Returns a dict with the configuration, bytes of params / gradients / optimizer
     states / activations (ActivationMeter: saved tensors,
     checkpoint boundaries and the largest recompute), peak CUDA bytes, median step
-    time and the loss of every step."""
+    time and the loss of every step. ``precision``: the autocast precision of the
+    configurations that use autocast ("auto": memfit.amp.precision's for the device;
+    the demo passes the one it measured for its model)."""
     import warnings
 
     import memfit.checkpoint as mck
@@ -165,14 +167,16 @@ def run_config(name: str, model, batches, loss_fn, steps: int, *, lr: float = 3e
     use_amp, opt_name, _ = CONFIGS[name]
     device = next(model.parameters()).device
     opt = make_optimizer(opt_name, model.parameters(), lr)
-    autocast, scaler, plan, precision = nullcontext(), None, None, "fp32"
+    autocast, scaler, plan = nullcontext(), None, None
     if use_amp:
         import memfit.amp as mamp
 
+        precision = str(mamp.precision(device.type)) if precision == "auto" else str(precision)
         with warnings.catch_warnings():  # setup() explains once why bf16 needs no scaler
             warnings.simplefilter("ignore")
-            autocast, scaler = mamp.setup(model, opt, "auto", device=device.type)
-        precision = str(mamp.precision(device.type))
+            autocast, scaler = mamp.setup(model, opt, precision, device=device.type)
+    else:
+        precision = "fp32"
     budget = checkpoint_budget(name, precision)
     if budget is not None:
         x0, _ = batches()
