@@ -42,7 +42,8 @@ def target(path, name: str = "path") -> str:
     if not text:
         raise ValueError(f"{name}: empty; give a file name like chart.png")
     if text.endswith((os.sep, "/")) or os.path.isdir(text):
-        raise ValueError(f"{name}: {what} names a directory; give a file name in it, like {shown(os.path.join(text, 'chart.png'), limit=240)}")
+        inside = shown(os.path.join(text, "chart.png"), limit=240)
+        raise ValueError(f"{name}: {what} names a directory; give a file name in it, like {inside}")
     if os.path.basename(text).endswith("."):
         raise ValueError(f"{name}: {what} ends with a dot and names no format; end it with .png, .svg or .pdf")
     if not Path(text).suffix:  # as matplotlib does: no suffix, a PNG named with one
