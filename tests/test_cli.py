@@ -51,7 +51,8 @@ def test_demo_runs_and_measures(tmp_path):
     chosen = json.loads((tmp_path / "d" / "demo.json").read_text())["precision"]
     assert chosen in ("bf16", "fp32")
     assert check_demo(out.stdout, tmp_path / "d", chosen, 6) < 0.35
-    assert "a training step of this GPT (6 layers, d_model 128, batch 16 x 128) took " in out.stdout
+    assert "a training step of this GPT (6 layers, d_model 128, batch 16 x 128, checkpointed to each precision's " \
+           "budget) took " in out.stdout
 
 
 @pytest.mark.parametrize("speedup,want", [(1 / 1.33, "fp32"), (1.6, "bf16")])
@@ -73,12 +74,12 @@ def test_demo_precision_follows_its_models_measurement(speedup, want, tmp_path, 
 
     monkeypatch.setattr(hardware, "measure_bf16_speedup", measured)
     assert cli.main(["demo", "--steps", "5", "--device", "cpu", "--out", str(tmp_path / "d")]) == 0
-    assert asked == ["this GPT (2 layers, d_model 64, batch 8 x 64)"]
+    what = "this GPT (2 layers, d_model 64, batch 8 x 64, checkpointed to each precision's budget)"
+    assert asked == [what]
     stdout = capsys.readouterr().out
     check_demo(stdout, tmp_path / "d", want, 5)
     line = next(l for l in stdout.splitlines() if l.startswith("memfit way's precision"))
-    assert f"a training step of this GPT (2 layers, d_model 64, batch 8 x 64) took {1 / speedup:.2f}x the " \
-           "float32 time under bf16 autocast here" in line
+    assert f"a training step of {what} took {1 / speedup:.2f}x the float32 time under bf16 autocast here" in line
 
 
 def test_demo_forced_bf16(tmp_path, monkeypatch, capsys):

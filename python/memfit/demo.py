@@ -84,26 +84,37 @@ class Batches:
 
 def precision_step(corpus, device, seed: int = 0):
     """``(step, what)`` for memfit.amp.precision: ``step(bf16)`` runs one forward and
-    backward of a fresh copy of the demo's GPT on one training batch, under bf16
-    autocast when ``bf16``; ``what`` describes it (the reason's words, the cache's key).
-    The copy is built under its own RNG state: the runs train from the same weights."""
+    backward of the memfit way's model on one training batch in that precision (bf16
+    autocast or fp32): a fresh copy of the demo's GPT with its blocks checkpointed to
+    that precision's budget (profile.checkpoint_budget: fp32 checkpoints more blocks to
+    keep the same activation bytes), so the timing includes the recompute each
+    precision brings. ``what`` describes it (the reason's words, the cache's key). The
+    copies are built under their own RNG state: the runs train from the same weights."""
     import torch
 
     from memfit.models import GPT, GPTConfig
+    from memfit.profile import checkpoint_budget, plan_checkpoints
 
     kw, batch, seq, _ = SIZES[device.type]
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        model = GPT(GPTConfig(vocab=256, max_pos=seq, **kw)).to(device)
     x, y = Batches(corpus["train"], batch, seq, device, seed)()
+    models = {}
+    with torch.random.fork_rng(devices=[]):
+        for bf16 in (False, True):
+            torch.manual_seed(seed)
+            model = GPT(GPTConfig(vocab=256, max_pos=seq, **kw)).to(device)
+            with torch.autocast(device.type, torch.bfloat16, enabled=bf16):
+                plan_checkpoints(model, x, checkpoint_budget("memfit", "bf16" if bf16 else "fp32"))
+            models[bf16] = model
 
     def step(bf16: bool) -> None:
+        model = models[bf16]
         with torch.autocast(device.type, torch.bfloat16, enabled=bf16):
             loss = model(x, y)[1]
         loss.backward()
         model.zero_grad(set_to_none=True)
 
-    return step, f"this GPT ({kw['n_layer']} layers, d_model {kw['d_model']}, batch {batch} x {seq})"
+    return step, (f"this GPT ({kw['n_layer']} layers, d_model {kw['d_model']}, batch {batch} x {seq}, checkpointed "
+                  "to each precision's budget)")
 
 
 def train(name: str, corpus, device, steps: int, seed: int = 0, precision: str = "auto") -> dict:

@@ -135,6 +135,18 @@ def checkpoint_budget(name: str, precision: str):
     return budget
 
 
+def plan_checkpoints(model, x0, budget):
+    """memfit.checkpoint.auto(model, x0, budget) under the caller's autocast; a short chain
+    that cannot fit the share gets the least budget that fits. Returns the plan."""
+    import memfit.checkpoint as mck
+
+    try:
+        return mck.auto(model, x0, budget=budget)
+    except ValueError:
+        m = mck.measure(model, x0)
+        return mck.auto(model, x0, budget=mck.min_budget(m.input_bytes, m.saved_bytes))
+
+
 def make_optimizer(name: str, params, lr: float):
     if name == "adamw":
         return torch.optim.AdamW(params, lr=lr, betas=(0.9, 0.95), weight_decay=0.1)
@@ -160,8 +172,6 @@ def run_config(name: str, model, batches, loss_fn, steps: int, *, lr: float = 3e
     the demo passes the one it measured for its model)."""
     import warnings
 
-    import memfit.checkpoint as mck
-
     if name not in CONFIGS:
         raise ValueError(f"config: expected one of {', '.join(CONFIGS)}, got {name!r}")
     use_amp, opt_name, _ = CONFIGS[name]
@@ -181,11 +191,7 @@ def run_config(name: str, model, batches, loss_fn, steps: int, *, lr: float = 3e
     if budget is not None:
         x0, _ = batches()
         with autocast:
-            try:
-                plan = mck.auto(model, x0, budget=budget)
-            except ValueError:  # a short chain may not fit the share: take the least that does
-                m = mck.measure(model, x0)
-                plan = mck.auto(model, x0, budget=mck.min_budget(m.input_bytes, m.saved_bytes))
+            plan = plan_checkpoints(model, x0, budget)
     sched = None
     if schedule:
         # linear warm-up over 20 steps, then cosine decay to zero
