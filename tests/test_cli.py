@@ -38,16 +38,48 @@ def check_demo(stdout: str, out, want: str, steps: int):
 
 
 def test_demo_runs_and_measures(tmp_path):
-    """The demo as a user runs it: the memfit way trains in the precision memfit advises
-    for this CPU (fp32 where bf16 would be emulated) and saves the same share of memory
-    either way (about a third of the baseline's: in fp32 the planner checkpoints to half
-    the share, profile.checkpoint_budget)."""
-    from memfit.hardware import ENV_PRECISION, cpu_precision
+    """The demo as a user runs it: the memfit way trains in the precision memfit measured
+    faster for this GPT on this CPU (memfit.hardware: a few fp32 and bf16-autocast steps
+    before training) and saves the same share of memory either way (about a third of the
+    baseline's: in fp32 the planner checkpoints to half the share,
+    profile.checkpoint_budget)."""
+    from memfit.hardware import ENV_PRECISION
 
     env = {k: v for k, v in os.environ.items() if k != ENV_PRECISION}
     out = run("demo", "--steps", "6", "--out", str(tmp_path / "d"), env=env)
     assert out.returncode == 0, out.stderr
-    assert check_demo(out.stdout, tmp_path / "d", cpu_precision()[0], 6) < 0.35
+    chosen = json.loads((tmp_path / "d" / "demo.json").read_text())["precision"]
+    assert chosen in ("bf16", "fp32")
+    assert check_demo(out.stdout, tmp_path / "d", chosen, 6) < 0.35
+    assert "a training step of this GPT (6 layers, d_model 128, batch 16 x 128, checkpointed to each precision's " \
+           "budget) took " in out.stdout
+
+
+@pytest.mark.parametrize("speedup,want", [(1 / 1.33, "fp32"), (1.6, "bf16")])
+def test_demo_precision_follows_its_models_measurement(speedup, want, tmp_path, monkeypatch, capsys):
+    """The demo times its own GPT (precision_step) and trains the memfit way in the
+    precision that measurement picks; the measurement is injected (no timing asserted),
+    but its step is run both ways, as the real measurement runs it."""
+    from memfit import cli, demo, hardware
+
+    monkeypatch.setitem(demo.SIZES, "cpu", (dict(n_layer=2, d_model=64, n_head=2), 8, 64, 200))
+    monkeypatch.setattr(hardware, "cpu_info", lambda: {"bf16_features": ["amx-bf16"], "model_name": "test CPU"})
+    asked = []
+
+    def measured(step=None, what=None):
+        step(False)
+        step(True)
+        asked.append(what)
+        return speedup
+
+    monkeypatch.setattr(hardware, "measure_bf16_speedup", measured)
+    assert cli.main(["demo", "--steps", "5", "--device", "cpu", "--out", str(tmp_path / "d")]) == 0
+    what = "this GPT (2 layers, d_model 64, batch 8 x 64, checkpointed to each precision's budget)"
+    assert asked == [what]
+    stdout = capsys.readouterr().out
+    check_demo(stdout, tmp_path / "d", want, 5)
+    line = next(l for l in stdout.splitlines() if l.startswith("memfit way's precision"))
+    assert f"a training step of {what} took {1 / speedup:.2f}x the float32 time under bf16 autocast here" in line
 
 
 def test_demo_forced_bf16(tmp_path, monkeypatch, capsys):

@@ -276,7 +276,9 @@ def test_cli_recipe_json(capsys, monkeypatch):
     assert rc == 0 and "recipes" not in json.loads(out)
     rc, out, err = run(capsys, "estimate", "gpt2", "--cpu", "--plot")
     assert rc == 2 and out == "" and "plot: --plot draws the recipes of training on a GPU; not with --cpu" in err
-    rc, out, err = run(capsys, "estimate", "gpt2", "--cpu", "--host-memory=0GB")
+    rc, out, err = run(capsys, "estimate", "gpt2", "--cpu", "--host-memory=64GB")
+    assert rc == 2 and out == "" and "host_memory: --host-memory sizes the host side" in err
+    rc, out, err = run(capsys, "estimate", "gpt2", "--host-memory=0GB")
     assert rc == 2 and out == "" and "host_memory: the memory size must be" in err
     # a preset's name in any case is that preset's row, not a GPU of its own
     rc, out, _ = run(capsys, "estimate", "llama-1b", "--gpu", " T4", "--host-memory", "colab", "--json")

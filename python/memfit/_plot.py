@@ -23,22 +23,68 @@ def _figure(size=(8, 4.5)):
     return Figure(figsize=size, dpi=100, layout="constrained")
 
 
-def save(fig, path):
-    """``fig.savefig(path)`` in the format of the path's suffix (none: PNG). ValueError
-    naming the path for a format matplotlib cannot write; OSError for a path that
-    cannot be written (a NUL byte in it included)."""
-    from pathlib import PurePath
+def target(path, name: str = "path") -> str:
+    """The file a chart for ``path`` goes to: ``path`` itself, or ``path + ".png"`` when
+    it names no format (matplotlib's own rule, made visible so that the commands print
+    and record the file they wrote). Checked before anything is drawn, with ValueError
+    naming ``name``: an empty path, a path ending in a separator or a dot, a directory,
+    an existing file that is not a regular one (/dev/null, a FIFO: matplotlib would
+    write beside it, e.g. /dev/null.png), a format matplotlib cannot write, and .pgf
+    without the TeX program matplotlib runs for it."""
+    import os
+    import shutil
+    from pathlib import Path
 
     from memfit.memory import shown
 
-    suffix = PurePath(str(path)).suffix[1:].lower()
-    if suffix and suffix not in fig.canvas.get_supported_filetypes():
-        raise ValueError(f"cannot write {shown(str(path), limit=240)}: matplotlib writes no {suffix!r} images "
-                         "(use .png, .svg or .pdf)")
+    text = os.fspath(path)
+    what = shown(text, limit=240)
+    if not text:
+        raise ValueError(f"{name}: empty; give a file name like chart.png")
+    if text.endswith((os.sep, "/")) or os.path.isdir(text):
+        inside = shown(os.path.join(text, "chart.png"), limit=240)
+        raise ValueError(f"{name}: {what} names a directory; give a file name in it, like {inside}")
+    if os.path.basename(text).endswith("."):
+        raise ValueError(f"{name}: {what} ends with a dot and names no format; end it with .png, .svg or .pdf")
+    if not Path(text).suffix:  # as matplotlib does: no suffix, a PNG named with one
+        if os.path.exists(text) and not os.path.isfile(text):
+            raise ValueError(f"{name}: {what} is not a regular file (a device or a pipe); give a file name "
+                             "like chart.png")
+        text += ".png"
+        what = shown(text, limit=240)
+    if os.path.exists(text) and not os.path.isfile(text):
+        kind = "a directory" if os.path.isdir(text) else "not a regular file (a device or a pipe)"
+        raise ValueError(f"{name}: {what} is {kind}; give a file name like chart.png")
+    suffix = Path(text).suffix[1:].lower()
     try:
-        fig.savefig(path)
+        import matplotlib
+        from matplotlib.backend_bases import FigureCanvasBase
+    except ImportError:  # the chart function says how to install it
+        return text
+    if suffix not in FigureCanvasBase.get_supported_filetypes():
+        raise ValueError(f"{name}: cannot write {what}: matplotlib writes no {suffix!r} images "
+                         "(use .png, .svg or .pdf)")
+    tex = matplotlib.rcParams["pgf.texsystem"]
+    if suffix == "pgf" and shutil.which(tex) is None:
+        raise ValueError(f"{name}: cannot write {what}: matplotlib's .pgf output runs {tex} (TeX), which is "
+                         "not installed here (use .png, .svg or .pdf)")
+    return text
+
+
+def save(fig, path) -> str:
+    """``fig.savefig`` to :func:`target`'s file for ``path`` (none: PNG); returns that
+    file's path. ValueError naming the path for a path or format refused there, or a
+    format whose writer fails (matplotlib's RuntimeError: TeX missing or failing);
+    OSError for a path that cannot be written (a NUL byte in it included)."""
+    real = target(path)
+    try:
+        fig.savefig(real)
     except ValueError as e:  # "embedded null byte" from open()
         raise OSError(str(e)) from None
+    except RuntimeError as e:  # e.g. the pgf or usetex writers without a working TeX
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        raise ValueError(f"cannot write {real}: {first}") from None
+    return real
 
 
 def line_chart(series: dict, path, *, title: str, xlabel: str, ylabel: str):

@@ -51,9 +51,10 @@ def _check_device(device: str) -> None:
             f"{bool(memfit.build_info()['cuda'])}); use --device cpu or --device auto")
 
 
-def _check_out(folder: str) -> None:
-    """--out: the folder must exist or be creatable, and take files, before a run of
-    minutes is spent on results that cannot be written."""
+def _check_out(folder: str, files: tuple = ()) -> None:
+    """--out: the folder must exist or be creatable, and take files, and none of the
+    ``files`` the command writes there may be a directory or other non-regular file,
+    checked before a run of minutes is spent on results that cannot be written."""
     import tempfile
     from pathlib import Path
 
@@ -64,6 +65,12 @@ def _check_out(folder: str) -> None:
     except OSError as e:
         raise ValueError(f"out: cannot write to the folder {folder!r} ({e.strerror or e}); choose "
                          "another with --out") from None
+    for name in files:
+        path = Path(folder) / name
+        if path.exists() and not path.is_file():
+            kind = "a directory" if path.is_dir() else "not a regular file"
+            raise ValueError(f"out: {str(path)!r} is {kind}, and this command writes {', '.join(files)} in "
+                             "--out: move it or choose another folder with --out")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -100,8 +107,10 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--batch", type=_POSITIVE, default=8)
     e.add_argument("--seq", type=_POSITIVE, default=1024)
     e.add_argument("--precision", default=None, choices=["fp32", "fp16", "bf16", "bf16-pure"],
-                   help="for the single-setting line (default: the comparison table only)")
-    e.add_argument("--optimizer", default="adamw")
+                   help="adds the line 'your setting' (with --optimizer: default fp32) to the comparison table")
+    e.add_argument("--optimizer", default=None,
+                   help="adamw (default), adamw8bit, adamw4bit, muon, muon8bit, ...: adds the line 'your "
+                        "setting' (with --precision: default fp32) to the comparison table")
     e.add_argument("--kahan", action="store_true",
                    help="bf16-pure weights keep a Kahan compensation buffer (memfit.optim's kahan=True): "
                         "+2 bytes per parameter")
@@ -110,11 +119,12 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--attention", default="sdpa", choices=["sdpa", "eager"])
     e.add_argument("--gpu", default=None, help="t4, l4, a10, v100, a100-40, a100-80, h100, h200 or a size like 24GB")
     e.add_argument("--cpu", action="store_true",
-                   help="training on the CPU (no CUDA context; autocast only where this CPU computes "
-                        "bf16 natively or measurably faster, else fp32)")
+                   help="training on the CPU (no CUDA context; bf16 autocast only where a timed training "
+                        "step of a small GPT is faster in bf16 on this CPU, else fp32: memfit.hardware)")
     e.add_argument("--host-memory", default=None, metavar="SIZE",
                    help="the host memory the offload recipes may fill: colab (12.7 GB, a free Colab) or a "
-                        "size like 64GB (default: this machine's physical memory)")
+                        "size like 64GB (default: this machine's physical memory); not with --cpu, which "
+                        "draws no recipes")
     e.add_argument("--plot", nargs="?", const="memfit-estimate.png", default=None, metavar="PATH",
                    help="draw each recipe's GPU and host bytes as stacked bars into PATH "
                         "(default memfit-estimate.png; needs matplotlib)")
@@ -127,17 +137,27 @@ def estimate_setup(args):
     from memfit import memory as M
 
     return M.Setup(batch=args.batch, seq=args.seq, precision=args.precision or "fp32",
-                   optimizer=args.optimizer, checkpoint=args.checkpoint, micro_batch=args.micro_batch,
+                   optimizer=args.optimizer or "adamw", checkpoint=args.checkpoint, micro_batch=args.micro_batch,
                    attention=args.attention, gpu=not args.cpu, kahan=args.kahan)
 
 
 def _estimate(args) -> int:
     import json
 
+    from memfit import _plot
     from memfit import memory as M
     from memfit import recipes as R
 
     try:
+        if args.cpu and args.plot is not None:
+            raise ValueError("plot: --plot draws the recipes of training on a GPU; not with --cpu")
+        if args.cpu and args.host_memory is not None:
+            # the CPU trains in host memory: the table's totals are that memory; the offload
+            # recipes, the only thing --host-memory sizes, are not drawn for --cpu
+            raise ValueError("host_memory: --host-memory sizes the host side of the GPU offload recipes, "
+                             "which --cpu does not draw; with --cpu, the table's totals are host memory")
+        # the chart's file, checked before anything is computed (memfit._plot.target)
+        plot = _plot.target(args.plot, "plot") if args.plot is not None else None
         spec = M.resolve_model(args.model)
         base = estimate_setup(args)
         M.validate(base)
@@ -149,12 +169,11 @@ def _estimate(args) -> int:
 
             cpu = cpu_precision()
         rows = M.comparison(spec, base, bf16_native=bf16, half=cpu[0] if cpu else None)
-        single = M.estimate(spec, base) if args.precision else None
+        # --precision or --optimizer alone is a setting of its own (the other at its default)
+        single = M.estimate(spec, base) if args.precision or args.optimizer else None
         rec = M.recommend(spec, base, args.gpu) if args.gpu is not None else None
         host = R.parse_host_memory(args.host_memory) if args.host_memory is not None else M.host_memory_bytes()
-        if args.cpu and args.plot is not None:
-            raise ValueError("plot: --plot draws the recipes of training on a GPU; not with --cpu")
-        recipes = None if args.cpu else _recipes(args, spec, base, capacity, host)
+        recipes = None if args.cpu else _recipes(args, spec, base, capacity, host, plot)
     except ValueError as err:
         print(f"memfit estimate: error: {err}", file=sys.stderr)
         return 2
@@ -180,7 +199,7 @@ def _estimate(args) -> int:
           + (" | fits" if capacity else ""))
     if cpu:
         print(f"CPU precision: {cpu[0]}: {cpu[1]}")
-    listing = rows + ([("your setting", single)] if single else [])
+    listing = rows + ([(f"your setting ({base.precision}, {base.optimizer})", single)] if single else [])
     for label, est in listing:
         fits = (" | yes" if est.total <= capacity else " | no") if capacity else ""
         print(f"{label:<44.44}| {g(est.weights):>7} | {g(est.gradients):>5} | {g(est.optimizer):>9} | "
@@ -199,10 +218,11 @@ def _estimate(args) -> int:
     return 0
 
 
-def _recipes(args, spec, base, capacity, host) -> dict:
+def _recipes(args, spec, base, capacity, host, plot: str | None) -> dict:
     """The offload and step-in-backward recipes (memfit.recipes) as text and JSON, and
-    --plot's chart, drawn before anything is printed: a path that cannot be written
-    stops the command (ValueError) with nothing printed."""
+    --plot's chart into ``plot`` (memfit._plot.target's file), drawn before anything is
+    printed: a path that cannot be written stops the command (ValueError) with nothing
+    printed."""
     from memfit import memory as M
     from memfit import recipes as R
 
@@ -214,16 +234,16 @@ def _recipes(args, spec, base, capacity, host) -> dict:
     if capacity:
         for pl, d in zip(pls, data["recipes"]):
             d["fits_gpu"], d["fits_host"] = R.fits(pl, capacity, host)
-    if args.plot is not None:
+    if plot is not None:
         title = f"memfit estimate: {spec.name}, batch {base.batch} x seq {base.seq}, per recipe"
         try:
-            R.chart(pls, args.plot, title=title, gpu=(args.gpu, capacity) if capacity else None, host_bytes=host)
-            texts.append(f"wrote {args.plot}")
-            data["plot"] = args.plot
+            R.chart(pls, plot, title=title, gpu=(args.gpu, capacity) if capacity else None, host_bytes=host)
+            texts.append(f"wrote {plot}")
+            data["plot"] = plot
         except ImportError as e:  # matplotlib missing: say how to get it, print the rest
             print(e, file=sys.stderr)
         except OSError as e:
-            raise ValueError(f"plot: cannot write {M.shown(args.plot, limit=240)} ({e.strerror or e})") from None
+            raise ValueError(f"plot: cannot write {M.shown(plot, limit=240)} ({e.strerror or e})") from None
         except ValueError as e:  # a format matplotlib cannot write
             raise ValueError(f"plot: {e}") from None
     return {"text": "\n\n".join(texts), "json": data}
@@ -254,7 +274,7 @@ def main(argv=None) -> int:
 
         try:
             _check_device(args.device)
-            _check_out(args.out)
+            _check_out(args.out, ("profile.png", "profile.json"))
             return profile.main(args)
         except ValueError as err:
             print(f"memfit profile: error: {err}", file=sys.stderr)
@@ -264,7 +284,7 @@ def main(argv=None) -> int:
 
         try:
             _check_device(args.device)
-            _check_out(args.out)
+            _check_out(args.out, demo.OUTPUTS)
             return demo.main(steps=args.steps, device=args.device, out=args.out, seed=args.seed)
         except ValueError as err:
             print(f"memfit demo: error: {err}", file=sys.stderr)

@@ -3,8 +3,9 @@ every Python installation has (its own standard library), and show what changed.
 
 baseline  float32 weights and activations, torch.optim.AdamW, no checkpointing
 memfit    autocast in the best precision for the device (memfit.amp.precision: bf16
-          where native, fp16 + memfit's GradScaler on a T4, fp32 on a CPU that would
-          emulate bf16), memfit.optim.AdamW8bit, and memfit's planner checkpointing the
+          on GPUs that have it, fp16 + memfit's GradScaler on a T4; on a CPU, the faster
+          of fp32 and bf16 autocast for this GPT, timed on a few of its steps before
+          training: precision_step), memfit.optim.AdamW8bit, and memfit's planner checkpointing the
           blocks to half of their activation memory in half precision, a quarter in fp32
           (profile.checkpoint_budget: the same activation bytes either way)
 
@@ -21,6 +22,7 @@ from __future__ import annotations
 
 import json
 import statistics
+import sys
 import sysconfig
 from pathlib import Path
 
@@ -29,6 +31,9 @@ SIZES = {  # device -> (GPT config kwargs, batch, seq, default steps)
     "cuda": (dict(n_layer=8, d_model=384, n_head=6), 32, 256, 300),
 }
 
+
+# the files the demo writes into its --out folder (checked before training: memfit.cli)
+OUTPUTS = ("loss.png", "recipes.png", "demo.json")
 
 # The recipes chart's case: a 1B model on a free Colab (T4, 12.7 GB host), one sequence
 # of 2048 tokens per step, every layer checkpointed; the same as this command line.
@@ -77,9 +82,45 @@ class Batches:
         return chunk[:, :-1].to(self.device), chunk[:, 1:].to(self.device)
 
 
-def train(name: str, corpus, device, steps: int, seed: int = 0) -> dict:
+def precision_step(corpus, device, seed: int = 0):
+    """``(step, what)`` for memfit.amp.precision: ``step(bf16)`` runs one forward and
+    backward of the memfit way's model on one training batch in that precision (bf16
+    autocast or fp32): a fresh copy of the demo's GPT with its blocks checkpointed to
+    that precision's budget (profile.checkpoint_budget: fp32 checkpoints more blocks to
+    keep the same activation bytes), so the timing includes the recompute each
+    precision brings. ``what`` describes it (the reason's words, the cache's key). The
+    copies are built under their own RNG state: the runs train from the same weights."""
+    import torch
+
+    from memfit.models import GPT, GPTConfig
+    from memfit.profile import checkpoint_budget, plan_checkpoints
+
+    kw, batch, seq, _ = SIZES[device.type]
+    x, y = Batches(corpus["train"], batch, seq, device, seed)()
+    models = {}
+    with torch.random.fork_rng(devices=[]):
+        for bf16 in (False, True):
+            torch.manual_seed(seed)
+            model = GPT(GPTConfig(vocab=256, max_pos=seq, **kw)).to(device)
+            with torch.autocast(device.type, torch.bfloat16, enabled=bf16):
+                plan_checkpoints(model, x, checkpoint_budget("memfit", "bf16" if bf16 else "fp32"))
+            models[bf16] = model
+
+    def step(bf16: bool) -> None:
+        model = models[bf16]
+        with torch.autocast(device.type, torch.bfloat16, enabled=bf16):
+            loss = model(x, y)[1]
+        loss.backward()
+        model.zero_grad(set_to_none=True)
+
+    return step, (f"this GPT ({kw['n_layer']} layers, d_model {kw['d_model']}, batch {batch} x {seq}, checkpointed "
+                  "to each precision's budget)")
+
+
+def train(name: str, corpus, device, steps: int, seed: int = 0, precision: str = "auto") -> dict:
     """Trains one configuration (memfit.profile.CONFIGS) from the same initial
-    weights and data order, measures it, and adds the final validation loss."""
+    weights and data order, measures it, and adds the final validation loss;
+    ``precision``: the autocast precision of the memfit way ("auto": memfit.amp's)."""
     import torch
 
     from memfit._progress import Progress
@@ -92,7 +133,7 @@ def train(name: str, corpus, device, steps: int, seed: int = 0) -> dict:
     bar = Progress(steps, name)
     row = run_config(name, model, Batches(corpus["train"], batch, seq, device, seed),
                      lambda m, x, y: m(x, y)[1], steps,
-                     progress=lambda i, n, loss: bar.update(loss))
+                     progress=lambda i, n, loss: bar.update(loss), precision=precision)
     model.eval()
     val_batches = Batches(corpus["val"], batch, seq, device, seed + 1)
     with torch.no_grad(), row.pop("autocast"):
@@ -155,9 +196,10 @@ def main(steps: int | None = None, device: str = "auto", out: str = "memfit-demo
           f"Python's standard library, byte-level, batch {batch} x {seq}, {steps} steps, on {device}")
     from memfit.amp import precision
 
-    chosen = precision(dev.type)
+    step, what = precision_step(corpus, dev, seed) if dev.type == "cpu" else (None, None)
+    chosen = precision(dev.type, step=step, what=what)
     print(f"memfit way's precision: {chosen} ({chosen.reason})")
-    rows = [train("baseline", corpus, dev, steps, seed), train("memfit", corpus, dev, steps, seed)]
+    rows = [train("baseline", corpus, dev, steps, seed), train("memfit", corpus, dev, steps, seed, str(chosen))]
     print(format_rows(rows, {"val loss": lambda r: f"{r['final_val_loss']:.3f}"}))
     base, mf = rows
     print(f"\nmemfit used {total_bytes(mf) / total_bytes(base):.0%} of the baseline's training memory "
@@ -167,17 +209,33 @@ def main(steps: int | None = None, device: str = "auto", out: str = "memfit-demo
           f"vs {base['final_val_loss']:.3f}.")
     outdir = Path(out)
     outdir.mkdir(parents=True, exist_ok=True)
+    written, failed = [], []
+
+    def write(name: str, draw, label: str = "") -> None:
+        """One output file: a file that cannot be written (a directory of its name, a full
+        disk) is reported and the others are still written."""
+        path = outdir / name
+        if path.exists() and not path.is_file():  # made so while the demo trained
+            failed.append(f"could not write {path} (it is {'a directory' if path.is_dir() else 'not a regular file'})")
+            return
+        try:
+            draw(path)
+            written.append(f"{path}{label}")
+        except (OSError, ValueError) as e:
+            failed.append(f"could not write {path} ({getattr(e, 'strerror', None) or e})")
+
     try:
-        plot(rows, outdir / "loss.png")
-        recipes_chart(outdir / "recipes.png")
-        chart = f"{outdir / 'loss.png'}, {outdir / 'recipes.png'} (memfit estimate {' '.join(RECIPES_EXAMPLE)} --plot) and "
+        write("loss.png", lambda p: plot(rows, p))
+        write("recipes.png", recipes_chart, f" (memfit estimate {' '.join(RECIPES_EXAMPLE)} --plot)")
     except ImportError as e:  # matplotlib missing: say how to get it, write the rest
         print(e)
-        chart = ""
     from memfit.hardware import cpu_info
 
     meta = {"device": device, "steps": steps, "precision": str(chosen), "precision_reason": chosen.reason,
             "cpu": cpu_info(), "cpu_kernels": memfit.cpu_kernels(), "threads": torch.get_num_threads()}
-    (outdir / "demo.json").write_text(json.dumps({**meta, "rows": rows}, indent=2))
-    print(f"wrote {chart}{outdir / 'demo.json'}")
-    return 0
+    write("demo.json", lambda p: p.write_text(json.dumps({**meta, "rows": rows}, indent=2)))
+    if written:
+        print(f"wrote {', '.join(written[:-1])}{' and ' if len(written) > 1 else ''}{written[-1]}")
+    for line in failed:  # one line each; the command fails (2) though the run itself is done
+        print(f"memfit demo: error: {line}; the results above are complete", file=sys.stderr)
+    return 2 if failed else 0

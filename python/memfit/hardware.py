@@ -1,19 +1,27 @@
 """What this CPU is, and which training precision suits it.
 
-bfloat16 autocast only pays where the CPU computes bfloat16 natively: AMX-BF16 (Intel
-Sapphire Rapids and later), AVX512-BF16 (Cooper Lake, Zen 4 and later) or Arm's
-FEAT_BF16 (Graviton 3, Grace). Elsewhere (Zen 2 and 3, Skylake-SP, Cascade Lake) torch
-converts every bf16 operand to float32 and back, and a bf16 matrix product is several
-times slower than the float32 one. So :func:`cpu_precision` answers:
+Whether bfloat16 autocast pays on a CPU depends on the CPU and on the model. Without
+native bfloat16 compute (Zen 2 and 3, Skylake-SP, Cascade Lake) torch converts every
+bf16 operand to float32 and back, and a bf16 matrix product is several times slower.
+With it (AMX-BF16 on Sapphire Rapids and later, AVX512-BF16 on Cooper Lake and Zen 4,
+Arm's FEAT_BF16), a large bf16 product is faster, but a small model's whole step can still be
+slower under bf16 autocast (the casts of every weight and activation it multiplies, and
+the ops that do not gain; the demo's GPT, d_model 128, on a Sapphire Rapids VM: 1.33x
+the float32 step). The hardware alone cannot tell, so :func:`cpu_precision` measures:
 
 * ``MEMFIT_CPU_PRECISION=bf16`` or ``fp32`` in the environment: that, whatever the CPU;
-* ``"bf16"`` where the CPU has native bfloat16 compute (CPUID / HWCAP2, read by the C core);
-* otherwise a short measurement decides (a 1024x128 @ 128x512 matrix product in each
-  dtype, a few of them, once per process): ``"bf16"`` only if it is at least
-  ``BF16_MIN_SPEEDUP`` times faster than float32, else ``"fp32"``.
+* otherwise a short timing of training steps (forward and backward) in float32 and
+  under bf16 autocast decides: of the model at hand where the caller passes one (``step``,
+  as ``memfit demo`` does), else of ``REPRESENTATIVE`` (one block of the demo's GPT).
+  ``"bf16"`` where bf16 is at least ``BF16_NATIVE_MIN_SPEEDUP`` (native bf16) or
+  ``BF16_MIN_SPEEDUP`` (emulated) times as fast, else ``"fp32"``. Measured once per model
+  description and thread count per process;
+* without torch (nothing to measure with): ``"bf16"`` where the CPU has native bfloat16
+  compute, else ``"fp32"``.
 
 Each answer comes with its reason. :func:`choose_cpu_precision` is the rule itself, a pure
-function of those inputs. Importing this module does not import torch; measuring does.
+function of those inputs (tests give it the measurement). Importing this module does not
+import torch; measuring does.
 """
 
 from __future__ import annotations
@@ -22,13 +30,18 @@ import functools
 import importlib.util
 import os
 import platform
-import time
 
 ENV_PRECISION = "MEMFIT_CPU_PRECISION"
 # bf16 must beat float32 by this factor before it is advised without native support:
 # below it, the measurement's noise could flip the advice from run to run.
 BF16_MIN_SPEEDUP = 1.1
-MATMUL_SHAPE = (1024, 128, 512)  # (m, k, n) of the measured product: an MLP-sized block
+# With native bf16, bf16 is advised unless measurably slower: at even speed it still
+# halves the bytes of what autocast keeps for backward.
+BF16_NATIVE_MIN_SPEEDUP = 0.95
+# The step measured when the caller has no model at hand: one block of the demo's GPT
+# (memfit.models), a size people train on a CPU.
+REPRESENTATIVE = dict(n_layer=1, d_model=128, n_head=4, vocab=256, batch=16, seq=128)
+REPRESENTATIVE_WHAT = "a one-block GPT (d_model 128, batch 16 x 128)"
 _BF16_RANGE = "bfloat16 has float32's range, so no GradScaler is needed"
 
 # Arm cores by (implementer, part) from /proc/cpuinfo: aarch64 has no brand string.
@@ -106,12 +119,13 @@ def cpu_info() -> dict:
 
 
 def choose_cpu_precision(bf16_features=(), speedup: float | None = None,
-                         forced: str | None = None) -> tuple:
+                         forced: str | None = None, what: str = REPRESENTATIVE_WHAT) -> tuple:
     """The CPU precision rule as a pure function: ``(name, reason)``.
 
     ``bf16_features``: the CPU's native bfloat16 compute (empty: none); ``speedup``: the
-    measured float32 time over the bfloat16 time of a matrix product (None: not
-    measured); ``forced``: the value of ``MEMFIT_CPU_PRECISION`` (None or ``""``: unset).
+    measured float32 step time over the bf16-autocast step time of ``what`` (None: not
+    measured, no torch); ``forced``: the value of ``MEMFIT_CPU_PRECISION`` (None or
+    ``""``: unset).
     """
     if forced:
         name = forced.strip().lower()
@@ -119,56 +133,91 @@ def choose_cpu_precision(bf16_features=(), speedup: float | None = None,
             raise ValueError(f"{ENV_PRECISION}: expected bf16 or fp32, got {forced!r}")
         why = f"{ENV_PRECISION}={name} in the environment"
         return name, f"{why}; {_BF16_RANGE}" if name == "bf16" else why
-    if bf16_features:
-        return "bf16", (f"the CPU computes bfloat16 natively ({', '.join(bf16_features).upper()}); "
-                        f"{_BF16_RANGE}")
-    m, k, n = MATMUL_SHAPE
+    native = (f"the CPU computes bfloat16 natively ({', '.join(bf16_features).upper()})" if bf16_features
+              else "the CPU has no native bfloat16 compute (no AMX-BF16, AVX512-BF16 or Arm BF16)")
     if speedup is None:
-        return "fp32", ("the CPU has no native bfloat16 compute (no AMX-BF16, AVX512-BF16 or Arm "
-                        "BF16), so bf16 autocast would be emulated")
-    measured = (f"a {m}x{k} @ {k}x{n} matrix product took {1 / speedup:.2f}x the float32 time in "
-                f"bfloat16")
-    if speedup >= BF16_MIN_SPEEDUP:
-        return "bf16", (f"no native bfloat16 flag, but {measured} here; {_BF16_RANGE}")
-    return "fp32", ("the CPU has no native bfloat16 compute (no AMX-BF16, AVX512-BF16 or Arm BF16) "
-                    f"and {measured} here, so bf16 autocast would be slower; float32 is faster")
+        if bf16_features:
+            return "bf16", f"{native} (not measured: no torch); {_BF16_RANGE}"
+        return "fp32", f"{native}, so bf16 autocast would be emulated"
+    measured = f"a training step of {what} took {1 / speedup:.2f}x the float32 time under bf16 autocast here"
+    if speedup >= (BF16_NATIVE_MIN_SPEEDUP if bf16_features else BF16_MIN_SPEEDUP):
+        return "bf16", f"{native} and {measured}; {_BF16_RANGE}"
+    if bf16_features:
+        return "fp32", f"{native}, but {measured}, so float32 is faster for this model"
+    return "fp32", f"{native} and {measured}, so bf16 autocast would be slower; float32 is faster"
 
 
-@functools.lru_cache(maxsize=1)
-def measure_bf16_speedup(max_rounds: int = 3) -> float | None:
-    """float32 time / bfloat16 time of one ``MATMUL_SHAPE`` product in torch's current
-    threads (best of up to ``max_rounds`` interleaved rounds after a warm-up), or None
-    without torch. Measured once per process. Stops after the first round whose answer
-    no noise could flip (one dtype at least twice as fast): an emulated bf16 product is
-    several times slower, and each round costs it again."""
+_measured: dict = {}  # (what, torch threads) -> speedup, for this process
+
+
+def _representative_step():
+    """``step(bf16)`` for REPRESENTATIVE: forward and backward of a fresh one-block GPT."""
+    import torch
+
+    from memfit.models import GPT, GPTConfig
+
+    r = REPRESENTATIVE
+    gen = torch.Generator().manual_seed(0)
+    model = GPT(GPTConfig(n_layer=r["n_layer"], d_model=r["d_model"], n_head=r["n_head"], vocab=r["vocab"],
+                          max_pos=r["seq"]))
+    x, y = (torch.randint(0, r["vocab"], (r["batch"], r["seq"]), generator=gen) for _ in range(2))
+
+    def step(bf16: bool) -> None:
+        with torch.autocast("cpu", torch.bfloat16, enabled=bf16):
+            loss = model(x, y)[1]
+        loss.backward()
+        model.zero_grad(set_to_none=True)
+
+    return step
+
+
+def time_steps(step, max_rounds: int = 3) -> float:
+    """float32 time / bf16 time of ``step(bf16)``: best of up to ``max_rounds``
+    interleaved rounds after one warm-up of each (the first call builds kernels and
+    caches). Stops after the first round whose answer no noise could flip (one
+    precision at least 1.5x as fast)."""
+    import time
+
+    best = {False: float("inf"), True: float("inf")}
+    for bf16 in best:
+        step(bf16)
+    for _ in range(max_rounds):
+        for bf16 in best:
+            t0 = time.perf_counter()
+            step(bf16)
+            best[bf16] = min(best[bf16], time.perf_counter() - t0)
+        speedup = best[False] / best[True]
+        if not 1 / 1.5 < speedup < 1.5:
+            break
+    return speedup
+
+
+def measure_bf16_speedup(step=None, what: str | None = None) -> float | None:
+    """float32 step time / bf16-autocast step time (:func:`time_steps`) of ``step`` (a
+    callable ``step(bf16: bool)`` running one forward and backward of the model at hand,
+    described by ``what``), or of REPRESENTATIVE without one; None without torch.
+    Measured once per ``what`` and torch thread count per process."""
     if importlib.util.find_spec("torch") is None:
         return None
     import torch
 
-    m, k, n = MATMUL_SHAPE
-    gen = torch.Generator().manual_seed(0)
-    a, b = torch.randn(m, k, generator=gen), torch.randn(k, n, generator=gen)
-    pairs = {torch.float32: (a, b), torch.bfloat16: (a.bfloat16(), b.bfloat16())}
-    best = {dt: float("inf") for dt in pairs}
-    with torch.no_grad():
-        for x, y in pairs.values():  # warm-up: the first call creates the kernels
-            torch.mm(x, y)
-        for _ in range(max_rounds):
-            for dt, (x, y) in pairs.items():
-                t0 = time.perf_counter()
-                torch.mm(x, y)
-                best[dt] = min(best[dt], time.perf_counter() - t0)
-            speedup = best[torch.float32] / best[torch.bfloat16]
-            if not 0.5 < speedup < 2.0:
-                break
-    return speedup
+    if step is None:
+        what = REPRESENTATIVE_WHAT
+    elif not what:
+        raise ValueError("what: describe the model whose step is measured (the cache's key and the reason's words)")
+    key = (what, torch.get_num_threads())
+    if key not in _measured:
+        with torch.random.fork_rng(devices=[]):  # the measurement leaves the caller's RNG alone
+            _measured[key] = time_steps(step or _representative_step())
+    return _measured[key]
 
 
-def cpu_precision() -> tuple:
-    """``("bf16" | "fp32", reason)`` for training on this CPU (see the module's doc)."""
+def cpu_precision(step=None, what: str | None = None) -> tuple:
+    """``("bf16" | "fp32", reason)`` for training on this CPU (see the module's doc);
+    ``step`` and ``what``: the model at hand (:func:`measure_bf16_speedup`)."""
     forced = os.environ.get(ENV_PRECISION)
     if forced and forced.strip().lower() != "auto":
         return choose_cpu_precision(forced=forced)
-    features = cpu_info()["bf16_features"]
-    speedup = None if features else measure_bf16_speedup()
-    return choose_cpu_precision(features, speedup)
+    speedup = measure_bf16_speedup(step, what)
+    return choose_cpu_precision(cpu_info()["bf16_features"], speedup,
+                                what=REPRESENTATIVE_WHAT if step is None else what)

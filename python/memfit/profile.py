@@ -135,6 +135,18 @@ def checkpoint_budget(name: str, precision: str):
     return budget
 
 
+def plan_checkpoints(model, x0, budget):
+    """memfit.checkpoint.auto(model, x0, budget) under the caller's autocast; a short chain
+    that cannot fit the share gets the least budget that fits. Returns the plan."""
+    import memfit.checkpoint as mck
+
+    try:
+        return mck.auto(model, x0, budget=budget)
+    except ValueError:
+        m = mck.measure(model, x0)
+        return mck.auto(model, x0, budget=mck.min_budget(m.input_bytes, m.saved_bytes))
+
+
 def make_optimizer(name: str, params, lr: float):
     if name == "adamw":
         return torch.optim.AdamW(params, lr=lr, betas=(0.9, 0.95), weight_decay=0.1)
@@ -147,7 +159,7 @@ def make_optimizer(name: str, params, lr: float):
 
 
 def run_config(name: str, model, batches, loss_fn, steps: int, *, lr: float = 3e-3, progress=None,
-               schedule: bool = True) -> dict:
+               schedule: bool = True, precision: str = "auto") -> dict:
     """Trains `model` for `steps` steps under configuration `name` (see CONFIGS) and
     measures every component. The model is modified in place (checkpoint wrappers,
     weights); build a fresh one per configuration.
@@ -155,33 +167,31 @@ def run_config(name: str, model, batches, loss_fn, steps: int, *, lr: float = 3e
     Returns a dict with the configuration, bytes of params / gradients / optimizer
     states / activations (ActivationMeter: saved tensors,
     checkpoint boundaries and the largest recompute), peak CUDA bytes, median step
-    time and the loss of every step."""
+    time and the loss of every step. ``precision``: the autocast precision of the
+    configurations that use autocast ("auto": memfit.amp.precision's for the device;
+    the demo passes the one it measured for its model)."""
     import warnings
-
-    import memfit.checkpoint as mck
 
     if name not in CONFIGS:
         raise ValueError(f"config: expected one of {', '.join(CONFIGS)}, got {name!r}")
     use_amp, opt_name, _ = CONFIGS[name]
     device = next(model.parameters()).device
     opt = make_optimizer(opt_name, model.parameters(), lr)
-    autocast, scaler, plan, precision = nullcontext(), None, None, "fp32"
+    autocast, scaler, plan = nullcontext(), None, None
     if use_amp:
         import memfit.amp as mamp
 
+        precision = str(mamp.precision(device.type)) if precision == "auto" else str(precision)
         with warnings.catch_warnings():  # setup() explains once why bf16 needs no scaler
             warnings.simplefilter("ignore")
-            autocast, scaler = mamp.setup(model, opt, "auto", device=device.type)
-        precision = str(mamp.precision(device.type))
+            autocast, scaler = mamp.setup(model, opt, precision, device=device.type)
+    else:
+        precision = "fp32"
     budget = checkpoint_budget(name, precision)
     if budget is not None:
         x0, _ = batches()
         with autocast:
-            try:
-                plan = mck.auto(model, x0, budget=budget)
-            except ValueError:  # a short chain may not fit the share: take the least that does
-                m = mck.measure(model, x0)
-                plan = mck.auto(model, x0, budget=mck.min_budget(m.input_bytes, m.saved_bytes))
+            plan = plan_checkpoints(model, x0, budget)
     sched = None
     if schedule:
         # linear warm-up over 20 steps, then cosine decay to zero

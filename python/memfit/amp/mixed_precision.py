@@ -39,18 +39,20 @@ def _default_device() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def precision(device=None) -> Precision:
+def precision(device=None, *, step=None, what: str | None = None) -> Precision:
     """The best autocast precision for ``device`` (default: the current CUDA device if
     there is one, else the CPU), with the reason:
 
     * ``"bf16"`` on GPUs of compute capability >= 8.0 (A100, RTX 30xx/40xx, H100) and
-      on CPUs that compute bfloat16 natively (AMX, AVX512-BF16, Arm BF16) or measurably
-      faster (:func:`memfit.hardware.cpu_precision`): bfloat16 has float32's range, so no
+      on CPUs where a training step measured faster (or, with native bfloat16, not
+      slower) under bf16 autocast (:func:`memfit.hardware.cpu_precision`; ``step(bf16)``
+      and ``what``: one forward and backward of the model at hand and its description,
+      else a representative small GPT is timed): bfloat16 has float32's range, so no
       loss scaling is needed;
     * ``"fp16"`` on GPUs with float16 tensor cores but no native bfloat16 (T4, V100,
       RTX 20xx: capability 7.x) and on P100 (6.0): use a GradScaler;
-    * ``"fp32"`` where neither is faster (older GPUs, CPUs that would emulate bfloat16,
-      other devices).
+    * ``"fp32"`` where neither is faster (older GPUs, CPUs that would emulate bfloat16 or
+      where bf16 autocast measured slower for the model, other devices).
 
     >>> precision("cpu") in ("bf16", "fp32")
     True
@@ -61,7 +63,7 @@ def precision(device=None) -> Precision:
     if dev.type == "cpu":
         from memfit.hardware import cpu_precision
 
-        name, reason = cpu_precision()
+        name, reason = cpu_precision(step, what)
         return Precision(name, "cpu", reason)
     if dev.type == "cuda":
         if not torch.cuda.is_available():
