@@ -168,3 +168,19 @@ def test_demo_writes_what_it_can_when_a_file_is_blocked_after_the_check(capsys, 
     assert (tmp_path / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     data = json.loads((tmp_path / "demo.json").read_text())
     assert [r["name"] for r in data["rows"]] == ["baseline", "memfit"] and len(data["rows"][0]["losses"]) == 5
+
+
+def test_a_reader_that_goes_away_is_no_traceback():
+    """`memfit estimate ... | head -1`: the reader closes the pipe; the command ends
+    quietly (exit 1, as Python's docs advise for SIGPIPE), no BrokenPipeError traceback.
+    The pipe is closed before the command prints anything, so every write fails."""
+    import subprocess
+    import sys
+
+    proc = subprocess.Popen([sys.executable, "-m", "memfit", "estimate", "llama-7b"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    proc.stdout.close()  # the reader is gone: every write raises EPIPE
+    err = proc.stderr.read().decode()
+    rc = proc.wait(timeout=120)
+    assert "Traceback" not in err and "BrokenPipe" not in err, err
+    assert rc == 1

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 
@@ -260,6 +261,16 @@ def _torch_missing(command: str) -> bool:
 
 
 def main(argv=None) -> int:
+    try:
+        return _main(argv)
+    except BrokenPipeError:
+        # the reader went away (`memfit estimate ... | head`): what it wanted was printed;
+        # point stdout at /dev/null so the interpreter's own flush at exit stays quiet too
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 1
+
+
+def _main(argv) -> int:
     args = build_parser().parse_args(argv)
     if args.command in ("demo", "profile") and _torch_missing(args.command):
         return 2
