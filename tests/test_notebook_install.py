@@ -79,7 +79,10 @@ def run_cell(tmp_path, source, memfit_importable, repo=None):
     env["PYTHONPATH"] = os.pathsep.join(paths)
     if repo is not None:
         env["MEMFIT_REPO"] = repo
-    return subprocess.run([sys.executable, "-c", source], capture_output=True, text=True,
+    # -S: no site-packages, where the README's test command installs memfit; the cell's
+    # pip child (the stand-in, first on PYTHONPATH) runs without it
+    flags = [] if memfit_importable else ["-S"]
+    return subprocess.run([sys.executable, *flags, "-c", source], capture_output=True, text=True,
                           env=env, cwd=tmp_path, timeout=120)
 
 
