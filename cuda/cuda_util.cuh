@@ -9,8 +9,16 @@
 
 #include "memfit/common.h"
 
+/* The one-line fix for an error a rebuild fixes (a driver older than this build's CUDA, no
+ * kernel for this GPU), "" for any other: cuda/device.cu, memfit/cuda_hint.h. */
+extern "C" int mf_cuda_error_hint(int err, char *buf, size_t len);
+
 static inline mf_status mf_cuda_status(cudaError_t err, const char *what) {
   if (err == cudaSuccess) return MF_OK;
+  char hint[640];
+  if (mf_cuda_error_hint((int)err, hint, sizeof hint))
+    return mf_error(MF_ERR_CUDA, "%s: CUDA error %d (%s): %s", what, (int)err,
+                    cudaGetErrorName(err), hint);
   return mf_error(MF_ERR_CUDA, "%s: CUDA error %d (%s): %s", what, (int)err,
                   cudaGetErrorName(err), cudaGetErrorString(err));
 }

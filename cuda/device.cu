@@ -1,14 +1,44 @@
 /* Runtime queries used by memfit.doctor() and the bindings. A machine with no GPU or
  * no usable driver reports zero devices instead of failing; mf_cuda_unavailable says
  * why, so `memfit doctor` can show the cause (a driver too old for this build's CUDA is
- * the common one: a CUDA 13 build needs driver >= 580). Only CUDA 12.0+ runtime API
- * here, so CUDA 12.x toolkits build it. */
+ * the common one: a CUDA 13 build needs driver >= 580), in the words of memfit/cuda_hint.h.
+ * Only CUDA 12.0+ runtime API here, so CUDA 12.x toolkits build it. */
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
 #include "cuda_util.cuh"
+#include "memfit/cuda_hint.h"
 #include "memfit/cuda_launch.h"
+
+extern "C" int mf_cuda_error_hint(int err, char *buf, size_t len) {
+  if (err != MF_CUDA_ERR_INSUFFICIENT_DRIVER && err != MF_CUDA_ERR_NO_KERNEL_IMAGE &&
+      err != MF_CUDA_ERR_UNSUPPORTED_PTX) {
+    if (len) buf[0] = '\0';
+    return 0;
+  }
+  int driver = 0, device = 0, major = 0, minor = 0;
+  cudaDriverGetVersion(&driver); /* 0 when no driver is installed */
+  if (err != MF_CUDA_ERR_INSUFFICIENT_DRIVER && cudaGetDevice(&device) == cudaSuccess &&
+      (cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) != cudaSuccess ||
+       cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device) != cudaSuccess))
+    major = minor = 0;
+  cudaGetLastError(); /* the queries above leave no error behind */
+  return mf_cuda_hint(err, driver, CUDART_VERSION, mf_cuda_archs(), major, minor, buf, len);
+}
+
+/* Without initializing CUDA (cudaDriverGetVersion only: a process that forks workers
+ * after `import memfit` must not have), whether the driver is older than this build's CUDA
+ * major version; the hint, or "". */
+extern "C" mf_status mf_cuda_driver_hint(char *buf, size_t len) {
+  if (len) buf[0] = '\0';
+  int driver = 0;
+  cudaDriverGetVersion(&driver);
+  if (driver > 0 && driver / 1000 < CUDART_VERSION / 1000)
+    mf_cuda_hint(MF_CUDA_ERR_INSUFFICIENT_DRIVER, driver, CUDART_VERSION, mf_cuda_archs(), 0, 0,
+                 buf, len);
+  return MF_OK;
+}
 
 extern "C" mf_status mf_cuda_device_count(int *count) {
   *count = 0;
@@ -53,15 +83,8 @@ extern "C" mf_status mf_cuda_unavailable(char *why, size_t why_len) {
   cudaGetLastError();
   cudaDriverGetVersion(&driver); /* 0 when no driver is installed */
   const int rt = CUDART_VERSION;
-  if (err == cudaErrorInsufficientDriver && driver == 0) {
-    snprintf(why, why_len, "no NVIDIA driver is installed (libcuda.so.1 not found)");
-  } else if (err == cudaErrorInsufficientDriver) {
-    snprintf(why, why_len,
-             "the NVIDIA driver supports CUDA %d.%d, older than the CUDA %d.%d this memfit was "
-             "built with: update the driver (CUDA 13 needs >= 580, CUDA 12 >= 525) or build "
-             "memfit with a CUDA toolkit no newer than %d.%d",
-             driver / 1000, driver % 1000 / 10, rt / 1000, rt % 1000 / 10, driver / 1000,
-             driver % 1000 / 10);
+  if (err == cudaErrorInsufficientDriver) {
+    mf_cuda_hint((int)err, driver, rt, mf_cuda_archs(), 0, 0, why, why_len);
   } else if (err == cudaSuccess || err == cudaErrorNoDevice) {
     const char *vis = getenv("CUDA_VISIBLE_DEVICES");
     snprintf(why, why_len, "no CUDA device is visible%s%s%s", vis ? " (CUDA_VISIBLE_DEVICES=" : "",

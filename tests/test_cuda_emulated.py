@@ -113,6 +113,70 @@ def test_device_queries(emulated, device, name, capability):
     assert run.stdout.strip().endswith("None"), run.stdout
 
 
+# ---- the errors a rebuild fixes: the one-line hint at import, in doctor, at the first call ---
+_FIRST_CALL = """
+import sys, warnings
+sys.path.insert(0, {tests!r})
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    import memfit
+import numpy as np
+from memfit import _C
+from emulated_cases import Dev
+for w in caught:
+    print("WARNING", w.category.__name__, str(w.message).replace(chr(10), " NEWLINE "))
+print("COUNT", _C.cuda_device_count())
+print("UNAVAILABLE", _C.cuda_unavailable())
+code = np.empty(256, np.float32)
+_C.dynamic_map(code, True, 8, 7)
+x = np.linspace(-1, 1, 256, dtype=np.float32)
+try:
+    _C.quantize_blockwise(Dev(x), Dev(code), Dev(np.empty(256, np.uint8)), Dev(np.empty(1, np.float32)), 256, False, 0, 0)
+    print("CALL ok")
+except memfit.CudaError as e:
+    print("CALL", str(e).replace(chr(10), " NEWLINE "))
+"""
+
+
+def _first_call(emulated, **env):
+    run = _query(emulated, _FIRST_CALL.format(tests=str(Path(__file__).resolve().parent)),
+                 MEMFIT_CUBLASLT=eu.NO_CUBLASLT, **env)
+    assert run.returncode == 0, run.stderr
+    return {k: v for k, v in (line.split(" ", 1) for line in run.stdout.splitlines())}, run.stdout
+
+
+def test_driver_older_than_the_build_is_named_once_everywhere(emulated):
+    """mfemu's CUDA 13.0 runtime on a driver for CUDA 12.4 (Colab's 550), as an nvcc 13
+    build on Colab: import memfit warns in one line, doctor's reason and the first CUDA
+    call's error carry the same line."""
+    out, text = _first_call(emulated, MFEMU_DRIVER="12040")
+    hint = ("the NVIDIA driver supports CUDA 12.4, but this memfit was built with CUDA 13.0, "
+            "which needs driver >= 580: rebuild memfit with an nvcc no newer than 12.4")
+    assert out["WARNING"].startswith("RuntimeWarning memfit's CUDA kernels cannot run here: " + hint), text
+    assert "NEWLINE" not in text and text.count("WARNING") == 1, text
+    assert out["COUNT"] == "0" and out["UNAVAILABLE"].startswith(hint), text
+    assert "cudaErrorInsufficientDriver" in out["CALL"] and hint in out["CALL"], text
+
+
+def test_no_driver_is_not_a_warning(emulated):
+    out, text = _first_call(emulated, MFEMU_DRIVER="0")
+    assert "WARNING" not in out, text  # a CPU machine with a CUDA build: nothing to fix
+    assert out["UNAVAILABLE"] == "no NVIDIA driver is installed (libcuda.so.1 not found)", text
+
+
+def test_gpu_without_kernels_is_named_at_the_first_call(emulated):
+    out, text = _first_call(emulated, MFEMU_NO_KERNEL_IMAGE="1", MFEMU_DEVICE="t4")
+    assert "WARNING" not in out and out["COUNT"] == "1" and out["UNAVAILABLE"] == "None", text
+    assert "cudaErrorNoKernelImageForDevice" in out["CALL"], text
+    assert "this GPU (compute capability 7.5) has no kernels in this memfit build" in out["CALL"], text
+    assert "MEMFIT_CUDA_ARCHS=75 pip install" in out["CALL"], text
+
+
+def test_without_injected_errors_the_call_runs(emulated):
+    out, text = _first_call(emulated)
+    assert "WARNING" not in out and out["CALL"] == "ok", text
+
+
 # ---- the runtime itself ---------------------------------------------------------------
 def _selftest(tmp_path, cxx, *extra, runner=()):
     cpp = tmp_path / "selftest.cpp"

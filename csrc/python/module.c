@@ -3,6 +3,7 @@
  * runtime queries, and merges the method tables of the capability bindings.
  */
 #include "bindings.h"
+#include "memfit/cuda_hint.h"
 #include "memfit/optim.h"
 #ifdef MEMFIT_WITH_CUDA
 #include "memfit/cuda_launch.h"
@@ -110,6 +111,41 @@ static PyObject *py_cuda_unavailable(PyObject *self, PyObject *noargs) {
 #endif
 }
 
+/* The one-line fix for a CUDA error code (memfit/cuda_hint.h), or None: the formatter
+ * itself, in every build, so its words are tested without a GPU. */
+static PyObject *py_cuda_hint(PyObject *self, PyObject *args) {
+  (void)self;
+  int err, driver, runtime, major, minor;
+  const char *archs;
+  if (!PyArg_ParseTuple(args, "iiisii", &err, &driver, &runtime, &archs, &major, &minor))
+    return NULL;
+  char hint[640];
+  if (!mf_cuda_hint(err, driver, runtime, archs, major, minor, hint, sizeof hint)) Py_RETURN_NONE;
+  return PyUnicode_FromString(hint);
+}
+
+static PyObject *py_cuda_archs_run_on(PyObject *self, PyObject *args) {
+  (void)self;
+  int major, minor;
+  const char *archs;
+  if (!PyArg_ParseTuple(args, "sii", &archs, &major, &minor)) return NULL;
+  return PyBool_FromLong(mf_cuda_archs_run_on(archs, major, minor));
+}
+
+/* The hint when the driver is older than this build's CUDA, else None; CUDA stays
+ * uninitialized (import memfit calls it). */
+static PyObject *py_cuda_driver_hint(PyObject *self, PyObject *noargs) {
+  (void)self;
+  (void)noargs;
+#ifdef MEMFIT_WITH_CUDA
+  char hint[640];
+  mf_status st = mf_cuda_driver_hint(hint, sizeof hint);
+  if (st) return mf_py_raise(st);
+  if (hint[0]) return PyUnicode_FromString(hint);
+#endif
+  Py_RETURN_NONE;
+}
+
 static PyObject *py_cuda_device_info(PyObject *self, PyObject *arg) {
   (void)self;
   long dev = PyLong_AsLong(arg);
@@ -144,6 +180,12 @@ static PyMethodDef core_methods[] = {
     {"cuda_device_count", py_cuda_device_count, METH_NOARGS, "Visible CUDA devices (0 without)."},
     {"cuda_device_info", py_cuda_device_info, METH_O, "Name, capability and memory of a GPU."},
     {"cuda_unavailable", py_cuda_unavailable, METH_NOARGS, "Why no GPU is usable, or None."},
+    {"cuda_hint", py_cuda_hint, METH_VARARGS,
+     "cuda_hint(error, driver, runtime, archs, major, minor): the fix for a CUDA error, or None."},
+    {"cuda_archs_run_on", py_cuda_archs_run_on, METH_VARARGS,
+     "cuda_archs_run_on(archs, major, minor): whether the list has code for that GPU."},
+    {"cuda_driver_hint", py_cuda_driver_hint, METH_NOARGS,
+     "The fix when the driver is older than this build's CUDA, or None (no CUDA init)."},
     {NULL, NULL, 0, NULL}};
 
 /* Every capability's table; module init adds them all. */

@@ -76,6 +76,8 @@ enum cudaError_t {
   cudaErrorInvalidDevice = 101,
   cudaErrorInsufficientDriver = 35,
   cudaErrorNoDevice = 100,
+  cudaErrorNoKernelImageForDevice = 209,
+  cudaErrorUnsupportedPtxVersion = 222,
   cudaErrorNotSupported = 801,
   cudaErrorStreamCaptureImplicit = 906,
   cudaErrorLaunchFailure = 719,

@@ -493,6 +493,21 @@ bool mfemu_register_shared(void *p, size_t size) {
   return true;
 }
 
+/* Failure injection, for memfit's hints on the CUDA errors a rebuild fixes
+ * (memfit/cuda_hint.h): MFEMU_DRIVER=12040 emulates a driver for CUDA 12.4 (0: none), too
+ * old for CUDART_VERSION's major, so every call that needs the device fails with
+ * cudaErrorInsufficientDriver as the real runtime's do; MFEMU_NO_KERNEL_IMAGE=1 fails every
+ * launch with cudaErrorNoKernelImageForDevice, as on a GPU the build has no code for. */
+static int emulated_driver_version() {
+  const char *d = getenv("MFEMU_DRIVER");
+  return d && *d ? atoi(d) : CUDART_VERSION;
+}
+static bool driver_too_old() { return emulated_driver_version() / 1000 < CUDART_VERSION / 1000; }
+static bool no_kernel_image() {
+  const char *k = getenv("MFEMU_NO_KERNEL_IMAGE");
+  return k && !strcmp(k, "1");
+}
+
 cudaError_t mfemu::run_grid(const char *kernel, const char *file, int line, dim3 grid, dim3 block,
                             size_t dynamic_smem, thread_body body, void *ctx) {
   std::lock_guard<std::mutex> lock(g.launch_mutex);
@@ -501,6 +516,8 @@ cudaError_t mfemu::run_grid(const char *kernel, const char *file, int line, dim3
     g.seed = s ? strtoull(s, nullptr, 0) : 0;
     g.seed_read = true;
   }
+  if (driver_too_old()) return g.last_error = cudaErrorInsufficientDriver;
+  if (no_kernel_image()) return g.last_error = cudaErrorNoKernelImageForDevice;
   g.kernel = kernel;
   g.launch_file = file;
   g.launch_line = line;
@@ -567,6 +584,8 @@ const char *cudaGetErrorName(cudaError_t err) {
     case cudaErrorInvalidDevice: return "cudaErrorInvalidDevice";
     case cudaErrorInsufficientDriver: return "cudaErrorInsufficientDriver";
     case cudaErrorNoDevice: return "cudaErrorNoDevice";
+    case cudaErrorNoKernelImageForDevice: return "cudaErrorNoKernelImageForDevice";
+    case cudaErrorUnsupportedPtxVersion: return "cudaErrorUnsupportedPtxVersion";
     case cudaErrorNotSupported: return "cudaErrorNotSupported";
     case cudaErrorStreamCaptureImplicit: return "cudaErrorStreamCaptureImplicit";
     case cudaErrorLaunchFailure: return "cudaErrorLaunchFailure";
@@ -594,19 +613,24 @@ cudaError_t cudaGetLastError(void) {
 }
 cudaError_t cudaPeekAtLastError(void) { return g.last_error; }
 cudaError_t cudaGetDeviceCount(int *count) {
+  *count = 0;
+  if (driver_too_old()) return set_error(cudaErrorInsufficientDriver);
   *count = 1;
   return cudaSuccess;
 }
 cudaError_t cudaGetDevice(int *device) {
+  if (driver_too_old()) return set_error(cudaErrorInsufficientDriver);
   *device = g.device;
   return cudaSuccess;
 }
 cudaError_t cudaSetDevice(int device) {
+  if (driver_too_old()) return set_error(cudaErrorInsufficientDriver);
   if (device != 0) return set_error(cudaErrorInvalidDevice);
   g.device = device;
   return cudaSuccess;
 }
 cudaError_t cudaGetDeviceProperties(cudaDeviceProp *prop, int device) {
+  if (driver_too_old()) return set_error(cudaErrorInsufficientDriver);
   if (device != 0) return set_error(cudaErrorInvalidDevice);
   const DeviceModel &m = device_model();
   memset(prop, 0, sizeof *prop);
@@ -636,7 +660,7 @@ cudaError_t cudaDeviceGetAttribute(int *value, cudaDeviceAttr attr, int device) 
   return set_error(cudaErrorInvalidValue);
 }
 cudaError_t cudaDriverGetVersion(int *version) {
-  *version = CUDART_VERSION;
+  *version = emulated_driver_version();
   return cudaSuccess;
 }
 cudaError_t cudaRuntimeGetVersion(int *version) {
@@ -655,6 +679,7 @@ cudaError_t cudaGetDriverEntryPointByVersion(const char *symbol, void **fn, unsi
   return cudaGetDriverEntryPoint(symbol, fn, flags, status);
 }
 cudaError_t cudaMalloc(void **ptr, size_t size) {
+  if (driver_too_old()) return set_error(cudaErrorInsufficientDriver);
   *ptr = malloc(size ? size : 1);
   return *ptr ? cudaSuccess : set_error(cudaErrorMemoryAllocation);
 }

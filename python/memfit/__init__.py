@@ -31,6 +31,23 @@ from memfit._C import CudaError, Error, MemfitTypeError, MemfitValueError
 
 __version__ = _C.build_info()["version"]
 
+
+def _warn_if_the_driver_is_too_old() -> None:
+    # One line at import when the NVIDIA driver is older than the CUDA this build linked
+    # (e.g. an nvcc 13 build on Colab's driver 550): the CUDA kernels cannot run, and the
+    # line says which toolkit to rebuild with. Reads the driver's version only: CUDA is
+    # not initialized, so processes forked after `import memfit` can still use it. A GPU
+    # the build has no code for is reported by `memfit doctor` and the first CUDA call.
+    if _C.build_info()["cuda"]:
+        hint = _C.cuda_driver_hint()
+        if hint:
+            import warnings
+
+            warnings.warn(f"memfit's CUDA kernels cannot run here: {hint}", RuntimeWarning, stacklevel=2)
+
+
+_warn_if_the_driver_is_too_old()
+
 __all__ = [
     "CudaError",
     "Error",

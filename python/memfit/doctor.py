@@ -9,6 +9,8 @@ import platform
 
 from memfit import _C
 
+NO_KERNEL_IMAGE = 209  # cudaErrorNoKernelImageForDevice (memfit/cuda_hint.h)
+
 
 def report() -> dict:
     """Build information plus run-time facts: the CPU (model, vector ISA, whether
@@ -16,11 +18,17 @@ def report() -> dict:
     kernel chosen), GPUs (name, compute capability, whether bfloat16 is native), CPU
     threads memfit uses, and the frameworks it can see."""
     info = {"build": dict(_C.build_info())}
+    archs = info["build"]["cuda_archs"]
     gpus = []
     for i in range(_C.cuda_device_count()):
         d = dict(_C.cuda_device_info(i))
         major, minor = d["capability"]
         d["capability"] = f"{major}.{minor}"
+        # whether the build has code this GPU runs; if not, what to rebuild with (the
+        # words the first CUDA call's cudaErrorNoKernelImageForDevice would bring)
+        d["kernels"] = _C.cuda_archs_run_on(archs, major, minor)
+        d["fix"] = None if d["kernels"] else _C.cuda_hint(
+            NO_KERNEL_IMAGE, d["driver_version"], d["runtime_version"], archs, major, minor)
         d["bf16_native"] = major >= 8
         d["total_memory_gb"] = round(d.pop("total_memory") / 2**30, 2)
         gpus.append(d)
@@ -79,6 +87,7 @@ def format_report(info: dict) -> str:
             lines.append(
                 f"  GPU {i}        : {g['name']}, compute {g['capability']}, "
                 f"{g['total_memory_gb']} GB, bf16 {'native' if g['bf16_native'] else 'not native (use fp16 + GradScaler)'}"
+                + ("" if g["kernels"] else f"; NO KERNELS for it: {g['fix']}")
             )
     elif b["cuda"]:
         lines.append("  GPU          : none usable (CUDA kernels built; CPU kernels in use): "

@@ -26,6 +26,9 @@ mf_status mf_cuda_versions(int *driver, int *runtime);
 /* Why no CUDA device can be used (no driver, a driver older than this build's CUDA,
  * no visible device, ...) into `why`; empty when one can. */
 mf_status mf_cuda_unavailable(char *why, size_t why_len);
+/* The hint of memfit/cuda_hint.h when the driver is older than this build's CUDA major
+ * version, else ""; reads the driver's version only (CUDA is not initialized). */
+mf_status mf_cuda_driver_hint(char *buf, size_t len);
 
 /* cuda/quant.cu */
 mf_status mf_cuda_quantize_blockwise(const mf_tensor *x, const mf_tensor *code,
