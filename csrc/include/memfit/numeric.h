@@ -26,8 +26,9 @@ extern "C" {
  * and GCC does not inline a plain `static inline` function into a caller with other
  * target options by its own size estimate: it left mf_hash64 and mf_f32_to_bf16_sr as a
  * call per element in the fused optimizer kernels, the stores then cost 5x the whole
- * rest of the step (benchmarks/RESULTS.md, "stochastic rounding store"). Inlined, the
- * store loops vectorise. Nothing changes for nvcc (the device code is inlined anyway). */
+ * rest of the step (benchmarks/RESULTS.md, "Stochastic-rounding store per kernel
+ * variant"). Inlined, the store loops vectorise (tests/test_optim_store_inline.py checks
+ * the built library). Nothing changes for nvcc (the device code is inlined anyway). */
 #if defined(__GNUC__) && !defined(__CUDACC__)
 #define MF_HOST_INLINE __attribute__((always_inline))
 #else
