@@ -1,7 +1,7 @@
 """The CPU step's cost by parameter dtype and rounding, and what stochastic rounding adds
 over round-to-nearest per CPU kernel variant and per tensor shape.
 
-    python benchmarks/bench_param_store.py                 # writes benchmarks/out/bench_param_store.json
+    python benchmarks/bench_param_store.py      # writes benchmarks/out/bench_param_store.json
     python benchmarks/bench_param_store.py --isa avx512vbmi,avx2 --rounds 3
     python benchmarks/bench_param_store.py --against-python /path/to/other/python  # before/after
 

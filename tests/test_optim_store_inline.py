@@ -7,8 +7,8 @@ into the kernels compiled with target attributes (the fused AVX2 / AVX-512 kerne
 optim_fused.h) by its own size estimate: it kept a call per element, with the vector
 registers saved around each one, and the bf16 stochastic-rounding step cost 6x the
 round-to-nearest one on every tensor with 8-bit states (benchmarks/RESULTS.md,
-"Stochastic-rounding store per kernel variant"). MF_HOST_INLINE forces them inline; this test keeps it so,
-by reading the built extension's machine code: no hot kernel calls one of the helpers,
+"Stochastic-rounding store per kernel variant"). MF_HOST_INLINE forces them inline; this
+test keeps it so, by reading the built extension's machine code: no hot kernel calls one of the helpers,
 and the library holds no out-of-line copy of any (a copy exists only if something calls
 it). Skipped without objdump or where the extension has no symbol table (a stripped
 wheel)."""
@@ -68,7 +68,8 @@ def funcs():
 
 
 def test_hot_kernels_call_no_per_element_helper(funcs):
-    hot = {f: sorted(c for c in calls if _HELPER.match(c)) for f, calls in funcs.items() if _HOT.match(f)}
+    hot = {f: sorted(c for c in calls if _HELPER.match(c))
+           for f, calls in funcs.items() if _HOT.match(f)}
     assert "mf_optim_step_cpu._omp_fn.0" in hot, sorted(hot)
     if any(f.startswith("mf_optim_fused8_") for f in funcs):  # x86: every fused variant
         for isa in ("avx512_vbmi", "avx512_gather", "avx2"):
