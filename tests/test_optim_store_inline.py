@@ -7,10 +7,10 @@ into the kernels compiled with target attributes (the fused AVX2 / AVX-512 kerne
 optim_fused.h) by its own size estimate: it kept a call per element, with the vector
 registers saved around each one, and the bf16 stochastic-rounding step cost 6x the
 round-to-nearest one on every tensor with 8-bit states (benchmarks/RESULTS.md,
-"Stochastic-rounding store per kernel variant"). MF_HOST_INLINE forces them inline; this
-test keeps it so, by reading the built extension's machine code: no hot kernel calls one of the helpers,
-and the library holds no out-of-line copy of any (a copy exists only if something calls
-it). Skipped without objdump or where the extension has no symbol table (a stripped
+"Stochastic-rounding store per kernel variant"). MF_HOST_INLINE forces them inline;
+this test keeps it so, by reading the built extension's machine code: no hot kernel
+calls one of the helpers, and the library holds no out-of-line copy of any (a copy
+exists only if something calls it). Skipped without objdump or where the extension has no symbol table (a stripped
 wheel)."""
 
 from __future__ import annotations
