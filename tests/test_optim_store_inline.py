@@ -10,8 +10,8 @@ round-to-nearest one on every tensor with 8-bit states (benchmarks/RESULTS.md,
 "Stochastic-rounding store per kernel variant"). MF_HOST_INLINE forces them inline;
 this test keeps it so, by reading the built extension's machine code: no hot kernel
 calls one of the helpers, and the library holds no out-of-line copy of any (a copy
-exists only if something calls it). Skipped without objdump or where the extension has no symbol table (a stripped
-wheel)."""
+exists only if something calls it). Skipped without objdump or where the extension has
+no symbol table (a stripped wheel)."""
 
 from __future__ import annotations
 
