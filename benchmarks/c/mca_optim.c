@@ -125,3 +125,33 @@ MCA_LOOP(mca_search_tree4_avx2, MF_TARGET_AVX2, "search_tree4_avx2 elems=8 isa=a
          _mm_storel_epi64((__m128i *)(out + v),
                           mf_code_lut_bytes8(_mm256_slli_epi32(
                               mf_code_lut_tree4_8(lut, _mm256_mul_ps(_mm256_loadu_ps(in + v), _mm256_set1_ps(k))), 16))))
+
+/* The parameter store of half-precision parameters (store_params in optim_cpu.h: the
+ * same expressions): bf16
+ * by stochastic rounding (the hash state stepped by an add, then mf_hash64_mix's two
+ * 64-bit multiplies), by nearest-even, and the bf16 Kahan split. What stochastic
+ * rounding costs over nearest in the core. */
+#define STORE_LOOP(fn, target, spec, body)                                                \
+  target __attribute__((noinline)) void fn(const float *restrict v, int64_t n, uint64_t z0, \
+                                           uint16_t *restrict out, uint16_t *restrict comp) { \
+    (void)comp;                                                                          \
+    uint64_t z = z0;                                                                     \
+    MCA_BEGIN(spec);                                                                     \
+    /* (a multiple of 64 elements: no scalar epilogue, the vector loop is the last) */    \
+    for (int64_t i = 0; i < (n & -64); i++, z += MF_HASH64_STEP) { body; }               \
+    MCA_END();                                                                           \
+  }
+#define STORE_SR(i) out[i] = mf_f32_to_bf16_sr(v[i], (uint32_t)mf_hash64_mix(z))
+#define STORE_NEAREST(i) out[i] = mf_f32_to_bf16(v[i])
+#define STORE_KAHAN(i) mf_optim_kahan_split(v[i], MF_BFLOAT16, &out[i], &comp[i])
+/* (elems: gcc's vector loop stores 8 (baseline SSE2), 16 (AVX2) or 32 (AVX-512) bf16) */
+#define STORES(isa, target, elems)                                                        \
+  STORE_LOOP(mca_store_bf16_sr_##isa, target, "store_bf16_sr_" #isa " elems=" #elems " isa=" #isa, \
+             STORE_SR(i))                                                                 \
+  STORE_LOOP(mca_store_bf16_nearest_##isa, target,                                        \
+             "store_bf16_nearest_" #isa " elems=" #elems " isa=" #isa, STORE_NEAREST(i))  \
+  STORE_LOOP(mca_store_bf16_kahan_##isa, target,                                          \
+             "store_bf16_kahan_" #isa " elems=" #elems " isa=" #isa, STORE_KAHAN(i))
+STORES(generic, , 8)
+STORES(avx2, MF_TARGET_AVX2, 16)
+STORES(avx512, MF_TARGET_AVX512, 32)

@@ -179,14 +179,17 @@ MF_INLINE void store_params(const mf_optim_hparams *h, const mf_optim_tensor *t,
     else
       for (int64_t i = 0; i < n; i++) mf_optim_kahan_split(v[i], MF_FLOAT16, &out[i], &comp[i]);
   } else if (h->stochastic_round) {
+    /* element i's bits are mf_hash64(seed, base + i): its state z stepped by an add per
+     * element (mf_hash64_mix), a vector induction once vectorised */
     const uint64_t seed = mf_optim_sr_seed(h, t->sr_stream);
-    const uint64_t base = (uint64_t)(t->index_base + first);
+    const uint64_t z0 = seed + MF_HASH64_STEP * ((uint64_t)(t->index_base + first) + 1u);
+    uint64_t z = z0;
     if (bf)
-      for (int64_t i = 0; i < n; i++)
-        out[i] = mf_f32_to_bf16_sr(v[i], (uint32_t)mf_hash64(seed, base + (uint64_t)i));
+      for (int64_t i = 0; i < n; i++, z += MF_HASH64_STEP)
+        out[i] = mf_f32_to_bf16_sr(v[i], (uint32_t)mf_hash64_mix(z));
     else
-      for (int64_t i = 0; i < n; i++)
-        out[i] = mf_f32_to_f16_sr(v[i], mf_hash64(seed, base + (uint64_t)i));
+      for (int64_t i = 0; i < n; i++, z += MF_HASH64_STEP)
+        out[i] = mf_f32_to_f16_sr(v[i], mf_hash64_mix(z));
   } else {
     narrow(v, t->param.dtype, first, n, t->param.data);
   }

@@ -26,7 +26,7 @@
 extern "C" {
 #endif
 
-static inline MF_HD uint16_t mf_f32_to_bf16_sr(float f, uint32_t r) {
+static inline MF_HD MF_HOST_INLINE uint16_t mf_f32_to_bf16_sr(float f, uint32_t r) {
   uint32_t u = mf_f32_bits(f);
   uint32_t a = u & 0x7fffffffu;
   if (a > 0x7f800000u) return 0x7fc0u;                  /* NaN */
@@ -37,7 +37,7 @@ static inline MF_HD uint16_t mf_f32_to_bf16_sr(float f, uint32_t r) {
   return (uint16_t)((u >> 16 & 0x8000u) | h);
 }
 
-static inline MF_HD uint16_t mf_f32_to_f16_sr(float f, uint64_t r) {
+static inline MF_HD MF_HOST_INLINE uint16_t mf_f32_to_f16_sr(float f, uint64_t r) {
   uint32_t u = mf_f32_bits(f);
   uint16_t sign = (uint16_t)((u >> 16) & 0x8000u);
   uint32_t a = u & 0x7fffffffu;

@@ -21,6 +21,20 @@
 extern "C" {
 #endif
 
+/* Always inlined by GCC/Clang on the host. The CPU kernels that call these conversions
+ * per element are compiled with target attributes (AVX2, AVX-512: csrc/core/optim_*.c),
+ * and GCC does not inline a plain `static inline` function into a caller with other
+ * target options by its own size estimate: it left mf_hash64 and mf_f32_to_bf16_sr as a
+ * call per element in the fused optimizer kernels, the stores then cost 5x the whole
+ * rest of the step (benchmarks/RESULTS.md, "Stochastic-rounding store per kernel
+ * variant"). Inlined, the store loops vectorise (tests/test_optim_store_inline.py checks
+ * the built library). Nothing changes for nvcc (the device code is inlined anyway). */
+#if defined(__GNUC__) && !defined(__CUDACC__)
+#define MF_HOST_INLINE __attribute__((always_inline))
+#else
+#define MF_HOST_INLINE
+#endif
+
 /* A float's bits as a uint32 and back: nvcc's intrinsics on the device, memcpy (the
  * portable bit cast, compiled to a register move) on the host. */
 #ifdef __CUDA_ARCH__
@@ -56,11 +70,11 @@ static inline MF_HD float mf_select_f32(int keep, float old_value, float new_val
 
 /* ---- bfloat16 ---------------------------------------------------------- */
 
-static inline MF_HD float mf_bf16_to_f32(uint16_t h) {
+static inline MF_HD MF_HOST_INLINE float mf_bf16_to_f32(uint16_t h) {
   return mf_f32_from_bits((uint32_t)h << 16);
 }
 
-static inline MF_HD uint16_t mf_f32_to_bf16(float f) {
+static inline MF_HD MF_HOST_INLINE uint16_t mf_f32_to_bf16(float f) {
   uint32_t u = mf_f32_bits(f);
   if ((u & 0x7fffffffu) > 0x7f800000u) return 0x7fc0u;
   /* add 0x7fff plus the lowest kept bit: ties go to the even neighbour */
@@ -69,7 +83,7 @@ static inline MF_HD uint16_t mf_f32_to_bf16(float f) {
 
 /* ---- float16 ----------------------------------------------------------- */
 
-static inline MF_HD float mf_f16_to_f32(uint16_t h) {
+static inline MF_HD MF_HOST_INLINE float mf_f16_to_f32(uint16_t h) {
   uint32_t sign = (uint32_t)(h & 0x8000u) << 16;
   uint32_t e = (h >> 10) & 0x1fu;
   uint32_t m = h & 0x3ffu;
@@ -88,7 +102,7 @@ static inline MF_HD float mf_f16_to_f32(uint16_t h) {
   return mf_f32_from_bits(sign | ((e + 112u) << 23) | (m << 13));
 }
 
-static inline MF_HD uint16_t mf_f32_to_f16(float f) {
+static inline MF_HD MF_HOST_INLINE uint16_t mf_f32_to_f16(float f) {
   uint32_t u = mf_f32_bits(f);
   uint16_t sign = (uint16_t)((u >> 16) & 0x8000u);
   uint32_t a = u & 0x7fffffffu;
@@ -113,7 +127,7 @@ static inline MF_HD uint16_t mf_f32_to_f16(float f) {
 
 /* ---- load / store any float dtype as float32 ---------------------------- */
 
-static inline MF_HD float mf_load_f32(const void *p, int64_t i, mf_dtype dt) {
+static inline MF_HD MF_HOST_INLINE float mf_load_f32(const void *p, int64_t i, mf_dtype dt) {
   switch (dt) {
     case MF_FLOAT16: return mf_f16_to_f32(((const uint16_t *)p)[i]);
     case MF_BFLOAT16: return mf_bf16_to_f32(((const uint16_t *)p)[i]);
@@ -121,7 +135,7 @@ static inline MF_HD float mf_load_f32(const void *p, int64_t i, mf_dtype dt) {
   }
 }
 
-static inline MF_HD void mf_store_f32(void *p, int64_t i, mf_dtype dt, float v) {
+static inline MF_HD MF_HOST_INLINE void mf_store_f32(void *p, int64_t i, mf_dtype dt, float v) {
   switch (dt) {
     case MF_FLOAT16: ((uint16_t *)p)[i] = mf_f32_to_f16(v); break;
     case MF_BFLOAT16: ((uint16_t *)p)[i] = mf_f32_to_bf16(v); break;
@@ -181,12 +195,21 @@ static inline MF_HD double mf_exp_f64(double x) {
 /* ---- counter-based random numbers --------------------------------------- */
 
 /* splitmix64's finaliser over (seed, counter): stateless, so element i gets the same
- * number on the CPU and the GPU whatever the thread layout. */
-static inline MF_HD uint64_t mf_hash64(uint64_t seed, uint64_t counter) {
-  uint64_t z = seed + 0x9e3779b97f4a7c15ull * (counter + 1u);
+ * number on the CPU and the GPU whatever the thread layout. In two parts: the state
+ * z = seed + MF_HASH64_STEP * (counter + 1) and the mix of it, so that a loop over
+ * consecutive counters can step z by MF_HASH64_STEP (an add: the same bits modulo 2^64)
+ * instead of multiplying per element, one of the three 64-bit multiplies per element
+ * of the CPU's stochastic-rounding store (csrc/core/optim_cpu.h, store_params). */
+#define MF_HASH64_STEP 0x9e3779b97f4a7c15ull
+
+static inline MF_HD MF_HOST_INLINE uint64_t mf_hash64_mix(uint64_t z) {
   z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
   z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
   return z ^ (z >> 31);
+}
+
+static inline MF_HD MF_HOST_INLINE uint64_t mf_hash64(uint64_t seed, uint64_t counter) {
+  return mf_hash64_mix(seed + MF_HASH64_STEP * (counter + 1u));
 }
 
 /* Uniform float in [0, 1) with 24 random bits (exactly representable). */

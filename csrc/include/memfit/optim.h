@@ -546,7 +546,7 @@ typedef struct {
 /* Kahan split of an updated value v into a half-precision pair (dt: float16 or
  * bfloat16): *hi = nearest_even(v), *lo = nearest_even(v - float(*hi)), and *lo = 0
  * where v - float(*hi) is not finite. */
-static inline MF_HD void mf_optim_kahan_split(float v, mf_dtype dt, uint16_t *hi, uint16_t *lo) {
+static inline MF_HD MF_OPTIM_FORCE_INLINE void mf_optim_kahan_split(float v, mf_dtype dt, uint16_t *hi, uint16_t *lo) {
   const int bf = dt == MF_BFLOAT16;
   const uint16_t h = bf ? mf_f32_to_bf16(v) : mf_f32_to_f16(v);
   const float r = v - (bf ? mf_bf16_to_f32(h) : mf_f16_to_f32(h));
@@ -556,7 +556,7 @@ static inline MF_HD void mf_optim_kahan_split(float v, mf_dtype dt, uint16_t *hi
 
 /* The float32 value element i of a parameter starts its update from: the parameter,
  * plus its Kahan compensation when there is one (comp != NULL). */
-static inline MF_HD float mf_optim_load_param(const void *p, const void *comp, int64_t i,
+static inline MF_HD MF_OPTIM_FORCE_INLINE float mf_optim_load_param(const void *p, const void *comp, int64_t i,
                                               mf_dtype dt) {
   const float v = mf_load_f32(p, i, dt);
   return comp ? v + mf_load_f32(comp, i, dt) : v;
