@@ -4,9 +4,14 @@ against it in a subprocess, so the test process keeps the normal memfit.
 
 The build goes to <repo>/build/emulated* and is incremental: a change to a .cu file
 rebuilds that file and relinks; a cold build compiles the C core once more (with
-MEMFIT_WITH_CUDA it is a different library)."""
+MEMFIT_WITH_CUDA it is a different library). Under pytest-xdist several worker
+processes may ask for the same build at once: a lock file beside the folder makes the
+second wait for the first and then find it up to date (a no-op ninja run), so each
+build is made once per run and never by two compilers into one folder."""
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import os
 import shutil
 import subprocess
@@ -20,12 +25,31 @@ CASES = Path(__file__).resolve().parent / "emulated_cases.py"
 NO_CUBLASLT = "/nonexistent/mfemu-has-no-libcublasLt.so"
 
 
+@contextlib.contextmanager
+def locked(build_dir: Path):
+    """Holds <build_dir>.lock (an OS file lock, released when the holder exits, even
+    killed) while the caller writes into build_dir, so that the tests of other xdist
+    workers, or another pytest run on the same tree, wait instead of building beside it."""
+    build_dir.parent.mkdir(parents=True, exist_ok=True)
+    with open(build_dir.parent / f"{build_dir.name}.lock", "w") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
 def build(name: str = "emulated", *defines: str) -> Path:
     """Configures (once) and builds <repo>/build/<name>; returns the folder."""
     build_dir = ROOT / "build" / name
     cmake = shutil.which("cmake")
     if cmake is None:
         raise RuntimeError("cmake is needed to build the emulated kernels")
+    with locked(build_dir):
+        return _build(cmake, build_dir, defines)
+
+
+def _build(cmake: str, build_dir: Path, defines: tuple) -> Path:
     wanted = [f"-D{d}" for d in ("MEMFIT_CUDA=EMULATE", "MEMFIT_BUILD_TESTS=OFF", *defines)]
     stamp = build_dir / "mfemu-configure-args"
     if not (build_dir / "CMakeCache.txt").exists() or not stamp.exists() or stamp.read_text() != repr(wanted):
