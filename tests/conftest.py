@@ -92,6 +92,9 @@ def _group_by_shared_fixture(items) -> None:
             item.add_marker(pytest.mark.xdist_group(f"{baseid}::{name}"))
 
 
+# tryfirst: xdist's worker names each test by its group in its own hook, which runs
+# before a conftest's otherwise
+@pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config, items):
     _group_by_shared_fixture(items)
     reason = None
