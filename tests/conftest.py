@@ -45,6 +45,7 @@ def _cuda_reason():
     return None
 
 
+@pytest.hookimpl(optionalhook=True)  # a hook of xdist's: no error where it is not loaded
 def pytest_xdist_auto_num_workers(config):
     """-n auto: one worker per CPU this process may use (xdist's own default counts
     physical cores, which some 2-vCPU cloud machines report as one)."""
