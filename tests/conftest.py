@@ -51,7 +51,26 @@ def pytest_xdist_auto_num_workers(config):
     physical cores, which some 2-vCPU cloud machines report as one)."""
     if os.environ.get("PYTEST_XDIST_AUTO_NUM_WORKERS"):
         return int(os.environ["PYTEST_XDIST_AUTO_NUM_WORKERS"])
+    return _cpus()
+
+
+def _cpus() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
+def pytest_configure(config):
+    """In an xdist worker, torch's own thread pool gets this worker's share of the CPUs
+    (one each with one worker per CPU): torch is the reference and the harness here,
+    its thread count is not what a test checks, and with every worker's pool as wide as
+    the machine the spinning threads made the torch-heavy tests 2 to 3 times slower
+    (tests/test_checkpoint.py and test_compile.py, 2 workers on 2 cores). memfit's
+    threads (memfit.set_num_threads, OMP_NUM_THREADS) are left as they are: how the C
+    core splits work across threads is part of what the tests check."""
+    workers = os.environ.get("PYTEST_XDIST_WORKER_COUNT")
+    if workers and importlib.util.find_spec("torch") is not None:
+        import torch
+
+        torch.set_num_threads(max(1, _cpus() // int(workers)))
 
 
 def _shared_fixtures(item) -> set:
