@@ -4,7 +4,7 @@ Tests marked ``@pytest.mark.cuda`` need a GPU and a CUDA build of memfit; they a
 skipped cleanly (with the reason) everywhere else.
 
 The suite runs on pytest-xdist, one worker process per CPU (``-n auto --dist
-loadgroup`` in pyproject.toml; ``-n 0`` runs in one process, for ``--pdb``): tests that
+loadgroup`` in pyproject.toml; ``-n 0`` runs in one process, as ``--pdb`` does): tests that
 share a fixture living longer than one test (a module-, class- or session-scoped one of
 this project, a build or a multi-process run, say) are put into one xdist group, so
 one worker runs them all and the fixture is made once, not once per worker. A test
