@@ -63,9 +63,12 @@ def pytest_configure(config):
     (one each with one worker per CPU): torch is the reference and the harness here,
     its thread count is not what a test checks, and with every worker's pool as wide as
     the machine the spinning threads made the torch-heavy tests 2 to 3 times slower
-    (tests/test_checkpoint.py and test_compile.py, 2 workers on 2 cores). memfit's
-    threads (memfit.set_num_threads, OMP_NUM_THREADS) are left as they are: how the C
-    core splits work across threads is part of what the tests check."""
+    (tests/test_checkpoint.py and test_compile.py, 2 workers on 2 cores). torch's count
+    is OpenMP's for this thread, which memfit's default (memfit.get_num_threads() with
+    nothing set) follows too: in a worker memfit's kernels run on that share unless a
+    test sets memfit.set_num_threads, as the tests of how the C core splits work across
+    threads do (tests/test_optim.py); the C core's and the emulated kernels' own tests
+    run in subprocesses with the machine's width."""
     workers = os.environ.get("PYTEST_XDIST_WORKER_COUNT")
     if workers and importlib.util.find_spec("torch") is not None:
         import torch

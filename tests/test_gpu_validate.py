@@ -60,8 +60,12 @@ def test_perf_stage_dry_run(tmp_path):
     import json
     import sys
 
+    import memfit
+
+    # memfit where this process found it: the source tree with its build, or site-packages
+    found = str(Path(memfit.__file__).resolve().parent.parent)
     env = {"GPU_PERF_DRY_RUN": "1", "PYTHON": sys.executable,
-           "PYTHONPATH": os.pathsep.join([str(ROOT / "python"), os.environ.get("PYTHONPATH", "")])}
+           "PYTHONPATH": os.pathsep.join([found, os.environ.get("PYTHONPATH", "")])}
     r = run("perf", out=tmp_path, **env)
     assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-4000:]
     assert "| row | ms | GB/s | % of copy | x torch fused |" in r.stdout

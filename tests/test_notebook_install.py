@@ -13,6 +13,8 @@ from pathlib import Path
 
 import pytest
 
+import memfit
+
 ROOT = Path(__file__).resolve().parents[1]
 spec = importlib.util.spec_from_file_location("install_cell", ROOT / "notebooks" / "install_cell.py")
 install_cell = importlib.util.module_from_spec(spec)
@@ -75,7 +77,9 @@ def run_cell(tmp_path, source, memfit_importable, repo=None):
         f"pathlib.Path({str(tmp_path / 'pip_args')!r}).write_text('\\n'.join(sys.argv[1:]))\n"
         "print('fake pip ran')\n")
     env = {k: v for k, v in os.environ.items() if k not in ("MEMFIT_REPO", "PYTHONPATH")}
-    paths = [str(fake)] + ([str(ROOT / "python")] if memfit_importable else [])
+    # where this process found memfit: the source tree with its build (a developer's
+    # PYTHONPATH) or site-packages (the README's test command installs it there)
+    paths = [str(fake)] + ([str(Path(memfit.__file__).resolve().parent.parent)] if memfit_importable else [])
     env["PYTHONPATH"] = os.pathsep.join(paths)
     if repo is not None:
         env["MEMFIT_REPO"] = repo
