@@ -53,6 +53,7 @@
  */
 #include "code_slice.cuh"
 #include "cuda_util.cuh"
+#include "wide_access.cuh"
 #include "memfit/cuda_launch.h"
 #include "memfit/multi_tensor.h"
 #include "memfit/numeric.h"
@@ -515,17 +516,6 @@ constexpr int kPerLane = 8;           /* elements per lane per tile */
 constexpr int kTile = 32 * kPerLane;  /* a warp's tile */
 constexpr int kWarps = kThreads / 32;
 static_assert(kItem % kTile == 0, "items are whole tiles");
-
-struct alignas(16) Vec16 {
-  uint32_t w[4];
-};
-struct alignas(8) Vec8 {
-  uint32_t w[2];
-};
-
-__device__ __forceinline__ bool aligned_to(const void *p, uintptr_t a) {
-  return ((uintptr_t)p & (a - 1)) == 0;
-}
 
 /* Elements i .. i + 7 of a float32 (PM kParamF32) or bfloat16 array as floats: one or
  * two 16-byte loads (vec), else the first `valid` of them one by one (the rest 0). */

@@ -22,6 +22,7 @@
  */
 #include "code_slice.cuh"
 #include "cuda_util.cuh"
+#include "wide_access.cuh"
 #include "memfit/cuda_launch.h"
 #include "memfit/numeric.h"
 #include "memfit/quant.h"
@@ -32,17 +33,6 @@ namespace {
 
 constexpr int kThreads = 256;
 constexpr int kRun = 8; /* consecutive elements a thread loads and stores together */
-
-struct alignas(16) Vec16 {
-  uint32_t w[4];
-};
-struct alignas(8) Vec8 {
-  uint32_t w[2];
-};
-
-__device__ __forceinline__ bool aligned_to(const void *p, uintptr_t a) {
-  return ((uintptr_t)p & (a - 1)) == 0;
-}
 
 __device__ __forceinline__ float half_to_f32(uint16_t h, mf_dtype dt) {
   return dt == MF_BFLOAT16 ? mf_bf16_to_f32(h) : mf_f16_to_f32(h);
