@@ -301,24 +301,18 @@ def main(argv=None):
     buf = torch.zeros_like(g32)
     cands["torch Muon momentum fp32 (2 lerps)"] = (
         lambda: (buf.lerp_(g32, 0.05), torch.lerp(g32, buf, 0.95, out=scratch[:n])), 16 * n, torch.float32)
-    bnb = _optional("bitsandbytes") if cuda else None
-    if bnb is not None:
-        pb = [torch.nn.Parameter(p32)]
-        pb[0].grad = g32
+    # the 8-bit peers, where installed (__import__ of "torchao.optim" returns torchao)
+    for label, module in (("bitsandbytes", "bitsandbytes"), ("torchao", "torchao.optim")):
+        peer = _optional(module) if cuda else None
+        if peer is None:
+            continue
+        pp = [torch.nn.Parameter(p32)]
+        pp[0].grad = g32
         try:
-            ob = bnb.optim.AdamW8bit(pb, lr=1e-3)
-            cands["bitsandbytes AdamW8bit fp32"] = (ob.step, bpp["memfit AdamW8bit fp32"], torch.float32)
+            opt = peer.optim.AdamW8bit(pp, lr=1e-3)
+            cands[f"{label} AdamW8bit fp32"] = (opt.step, bpp["memfit AdamW8bit fp32"], torch.float32)
         except Exception as e:  # noqa: BLE001
-            print(f"bitsandbytes: {e!r}", file=sys.stderr)
-    tao = _optional("torchao.optim") if cuda else None
-    if tao is not None:
-        pt = [torch.nn.Parameter(p32)]
-        pt[0].grad = g32
-        try:
-            ot = tao.optim.AdamW8bit(pt, lr=1e-3)
-            cands["torchao AdamW8bit fp32"] = (ot.step, bpp["memfit AdamW8bit fp32"], torch.float32)
-        except Exception as e:  # noqa: BLE001
-            print(f"torchao: {e!r}", file=sys.stderr)
+            print(f"{label}: {e!r}", file=sys.stderr)
     qstate = {}
     for block in (256, 4096):
         qstate[block] = mq.quantize_blockwise(p32, block)
