@@ -5,8 +5,6 @@ bit the wrapped optimizer's."""
 
 import os
 import time
-import subprocess
-import sys
 
 import memfit
 import memfit.optim as mo
@@ -126,24 +124,6 @@ def test_host_threads_default_and_argument():
     with pytest.raises(memfit.MemfitTypeError, match="host_threads"):
         CPUOffloadOptimizer(model.parameters(), host_threads=True)
     assert all(not p._post_accumulate_grad_hooks for p in model.parameters())
-
-
-@pytest.mark.parametrize("policy", [None, "active"])
-def test_the_core_waits_passively_unless_told(policy):
-    """libgomp's wait policy as it loads with memfit's core (OMP_DISPLAY_ENV prints it):
-    PASSIVE by default, the caller's OMP_WAIT_POLICY when set; the default is not passed
-    on to child processes."""
-    env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
-    env["OMP_DISPLAY_ENV"] = "TRUE"
-    if policy:
-        env["OMP_WAIT_POLICY"] = policy
-    code = "import os, memfit; print('child env:', os.environ.get('OMP_WAIT_POLICY'))"
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
-                         check=True)
-    lines = [ln.strip() for ln in (out.stdout + out.stderr).splitlines()]
-    assert ("OMP_WAIT_POLICY = 'PASSIVE'" if policy is None else
-            "OMP_WAIT_POLICY = 'ACTIVE'") in lines
-    assert f"child env: {policy}" in lines
 
 
 def test_thread_count_for_this_thread_only():

@@ -10,23 +10,7 @@ adapters, so ``import memfit`` stays light.
     '0.1.0'
 """
 
-import os as _os
-
-# The core's OpenMP threads sleep when a parallel loop ends instead of spinning for
-# milliseconds against the threads that run beside it (the training loop's autograd
-# thread, the data loader; docs/offload.md "Threads"). libgomp reads OMP_WAIT_POLICY
-# once, as the core loads it; one the caller set wins, and it is not passed on to child
-# processes (torch's own OpenMP, a separate library, keeps its policy).
-_wait_policy_set = "OMP_WAIT_POLICY" not in _os.environ
-if _wait_policy_set:
-    _os.environ["OMP_WAIT_POLICY"] = "PASSIVE"
-try:
-    from memfit import _C
-finally:
-    if _wait_policy_set:
-        del _os.environ["OMP_WAIT_POLICY"]
-del _wait_policy_set
-
+from memfit import _C
 from memfit._C import CudaError, Error, MemfitTypeError, MemfitValueError
 
 __version__ = _C.build_info()["version"]
