@@ -6,6 +6,7 @@ test asserts a timing."""
 
 import json
 import platform
+import re
 import subprocess
 import sys
 
@@ -260,7 +261,9 @@ def test_doctor_reports_the_cpu():
                           text=True, check=True).stdout
     assert f"CPU          : {info['model_name']}" in text and f"vector ISA {info['vector_isa']}" in text
     assert ("bf16 native" if info["bf16_native"] else "bf16 not native") in text
-    assert f"CPU precision: {cpu['precision']}: " in text
+    # each doctor run times the two precisions itself: two processes on a busy machine can
+    # land either side of the threshold, so the text run is checked against a valid answer
+    assert re.search(r"CPU precision: (bf16|fp32): ", text)
     kernel = _C.optim_kernel()
     assert kernel in ("avx512-vbmi", "avx512-gather", "avx2-gather", "avx2-scalar", "generic")
     assert json.loads(out.stdout)["runtime"]["optim_kernel"] == kernel
