@@ -74,6 +74,7 @@ import ast
 import numbers
 import sys
 import weakref
+from types import MappingProxyType
 
 import torch
 
@@ -224,8 +225,8 @@ class _BnbOptimizer:
 
     # memfit.optim.offload builds the optimizer on host copies of the model's parameters
     # and maps each copy to its parameter here (id(copy) -> parameter): the overrides
-    # registered for the parameter are the copy's
-    _override_alias: dict = {}
+    # registered for the parameter are the copy's; the class's own is empty and read-only
+    _override_alias = MappingProxyType({})
 
     def _set_bits(self, bits):
         # the state format of every group that does not say otherwise (memfit's "bits"
