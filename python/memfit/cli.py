@@ -6,35 +6,13 @@ import argparse
 import os
 import sys
 
-
-def _int_at_least(minimum: int, why: str = "", maximum: int | None = None):
-    """An argparse type: an int from minimum to maximum (default memory.MAX_SIZE);
-    argparse then says which option is wrong. The range check is memory.size_problem,
-    the one check of every size the estimator and profile take."""
-    from memfit.memory import MAX_SIZE, shown, size_problem
-
-    def parse(text: str) -> int:
-        digits = text.strip().lstrip("+-")
-        try:
-            v = int(text)
-        except ValueError:
-            if digits.isdigit():  # longer than Python converts (4300 digits): too large anyway
-                v = 10 ** (len(digits) - 1) * (-1 if text.strip().startswith("-") else 1)
-            else:
-                raise argparse.ArgumentTypeError(f"expected an integer, got {shown(text)}") from None
-        problem = size_problem(v, minimum, MAX_SIZE if maximum is None else maximum)
-        if problem:
-            raise argparse.ArgumentTypeError(problem + (why if v < minimum else ""))
-        return v
-
-    parse.__name__ = "int"
-    return parse
-
+# the estimate command's options (and Setup) live below demo, which reads them too
+from memfit._estimate_args import POSITIVE as _POSITIVE
+from memfit._estimate_args import add_estimate_arguments, estimate_setup  # noqa: F401 (memfit.cli.estimate_setup)
+from memfit._estimate_args import int_at_least as _int_at_least
 
 # torch's seed range
 _seed = _int_at_least(0, maximum=2**64 - 1)
-
-_POSITIVE = _int_at_least(1)
 
 
 def _check_device(device: str) -> None:
@@ -102,44 +80,8 @@ def build_parser() -> argparse.ArgumentParser:
     f.add_argument("--seed", type=_seed, default=0)
     f.add_argument("--out", default="memfit-profile", help="folder for profile.png and profile.json")
     f.add_argument("--json", action="store_true", help="print JSON instead of the table")
-    e = sub.add_parser("estimate", help="estimate training memory and whether it fits a GPU")
-    e.add_argument("model", help="a preset (gpt2, gpt2-medium, gpt2-xl, roberta-base, llama-1b, ...) "
-                                 "or a path to a Hugging Face config.json")
-    e.add_argument("--batch", type=_POSITIVE, default=8)
-    e.add_argument("--seq", type=_POSITIVE, default=1024)
-    e.add_argument("--precision", default=None, choices=["fp32", "fp16", "bf16", "bf16-pure"],
-                   help="adds the line 'your setting' (with --optimizer: default fp32) to the comparison table")
-    e.add_argument("--optimizer", default=None,
-                   help="adamw (default), adamw8bit, adamw4bit, muon, muon8bit, ...: adds the line 'your "
-                        "setting' (with --precision: default fp32) to the comparison table")
-    e.add_argument("--kahan", action="store_true",
-                   help="bf16-pure weights keep a Kahan compensation buffer (memfit.optim's kahan=True): "
-                        "+2 bytes per parameter")
-    e.add_argument("--checkpoint", default="none", choices=["none", "every", "sqrt"])
-    e.add_argument("--micro-batch", type=_POSITIVE, default=None, help="at most --batch (default: --batch)")
-    e.add_argument("--attention", default="sdpa", choices=["sdpa", "eager"])
-    e.add_argument("--gpu", default=None, help="t4, l4, a10, v100, a100-40, a100-80, h100, h200 or a size like 24GB")
-    e.add_argument("--cpu", action="store_true",
-                   help="training on the CPU (no CUDA context; bf16 autocast only where a timed training "
-                        "step of a small GPT is faster in bf16 on this CPU, else fp32: memfit.hardware)")
-    e.add_argument("--host-memory", default=None, metavar="SIZE",
-                   help="the host memory the offload recipes may fill: colab (12.7 GB, a free Colab) or a "
-                        "size like 64GB (default: this machine's physical memory); not with --cpu, which "
-                        "draws no recipes")
-    e.add_argument("--plot", nargs="?", const="memfit-estimate.png", default=None, metavar="PATH",
-                   help="draw each recipe's GPU and host bytes as stacked bars into PATH "
-                        "(default memfit-estimate.png; needs matplotlib)")
-    e.add_argument("--json", action="store_true", help="print JSON instead of tables")
+    add_estimate_arguments(sub.add_parser("estimate", help="estimate training memory and whether it fits a GPU"))
     return p
-
-
-def estimate_setup(args):
-    """The memory.Setup that `memfit estimate`'s options describe (not yet validated)."""
-    from memfit import memory as M
-
-    return M.Setup(batch=args.batch, seq=args.seq, precision=args.precision or "fp32",
-                   optimizer=args.optimizer or "adamw", checkpoint=args.checkpoint, micro_batch=args.micro_batch,
-                   attention=args.attention, gpu=not args.cpu, kahan=args.kahan)
 
 
 def _estimate(args) -> int:

@@ -32,7 +32,8 @@ SIZES = {  # device -> (GPT config kwargs, batch, seq, default steps)
 }
 
 
-# the files the demo writes into its --out folder (checked before training: memfit.cli)
+# the files the demo writes into its --out folder (checked before training by memfit.cli,
+# which imports this module: never the other way)
 OUTPUTS = ("loss.png", "recipes.png", "demo.json")
 
 # The recipes chart's case: a 1B model on a free Colab (T4, 12.7 GB host), one sequence
@@ -165,10 +166,11 @@ def plot(rows, path):
 def recipes_chart(path):
     """The bytes of each recipe (device and host) for RECIPES_EXAMPLE, as `memfit estimate
     ... --plot` counts them; returns the matplotlib Figure."""
-    from memfit import cli, memory, recipes
+    from memfit import memory, recipes
+    from memfit._estimate_args import estimate_setup, parse_estimate
 
-    args = cli.build_parser().parse_args(["estimate", *RECIPES_EXAMPLE])
-    spec, setup = memory.resolve_model(args.model), cli.estimate_setup(args)
+    args = parse_estimate(RECIPES_EXAMPLE)
+    spec, setup = memory.resolve_model(args.model), estimate_setup(args)
     return recipes.chart(recipes.placements(spec, setup), path,
                          title=f"memfit demo: {spec.name} on a free Colab {args.gpu.upper()}, per recipe (estimated)",
                          gpu=(args.gpu, memory.parse_gpu(args.gpu)[0]),
