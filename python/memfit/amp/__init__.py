@@ -29,10 +29,13 @@ The classic loop::
         scaler.update()
         optimizer.zero_grad(set_to_none=True)
 
-One capability per file: ``scaler.py`` (GradScaler, OptState, ScalerConfigError),
-``report.py`` (ScalerWarning, the scaler's warnings and stats()), ``clip.py``
-(clip_grad_norm_), ``in_kernel.py`` (scale_in_kernel: which optimizers take the scale
-in their step), ``mixed_precision.py`` (precision, Precision, autocast,
+One capability per file: ``scaler.py`` (GradScaler: its state machine; OptState and
+ScalerConfigError importable from it), with its base classes ``_scaler_settings.py``
+(the update rule's settings and their checks, ScalerConfigError), ``_unscale.py`` (the
+fused unscale and inf check), ``_scaler_checkpoint.py`` (state_dict, pickling),
+``report.py`` (ScalerWarning, the scaler's warnings and stats()), and ``_stage.py``
+(OptState); ``clip.py`` (clip_grad_norm_), ``in_kernel.py`` (scale_in_kernel: which
+optimizers take the scale in their step), ``mixed_precision.py`` (precision, Precision, autocast,
 AutocastContext, setup), ``accumulate.py`` (GradAccumulator), ``lightning.py``
 (a Lightning precision plugin; imported only when asked for, it imports Lightning).
 ``cast`` and the matrix products (``matmul``, ``gemm_backend``, ``set_gemm_backend``)

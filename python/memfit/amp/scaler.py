@@ -3,15 +3,22 @@
 The update rule and the device-side found_inf live in memfit's C core (one C function,
 ``csrc/include/memfit/scaler.h``, on host memory or in one CUDA launch); the per-optimizer
 stage check (READY -> UNSCALED -> STEPPED) is plain Python, as in torch.
+
+This file is the state machine: the constructor, the state block (scale, growth
+tracker), ``scale``, the stage checks of ``unscale_`` and ``step``, ``update``. Its other
+capabilities are base classes, one file each, readable on their own:
+``_scaler_settings.py`` (the update rule's settings, their checks and torch's getters
+and setters; ScalerConfigError), ``_unscale.py`` (the fused unscale and inf check of an
+optimizer's gradients, agreed across ranks), ``_scaler_checkpoint.py`` (state_dict,
+load_state_dict, pickling) and ``report.py`` (the warnings, stats()); ``_stage.py`` has
+OptState. Every name is importable from here and from memfit.amp, as before.
 """
 
 from __future__ import annotations
 
 import inspect
-import math
 import warnings
 from collections import abc, defaultdict
-from enum import Enum
 from typing import Any
 
 import numpy as np
@@ -20,70 +27,18 @@ import torch
 from memfit import _C
 from memfit._C import MemfitTypeError, MemfitValueError
 from memfit.amp import _dist, in_kernel
+from memfit.amp._grads import _Replicator, _as_float, _as_int, _stream
+from memfit.amp._scaler_checkpoint import ScalerCheckpoint
+from memfit.amp._scaler_settings import ScalerConfigError, ScalerSettings, _check_scale  # noqa: F401 (re-exported)
+from memfit.amp._stage import OptState, _refresh_per_optimizer_state
+from memfit.amp._unscale import ScalerUnscale
 from memfit.amp.report import ScalerReport
-from memfit.amp._grads import (_BF16, _F16, _F32, _FUSED_DTYPES, _Replicator, _as_float, _as_int,
-                               _prepare, _stream)
 
 _LAYOUT = _C.scaler_layout()
 _WORDS = _LAYOUT["words"]
-_STATE_KEYS = ("scale", "growth_factor", "backoff_factor", "growth_interval", "_growth_tracker")
-_INT32_MAX = 2**31 - 1
 
 
-class ScalerConfigError(MemfitValueError, AssertionError):
-    """A bad scaler setting. Also an AssertionError, which is what torch raises for
-    ``growth_factor <= 1`` and ``backoff_factor >= 1``."""
-
-
-def _float32(v: float) -> float:
-    """v as the float32 the scaler computes in (inf where float32 overflows)."""
-    with np.errstate(over="ignore"):
-        return float(np.float32(v))
-
-
-def _check_scale(v, name: str) -> float:
-    """A scale: a number > 0 that stays finite and non-zero in float32."""
-    if torch.is_tensor(v) and v.numel() == 1:
-        v = v.item()
-    f = _as_float(v, name)
-    if not (math.isfinite(f) and f > 0 and math.isfinite(_float32(f)) and _float32(f) > 0):
-        raise ScalerConfigError(f"{name}: must be a finite number > 0 within float32's range "
-                                f"(about 1.4e-45 to 3.4e38: the scale is a float32), got {v!r}")
-    return f
-
-
-def _echo_given(message: str, given: dict) -> str:
-    """The core checks the config as it will hold it (float32, int32 clamped to
-    [0, 2**31 - 1]); its message echoes that. Echo the value the caller gave instead,
-    and what float32 made of it where that is the reason."""
-    name = message.split(":", 1)[0]
-    if name not in given or ", got " not in message:
-        if name == "min_scale" and "larger than max_scale" in message:
-            return (f"min_scale: {given['min_scale']!r} is larger than max_scale "
-                    f"{given['max_scale']!r}")
-        return message
-    v = given[name]
-    text = f"{message.rsplit(', got ', 1)[0]}, got {v!r}"
-    if isinstance(v, float) and not math.isnan(v) and _float32(v) != v:
-        text += f" ({_float32(v)!r} in float32, which the scaler computes in)"
-    return text
-
-
-class OptState(Enum):
-    """Where an optimizer is in the current iteration (torch's OptState): unscale_ moves
-    READY to UNSCALED, step moves READY or UNSCALED to STEPPED, update returns every
-    optimizer to READY. Anything else is misuse, and raises what torch raises."""
-
-    READY = 0
-    UNSCALED = 1
-    STEPPED = 2
-
-
-def _refresh_per_optimizer_state() -> dict:
-    return {"stage": OptState.READY, "found_inf_per_device": {}}
-
-
-class GradScaler(ScalerReport):
+class GradScaler(ScalerSettings, ScalerUnscale, ScalerCheckpoint, ScalerReport):
     """Dynamic loss scaling for float16 training; a drop-in for ``torch.amp.GradScaler``.
 
     Args:
@@ -167,72 +122,6 @@ class GradScaler(ScalerReport):
             self._init_growth_tracker = 0
             self._check_config()
 
-    # ---- configuration -------------------------------------------------------------
-
-    def _settings(self) -> dict:
-        """The update rule's settings, by the names the constructor takes."""
-        return {"growth_factor": self._growth_factor, "backoff_factor": self._backoff_factor,
-                "growth_interval": self._growth_interval, "hysteresis": self._hysteresis,
-                "min_scale": self._min_scale, "max_scale": self._max_scale}
-
-    def _config(self, settings: dict | None = None) -> tuple:
-        """The settings (the scaler's own, or these) as the core's config tuple."""
-        c = self._settings() if settings is None else settings
-        return (c["growth_factor"], c["backoff_factor"], c["growth_interval"], c["hysteresis"],
-                c["min_scale"] or 0.0, c["max_scale"] or 0.0, self._nonfinite_loss == "skip")
-
-    def _check_config(self, settings: dict | None = None, label: str = "{}") -> None:
-        """Checks the settings (the scaler's own, or candidate ones) as the core will hold
-        them; changes nothing, so callers check first and assign after. ``label`` names a
-        setting in the message (``"state_dict['{}']"`` for a loaded dict)."""
-        given = self._settings() if settings is None else settings
-        for name in ("min_scale", "max_scale"):
-            v = given[name]  # a negative value too small for float32 would pass as -0.0
-            if v is not None and not (math.isfinite(v) and v >= 0):
-                raise ScalerConfigError(f"{label.format(name)}: must be a finite number >= 0, got {v!r}")
-        try:
-            _C.scaler_config_check(self._config(given))
-        except MemfitValueError as e:
-            message = _echo_given(str(e), given)
-            name, sep, rest = message.partition(":")
-            if sep and name in given:
-                message = label.format(name) + sep + rest
-            raise ScalerConfigError(message) from None
-
-    def get_growth_factor(self) -> float:
-        """The scale growth factor."""
-        return self._growth_factor
-
-    def set_growth_factor(self, new_factor: float) -> None:
-        """Sets the growth factor (> 1; checked now, not at the next update)."""
-        self._set("growth_factor", _as_float(new_factor, "new_factor"))
-
-    def get_backoff_factor(self) -> float:
-        """The scale backoff factor."""
-        return self._backoff_factor
-
-    def set_backoff_factor(self, new_factor: float) -> None:
-        """Sets the backoff factor (in (0, 1))."""
-        self._set("backoff_factor", _as_float(new_factor, "new_factor"))
-
-    def get_growth_interval(self) -> int:
-        """Finite steps in a row before the scale grows."""
-        return self._growth_interval
-
-    def set_growth_interval(self, new_interval: int) -> None:
-        """Sets the growth interval (>= 1)."""
-        self._set("growth_interval", _as_int(new_interval, "new_interval"))
-
-    def _set(self, name: str, value) -> None:
-        if self._enabled:  # torch's disabled scaler takes any value
-            self._check_config(dict(self._settings(), **{name: value}))
-        setattr(self, "_" + name, value)
-
-    def is_enabled(self) -> bool:
-        """Whether this scaler scales (False: every method passes through)."""
-        return self._enabled
-
-    # ---- state ---------------------------------------------------------------------
 
     @property
     def _scale(self) -> torch.Tensor | None:
@@ -333,115 +222,6 @@ class GradScaler(ScalerReport):
         bad = torch.isfinite(t).logical_not_().any().to(self._state.device, torch.float32)
         self._loss_flag = bad if self._loss_flag is None else torch.maximum(self._loss_flag, bad)
 
-    # ---- unscale / step ----------------------------------------------------------------
-
-    def _optimizer_grads(self, optimizer, allow_fp16: bool) -> list:
-        """The tensors to unscale for an optimizer (sparse gradients: their values)."""
-        fp16 = torch.float16
-        out = []
-        append = out.append
-        for group in optimizer.param_groups:
-            for param in group["params"]:
-                if not isinstance(param, torch.Tensor):
-                    raise AssertionError(
-                        f"expected param to be torch.Tensor, got {type(param).__name__}")
-                g = param.grad
-                if g is None:
-                    continue
-                if g.dtype is fp16 and not allow_fp16:
-                    raise ValueError("Attempting to unscale FP16 gradients.")
-                if g.is_sparse:
-                    if g.dtype is fp16:
-                        param.grad = g = g.coalesce()
-                    g = g._values()
-                append(_dist.local(g))
-        return out
-
-    def _unscale_tensors_(self, grads, scale, skip: dict | None = None):
-        """Unscales (scale is a tensor) or only checks (scale None) `grads`, one fused C
-        call per device. Gradients in `skip` ({id: (grad, found_inf)}: already unscaled
-        this iteration) are not touched again; their found_inf is folded in instead.
-        Returns ({device: found_inf}, {device: the gradients it unscaled or checked})."""
-        per_device: dict = {}
-        done: dict = {}
-        others = False
-        for g in grads:
-            if skip:
-                prev = skip.get(id(g))
-                if prev is not None and prev[0] is g:
-                    done.setdefault(g.device, []).append(prev[1])
-                    continue
-            if not others:
-                dt = g.dtype
-                others = not (dt is _F32 or dt is _BF16 or dt is _F16)
-            key = g.device
-            lst = per_device.get(key)
-            if lst is None:
-                per_device[key] = lst = []
-            lst.append(g)
-        scale_r = None if scale is None else _Replicator(scale)
-        found: dict = {}
-        with torch.no_grad():
-            for device in list(per_device) + [d for d in done if d not in per_device]:
-                dgrads = per_device.get(device, [])
-                fi = torch.zeros((), dtype=torch.float32, device=device)
-                other = []
-                if others:
-                    other = [g for g in dgrads if g.dtype not in _FUSED_DTYPES]
-                    dgrads = [g for g in dgrads if g.dtype in _FUSED_DTYPES]
-                views, fixups = _prepare(dgrads, write=scale is not None)
-                s = None if scale_r is None else scale_r.get(device)
-                _C.unscale_grads(views, s, fi, _stream(device))
-                for g, c in fixups:
-                    g.copy_(c)
-                if other:  # float64 gradients: torch's own kernel, as torch would
-                    inv = (torch.ones((), device=device) if s is None
-                           else s.double().reciprocal().float())
-                    torch._amp_foreach_non_finite_check_and_unscale_(other, fi, inv)
-                for prev in done.get(device, ()):
-                    torch.maximum(fi, prev, out=fi)  # stays 0 or 1: fused optimizers count on it
-                found[device] = fi
-        return found, per_device
-
-    def _unscale_grads_(self, optimizer, scale, found_inf=None, allow_fp16: bool = False) -> dict:
-        found, unscaled = self._unscale_tensors_(self._optimizer_grads(optimizer, allow_fp16),
-                                                 scale, self._clip_unscaled)
-        if scale is not None:
-            for device, grads in unscaled.items():
-                self._unscaled_lists.append((grads, found[device]))
-        self._agree_across_ranks(found)
-        return found
-
-    def _agree_across_ranks(self, found: dict) -> None:
-        """Makes ``found`` (and, with nonfinite_loss='skip', the loss flag) the MAX over
-        the process group, in place: one all-reduce, enqueued without a host sync. Every
-        path to an optimizer's found_inf comes through here once per step, so all ranks
-        skip and update the scale alike. Runs on every rank even with no gradients
-        (a collective that one rank skipped would hang the others)."""
-        group = _dist.reduce_group(self._process_group)
-        if group is None:
-            return
-        # the same shape on every rank whatever its gradients: (found_inf[, loss flag])
-        with_loss = self._nonfinite_loss == "skip"
-        n = 2 if with_loss else 1
-        if len(found) == 1 and n == 1:
-            _dist.all_reduce_max_(next(iter(found.values())).view(1), group)  # the common case
-            return
-        dev = next(iter(found)) if found else self._state.device
-        flags = [f.to(dev, non_blocking=True) for f in found.values()]
-        buf = torch.zeros(n, dtype=torch.float32, device=dev)
-        if flags:
-            buf[0] = torch.stack(flags).amax()
-        if with_loss and self._loss_flag is not None:
-            buf[1].copy_(self._loss_flag, non_blocking=True)
-        _dist.all_reduce_max_(buf, group)
-        if not found:  # another rank's inf must still stop this one
-            found[dev] = buf[0]
-        for f in found.values():
-            f.copy_(buf[0], non_blocking=True)  # in place: _unscaled_lists hold these
-        if with_loss:
-            self._loss_flag = buf[1].to(self._state.device, non_blocking=True)
-
     # ---- the protocol clip_grad_norm_(..., scaler=self) uses -------------------------------
     #
     # clip_grad_norm_ needs the true (unscaled) norm, so before it measures, the scaler
@@ -469,17 +249,7 @@ class GradScaler(ScalerReport):
             raise ValueError("Attempting to unscale FP16 gradients.")
         self._unscale_untracked_(pending)
 
-    def _unscale_untracked_(self, grads: list) -> None:
-        """Unscales what unscale_ has not, and records it so that step()/unscale_() skip
-        it but keep its inf/NaN."""
-        skip = dict(self._clip_unscaled)
-        for lst, fi in self._unscaled_lists:
-            for g in lst:
-                skip[id(g)] = (g, fi)
-        found, unscaled = self._unscale_tensors_(grads, self._scale, skip)
-        for device, lst in unscaled.items():
-            for g in lst:
-                self._clip_unscaled[id(g)] = (g, found[device])
+    # ---- unscale / step (the stage checks; the unscaling itself: _unscale.py) ------------
 
     def unscale_(self, optimizer) -> None:
         """Divides the optimizer's gradients by the scale in place (one fused pass per
@@ -622,81 +392,3 @@ class GradScaler(ScalerReport):
         self._unscaled_lists = []
         self._clip_unscaled = {}
 
-    # ---- state_dict and pickling ----------------------------------------------------------
-
-    def state_dict(self) -> dict:
-        """torch's five keys: ``scale``, ``growth_factor``, ``backoff_factor``,
-        ``growth_interval``, ``_growth_tracker`` (empty when disabled). Loads into
-        ``torch.amp.GradScaler`` and back."""
-        if not self._enabled:
-            return {}
-        values = (self.get_scale(), self._growth_factor, self._backoff_factor,
-                  self._growth_interval, self._get_growth_tracker())
-        return dict(zip(_STATE_KEYS, values))
-
-    def load_state_dict(self, state_dict: dict) -> None:
-        """Loads what :meth:`state_dict` (memfit's or torch's) returned. The whole dict is
-        checked before anything changes: a refused dict leaves the scaler as it was.
-        Raises RuntimeError for an empty dict (saved from a disabled scaler) and KeyError
-        for a missing key, as torch does; a value of the wrong type raises
-        MemfitTypeError, one out of range (NaN included) ScalerConfigError, each naming
-        ``state_dict['key']``. Other keys are ignored, as torch ignores them."""
-        if not self._enabled:
-            return
-        if not isinstance(state_dict, abc.Mapping):
-            raise MemfitTypeError(f"state_dict: expected a dict (from GradScaler.state_dict()), "
-                                  f"got {type(state_dict).__name__}")
-        if len(state_dict) == 0:
-            raise RuntimeError("The source state dict is empty, possibly because it was saved "
-                               "from a disabled instance of GradScaler.")
-        missing = [k for k in _STATE_KEYS if k not in state_dict]
-        if missing:
-            raise KeyError(f"state_dict: missing {', '.join(map(repr, missing))}; a GradScaler "
-                           f"state dict has {', '.join(map(repr, _STATE_KEYS))}")
-        scale = _check_scale(state_dict["scale"], "state_dict['scale']")
-        tracker = _as_int(state_dict["_growth_tracker"], "state_dict['_growth_tracker']")
-        if not 0 <= tracker <= _INT32_MAX:  # the state block holds it as an int32
-            raise ScalerConfigError(f"state_dict['_growth_tracker']: must be >= 0 and <= "
-                                    f"{_INT32_MAX}, got {tracker}")
-        settings = dict(self._settings(),
-                        growth_factor=_as_float(state_dict["growth_factor"],
-                                                "state_dict['growth_factor']"),
-                        backoff_factor=_as_float(state_dict["backoff_factor"],
-                                                 "state_dict['backoff_factor']"),
-                        growth_interval=_as_int(state_dict["growth_interval"],
-                                                "state_dict['growth_interval']"))
-        self._check_config(settings, "state_dict['{}']")
-        # checked: from here on nothing raises
-        self._growth_factor = settings["growth_factor"]
-        self._backoff_factor = settings["backoff_factor"]
-        self._growth_interval = settings["growth_interval"]
-        self._init_scale = scale
-        self._init_growth_tracker = tracker
-        if self._state is not None:
-            self._state[0].fill_(scale)
-            self._growth_tracker.fill_(tracker)
-
-    def __getstate__(self) -> dict:
-        state = self.__dict__.copy()
-        if self._enabled:
-            if len(self._per_optimizer_states) != 0 or self._clip_unscaled:
-                raise AssertionError(
-                    "A GradScaler instance may only be pickled at the beginning of an iteration, "
-                    "or at the end after scaler.update().")
-            state["_init_scale"] = self.get_scale()
-            state["_init_growth_tracker"] = self._get_growth_tracker()
-            if self._state is not None:
-                state["_saved_words"] = self._state.detach().cpu().numpy().copy()
-        state["_state"] = None
-        state["_scale_view"] = None
-        state["_loss_flag"] = None
-        state["_pending"] = None
-        state["_per_optimizer_states"] = None
-        state["_process_group"] = None  # a process group does not pickle: the default group
-        state["_unscaled_lists"] = []
-        state["_clip_unscaled"] = {}
-        return state
-
-    def __setstate__(self, state: dict) -> None:
-        self.__dict__.update(state)
-        self._per_optimizer_states = defaultdict(_refresh_per_optimizer_state)
