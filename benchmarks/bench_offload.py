@@ -380,9 +380,10 @@ def main(argv=None):
                     help="comma-separated: device, offload, offload+sib, torchao (skipped "
                     "where it does not import); name device twice to see whether the "
                     "device repeats itself bit for bit")
-    ap.add_argument("--alone-params", type=int, default=1 << 26,
+    ap.add_argument("--alone-params", type=int, default=60_000_000,
                     help="parameters of the host-step-alone table (the model's shapes up to "
-                    "this many; default 2^26); 0 skips the table")
+                    "this many; default 60M: of a 1B GPT a block and its neighbours, not its "
+                    "67M embedding); 0 skips the table")
     ap.add_argument("--alone-threads", default=None,
                     help="comma-separated thread counts of that table (default 1, 2, cores/2, "
                     "cores-1, cores)")

@@ -28,7 +28,15 @@
 # offload: bench_offload --size 1b: a GPT of about 1B parameters in bf16 with checkpointed
 #        blocks; peak device memory, s/step, tokens/s on the device and offloaded,
 #        bit-exactness against the device step, torchao's CPUOffloadOptimizer beside it
-#        where it imports (issue 32 §5; targets in benchmarks/RESULTS.md).
+#        where it imports (issue 32 §5; targets in benchmarks/RESULTS.md); per step
+#        (issue 40 §6): forward/backward, bytes, GB/s and exposed time of the copies each
+#        way, the host step against backward's end, its ns/param, threads and kernel,
+#        the device's idle gap, hooks, pinned and staging allocations; the host step alone
+#        at 1, 2, cores/2, cores-1, cores threads against torch's fused AdamW (bf16, fp32;
+#        60M of the model's parameters); pinned bandwidth both ways; predicted against
+#        measured. About 3 minutes on an H200 (estimate; sized for 6). GPU_OFFLOAD_DRY_RUN=1
+#        runs the same stage on the CPU (--size tiny --device cpu: the path and the JSON,
+#        not the numbers).
 # muon:  memfit.optim.Muon against torch.optim.Muon on CUDA (3 steps, bit for bit: the
 #        momentum pass's fmaf against torch's lerp on the GPU), then bench_muon on the
 #        GPU (Muon8bit, Muon, torch.optim.Muon; CUDA events; a 4096-wide block's matrices).
@@ -127,8 +135,10 @@ stage_bench() {
 stage_offload() {
   # the device recipe twice: whether the GPU repeats its own run bit for bit (its backward
   # does not, without --deterministic), before reading the offload rows' bit-exact column
-  step "bench_offload --size 1b" offload.log $PY benchmarks/bench_offload.py --size 1b \
-    --steps 3 --recipes device,device,offload,offload+sib,torchao --out "$OUT/bench_offload.json"
+  local size=(--size 1b --steps 3)
+  [ "${GPU_OFFLOAD_DRY_RUN:-0}" = 1 ] && size=(--size tiny --device cpu --steps 2 --warmup 1)
+  step "bench_offload ${size[*]}" offload.log $PY benchmarks/bench_offload.py "${size[@]}" \
+    --recipes device,device,offload,offload+sib,torchao --out "$OUT/bench_offload.json"
 }
 
 stage_muon() {
