@@ -8,6 +8,7 @@
 #   bash benchmarks/gpu_validate.sh build sanitize    # compute-sanitizer memcheck, racecheck
 #   bash benchmarks/gpu_validate.sh build bench demo  # bench_optim, bench_gemm, bench_quant, bench_amp_path, demo
 #   bash benchmarks/gpu_validate.sh build offload     # the offloading optimizer on a 1B GPT
+#   bash benchmarks/gpu_validate.sh build offload3b   # ... on a 3B GPT, with and without clipping
 #   bash benchmarks/gpu_validate.sh build muon        # Muon on the GPU
 #   MEMFIT_WHEEL=... bash benchmarks/gpu_validate.sh build perf   # issue 39: one call, < 8 min
 #
@@ -37,6 +38,11 @@
 #        measured. About 3 minutes on an H200 (estimate; sized for 6). GPU_OFFLOAD_DRY_RUN=1
 #        runs the same stage on the CPU (--size tiny --device cpu: the path and the JSON,
 #        not the numbers).
+# offload3b: bench_offload --size 3b (issue 40's second target: >= 3B parameters, backward
+#        >= 1 s, offload within 1.2x of the device step with offload_gradients=True, with
+#        and without clipping): device, offload, device+clip, offload+clip, 3 steps each
+#        after 1 untimed (about 3 minutes on an H200, estimate). Check the bwd ms column:
+#        under 1000, rerun with OFFLOAD3B_ARGS="--batch 16". GPU_OFFLOAD_DRY_RUN=1 as above.
 # muon:  memfit.optim.Muon against torch.optim.Muon on CUDA (3 steps, bit for bit: the
 #        momentum pass's fmaf against torch's lerp on the GPU), then bench_muon on the
 #        GPU (Muon8bit, Muon, torch.optim.Muon; CUDA events; a 4096-wide block's matrices).
@@ -141,6 +147,15 @@ stage_offload() {
     --recipes device,device,offload,offload+sib,torchao --out "$OUT/bench_offload.json"
 }
 
+stage_offload3b() {
+  local size=(--size 3b --steps 3 --warmup 1)
+  [ "${GPU_OFFLOAD_DRY_RUN:-0}" = 1 ] && size=(--size tiny --device cpu --steps 2 --warmup 1)
+  # shellcheck disable=SC2086  # OFFLOAD3B_ARGS: words on purpose
+  step "bench_offload ${size[*]} (3b stage)" offload.log $PY benchmarks/bench_offload.py "${size[@]}" \
+    --recipes device,offload,device+clip,offload+clip --alone-params 0 \
+    --out "$OUT/bench_offload_3b.json" ${OFFLOAD3B_ARGS:-}
+}
+
 stage_muon() {
   step "Muon vs torch.optim.Muon on cuda" muon.log $PY -c '
 import torch, memfit.optim as mo
@@ -194,7 +209,7 @@ if [ $# -eq 0 ]; then
   awk 'NR > 1 && /^#/ { print; next } NR > 1 { exit }' "$0"  # the header above
   exit 2
 fi
-STAGES="build tests sanitize bench demo offload muon perf"
+STAGES="build tests sanitize bench demo offload offload3b muon perf"
 for stage in "$@"; do
   case " $STAGES " in
     *" $stage "*) ;;

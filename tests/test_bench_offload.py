@@ -22,7 +22,8 @@ def bench(tmp_path_factory):
 
     out = tmp_path_factory.mktemp("bench_offload") / "bench_offload.json"
     bench_offload.main(["--size", "tiny", "--device", "cpu", "--steps", "2", "--warmup", "1",
-                        "--recipes", "device,offload,offload+sib", "--alone-threads", "1,2",
+                        "--recipes", "device,offload,offload+sib,device+clip,offload+clip",
+                        "--alone-threads", "1,2",
                         "--alone-reps", "1", "--out", str(out)])
     return bench_offload, json.loads(out.read_text())
 
@@ -43,10 +44,14 @@ def test_rows_and_bytes(bench):
     bench_offload, result = bench
     numel, tensors = expected_model(bench_offload)
     rows = {r["recipe"]: r for r in result["rows"]}
-    assert list(rows) == ["device", "offload", "offload+sib"]
-    assert rows["offload"]["bit_exact_vs_device"] is True
-    assert rows["offload+sib"]["bit_exact_vs_device"] is True
-    for name in ("offload", "offload+sib"):
+    assert list(rows) == ["device", "offload", "offload+sib", "device+clip", "offload+clip"]
+    # each against the device run of its own clipping (on the CPU the norms agree too)
+    for name in ("offload", "offload+sib", "offload+clip"):
+        assert rows[name]["bit_exact_vs_device"] is True, name
+    assert rows["device"]["bit_exact_vs_device"] is None
+    assert rows["device+clip"]["bit_exact_vs_device"] is None
+    assert rows["device+clip"]["x_device"] == 1.0 and rows["offload+clip"]["x_device"] > 0
+    for name in ("offload", "offload+sib", "offload+clip"):
         r, b = rows[name], rows[name]["breakdown"]
         assert r["params"] == numel and r["param_bytes"] == numel * 2  # bf16
         # every tensor's gradient goes out once and its parameter comes back once
@@ -140,8 +145,9 @@ def test_help_and_bad_arguments(capsys):
 
 @pytest.mark.slow
 def test_gpu_validate_offload_stage_dry_run(tmp_path):
-    """gpu_validate.sh's offload stage end to end on the CPU (GPU_OFFLOAD_DRY_RUN=1): the
-    command the GPU run will make, its tables last and its JSON in $OUT."""
+    """gpu_validate.sh's offload and offload3b stages end to end on the CPU
+    (GPU_OFFLOAD_DRY_RUN=1): the commands the GPU run will make, their tables last and
+    their JSON in $OUT."""
     import os
     import shutil
     import subprocess
@@ -156,7 +162,7 @@ def test_gpu_validate_offload_stage_dry_run(tmp_path):
     found = str(Path(memfit.__file__).resolve().parent.parent)
     env = {**os.environ, "OUT": str(tmp_path), "GPU_OFFLOAD_DRY_RUN": "1", "PYTHON": sys.executable,
            "PYTHONPATH": os.pathsep.join([found, os.environ.get("PYTHONPATH", "")])}
-    r = subprocess.run(["bash", str(root / "benchmarks" / "gpu_validate.sh"), "offload"],
+    r = subprocess.run(["bash", str(root / "benchmarks" / "gpu_validate.sh"), "offload", "offload3b"],
                        capture_output=True, text=True, env=env, timeout=600)
     assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-4000:]
     assert "| bench_offload --size tiny --device cpu --steps 2 --warmup 1 | ok |" in r.stdout
@@ -165,3 +171,8 @@ def test_gpu_validate_offload_stage_dry_run(tmp_path):
     recipes = [row["recipe"] for row in result["rows"]]
     assert recipes[:4] == ["device", "device", "offload", "offload+sib"]
     assert result["rows"][1]["bit_exact_vs_device"] is True  # the CPU repeats itself
+    assert "| bench_offload --size tiny --device cpu --steps 2 --warmup 1 (3b stage) | ok |" in r.stdout
+    result = json.loads((tmp_path / "bench_offload_3b.json").read_text())
+    rows = {row["recipe"]: row for row in result["rows"]}
+    assert list(rows) == ["device", "offload", "device+clip", "offload+clip"]
+    assert rows["offload+clip"]["bit_exact_vs_device"] is True and result["host_step_alone"] == []
