@@ -50,9 +50,10 @@ def _stream(opt, name):
 
 def _pinned_counts():
     """torch's pinned (host) allocator: (requests handed out, blocks created) so far."""
-    if not torch.cuda.is_available():
+    stats = getattr(torch.cuda, "host_memory_stats", None)  # torch >= 2.8
+    if not torch.cuda.is_available() or stats is None:
         return None
-    st = torch.cuda.host_memory_stats()
+    st = stats()
     return st.get("active_requests.allocated", 0), st.get("num_host_alloc", 0)
 
 

@@ -176,3 +176,92 @@ def test_gpu_validate_offload_stage_dry_run(tmp_path):
     rows = {row["recipe"]: row for row in result["rows"]}
     assert list(rows) == ["device", "offload", "device+clip", "offload+clip"]
     assert rows["offload+clip"]["bit_exact_vs_device"] is True and result["host_step_alone"] == []
+
+
+def _probe_module():
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    import _offload_probe
+
+    return _offload_probe
+
+
+def test_event_log_read_defensively():
+    """The per-step numbers from a hand-made event log in the kinds the chunked pipeline
+    may add (chunk start/stepped, landed, copied), with kinds and details it does not
+    know mixed in: those are ignored, and the numbers follow from the times given."""
+    probe_mod = _probe_module()
+
+    class Staging:
+        allocations = 3
+
+    class Opt:
+        _events = None
+        _staging = Staging()
+
+    opt = Opt()
+    probe = probe_mod.StepProbe(opt, torch.device("cpu"))
+    probe.begin()
+    assert opt._events == []
+    ms = 1_000_000
+    probe.t0, probe.t1, probe.t2, probe.t3 = 0, 10 * ms, 110 * ms, 116 * ms
+    probe.staging1, probe.pinned1 = 4, None
+    t2 = probe.t2
+    opt._events = [
+        (20 * ms, "hook", (0, 2 * ms)), (60 * ms, "hook", (2, 1 * ms)),
+        (61 * ms, "hook", "not a pair"), (62 * ms, "hook", (99, 5 * ms)),  # index unknown
+        (t2 + ms // 2, "chunk_landed", 0),
+        (t2 + 1 * ms, "chunk_step_start", 0), (t2 + 3 * ms, "chunk_stepped", 0),
+        (t2 + 3 * ms, "chunk_step_start", 1), (t2 + 4 * ms, "chunk_stepped", 1),
+        (t2 + 5 * ms, "chunk_copied", 1), (t2 + 5 * ms, "something_new", {"x": 1}),
+    ]
+    sizes = [(1000, 2), (10, 2), (500, 2)]  # slot 1 had no gradient this step
+    b = probe.phases(sizes, threads=3)
+    assert b["forward_ms"] == 10 and b["backward_ms"] == 100 and b["step_after_backward_ms"] == 6
+    assert b["d2h_bytes"] == b["h2d_bytes"] == (1000 + 500) * 2
+    assert b["hooks"] == 3 and b["hook_ms"] == 8  # every well-formed hook event, timed
+    assert b["d2h_exposed_ms"] == 0.5 and b["h2d_exposed_ms"] == 1.0
+    assert b["host_start_vs_backward_end_ms"] == 1 and b["host_end_vs_backward_end_ms"] == 4
+    assert b["host_step_ms"] == 3 and b["host_calls"] == 2  # two chunks: 2 ms + 1 ms busy
+    assert b["host_ns_per_param"] == pytest.approx(3 * ms / 1500)
+    assert b["host_core_ns_per_param"] == pytest.approx(3 * 3 * ms / 1500)
+    assert b["device_idle_ms"] == 6 and b["staging_allocs"] == 1
+    assert b["d2h_gb_s"] is None and b["pinned_requests"] is None  # GPU only
+
+
+def test_event_log_without_host_events():
+    """An optimizer that logs nothing (torchao, the device recipe): times only, the
+    offloader's columns None (printed "-")."""
+    probe_mod = _probe_module()
+    probe = probe_mod.StepProbe(object(), torch.device("cpu"))
+    probe.begin()
+    probe.t0, probe.t1, probe.t2, probe.t3 = 0, 1_000_000, 3_000_000, 4_000_000
+    probe.staging1, probe.pinned1 = None, None
+    b = probe.phases([(10, 4)], threads=None)
+    assert b["forward_ms"] == 1 and b["backward_ms"] == 2 and b["device_idle_ms"] == 1
+    for k in ("d2h_bytes", "d2h_exposed_ms", "h2d_exposed_ms", "host_step_ms", "hook_ms",
+              "host_ns_per_param", "staging_allocs"):
+        assert b[k] is None, k
+    assert probe_mod.predicted_ms(b, 1.0, 1.0) is None
+
+
+def test_step_time_model():
+    """predicted = fwd + max(bwd, d2h, host) + (host + h2d) * min(1, 64 MiB / h2d bytes);
+    serial = fwd + bwd + d2h exposed + host + h2d, by hand."""
+    probe_mod = _probe_module()
+    nbytes = 256 * 2**20  # four chunks
+    b = {"forward_ms": 10.0, "backward_ms": 100.0, "host_step_ms": 80.0, "d2h_bytes": nbytes,
+         "h2d_bytes": nbytes, "d2h_exposed_ms": 2.0, "device_idle_ms": 30.0}
+    gb_s = nbytes / 1e9 / 0.05  # 50 ms each way
+    m = probe_mod.predicted_ms(b, gb_s, gb_s)
+    assert m["model_d2h_ms"] == pytest.approx(50) and m["model_h2d_ms"] == pytest.approx(50)
+    assert m["model_tail_ms"] == pytest.approx((80 + 50) / 4)
+    assert m["predicted_ms"] == pytest.approx(10 + 100 + (80 + 50) / 4)
+    assert m["serial_ms"] == pytest.approx(10 + 100 + 2 + 80 + 50)
+    b["host_step_ms"] = 300.0  # the host step longer than backward sets the pace
+    assert probe_mod.predicted_ms(b, gb_s, gb_s)["predicted_ms"] == pytest.approx(
+        10 + 300 + (300 + 50) / 4)
+    assert probe_mod.measured_ms(b) == 140.0
+    assert probe_mod.predicted_ms(b, None, gb_s) is None  # no bandwidth, no model
