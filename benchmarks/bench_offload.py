@@ -351,9 +351,8 @@ def print_tables(args, device, rows, alone, pinned, bw_note):
               f"device->host {pinned['d2h_gb_s']:.1f} GB/s ({pinned['note']})")
     print("\nper step (medians of the timed steps; allocation counts summed over them; "
           "vs bwd end: negative = during backward)")
-    print(_common.markdown_table(["recipe"] + [h for _, h, _ in COLUMNS],
-                                 [[r["recipe"]] + [fmt(r["breakdown"].get(k), f) for k, _, f in COLUMNS]
-                                  for r in rows]))
+    cells = [[r["recipe"]] + [fmt(r["breakdown"].get(k), f) for k, _, f in COLUMNS] for r in rows]
+    print(_common.markdown_table(["recipe"] + [h for _, h, _ in COLUMNS], cells))
     if device.type != "cuda":
         print(f"GB/s and pinned columns: - ({NOT_ON_CPU}); d2h exposed: the last hook's end "
               "after backward's; h2d exposed and device idle: until step() returns")

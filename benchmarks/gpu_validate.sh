@@ -142,16 +142,17 @@ stage_offload() {
   # the device recipe twice: whether the GPU repeats its own run bit for bit (its backward
   # does not, without --deterministic), before reading the offload rows' bit-exact column
   local size=(--size 1b --steps 3)
-  [ "${GPU_OFFLOAD_DRY_RUN:-0}" = 1 ] && size=(--size tiny --device cpu --steps 2 --warmup 1)
+  [ "${GPU_OFFLOAD_DRY_RUN:-0}" = 1 ] && size=(--size tiny --device cpu --steps 1 --warmup 1)
   step "bench_offload ${size[*]}" offload.log $PY benchmarks/bench_offload.py "${size[@]}" \
     --recipes device,device,offload,offload+sib,torchao --out "$OUT/bench_offload.json"
 }
 
 stage_offload3b() {
   local size=(--size 3b --steps 3 --warmup 1)
-  [ "${GPU_OFFLOAD_DRY_RUN:-0}" = 1 ] && size=(--size tiny --device cpu --steps 2 --warmup 1)
+  [ "${GPU_OFFLOAD_DRY_RUN:-0}" = 1 ] && size=(--size tiny --device cpu --steps 1 --warmup 1)
   # shellcheck disable=SC2086  # OFFLOAD3B_ARGS: words on purpose
-  step "bench_offload ${size[*]} (3b stage)" offload.log $PY benchmarks/bench_offload.py "${size[@]}" \
+  step "bench_offload ${size[*]} (3b stage)" offload.log \
+    $PY benchmarks/bench_offload.py "${size[@]}" \
     --recipes device,offload,device+clip,offload+clip --alone-params 0 \
     --out "$OUT/bench_offload_3b.json" ${OFFLOAD3B_ARGS:-}
 }
