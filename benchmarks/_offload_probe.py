@@ -10,12 +10,17 @@ number whose events are missing is None (printed "-"). Known kinds:
     hook                      detail (slot index, ns in the hook): the gradient hook on
                               the autograd thread (its copy out starts there; on the CPU
                               it *is* the copy, a memcpy)
-    host_step_start/_end      the wrapped optimizer's whole step on the worker
+    host_step_start/_end      the wrapped optimizer's whole step on the worker (with
+                              chunks: the frame around them)
     tensor_start/_end         one tensor's step in backward (step_in_backward=True)
-    *chunk*start / *stepped* / *chunk*end
-                              a chunk of the pipelined step (issue 40 item 2)
-    *landed*                  a gradient (or chunk) has arrived on the host
-    *copied*                  a parameter (or chunk) has been copied back to the device
+    chunk_step_start/_end     one chunk's step (the chunked pipeline, issue 40 item 2;
+                              chunk_stepped is taken as an end too)
+    chunk_landed, *landed*    a chunk's (a gradient's) copy out has arrived on the host
+    chunk_h2d, *copied*       a chunk's copy back issued (on the CPU: done)
+
+The host step's busy time and calls are counted at the finest level logged (chunks, else
+tensors, else the whole step); chunk_d2h_start/_end (copies out issued by step()) are
+not host work and count as nothing here.
 
 Clocks: host times are ``time.perf_counter_ns()`` (the event log's clock); on a GPU the
 probe also records CUDA events on the compute stream and on the offloader's copy streams
@@ -30,17 +35,24 @@ import time
 
 import torch
 
-HOST_START = ("host_step_start", "tensor_start")
-HOST_END = ("host_step_end", "tensor_end")
+# (start kinds, end kinds) of the host's stepping, finest first
+LEVELS = ((("chunk_step_start",), ("chunk_step_end", "chunk_stepped")),
+          (("tensor_start",), ("tensor_end",)),
+          (("host_step_start",), ("host_step_end",)))
 CHUNK_MIB = 64  # the pipeline's chunk (issue 40 item 2): what the model's tail is made of
 
 
-def _is_start(kind: str) -> bool:
-    return kind in HOST_START or ("chunk" in kind and kind.endswith("start"))
+def _host_work(ev) -> tuple:
+    """(start times, end times) of the host's stepping at the finest level logged."""
+    for starts, ends in LEVELS:
+        a = [t for t, k, _ in ev if k in starts]
+        if a:
+            return a, [t for t, k, _ in ev if k in ends]
+    return [], []
 
 
-def _is_end(kind: str) -> bool:
-    return kind in HOST_END or ("chunk" in kind and (kind.endswith("end") or "stepped" in kind))
+def _copied_back(kind: str) -> bool:
+    return "copied" in kind or kind.endswith("_h2d")
 
 
 def _stream(opt, name):
@@ -59,10 +71,12 @@ def _pinned_counts():
 
 class StepProbe:
     """Times one step of ``model`` + ``opt`` (call the marks in order: begin, forward_done,
-    backward_done, step_done) and turns it and the offloader's events into a dict of
-    phases (:meth:`phases`). With a GPU the marks synchronise the compute stream only
-    (the copy streams run on), so backward's time is its kernels' and the copies'
-    exposure is measured against them."""
+    backward_done, step_done after step(), iteration_done after zero_grad()) and turns it
+    and the offloader's events into a dict of phases (:meth:`phases`). With a GPU the
+    marks synchronise the compute stream only (the copy streams run on), so backward's
+    time is its kernels' and the copies' exposure is measured against them. The
+    iteration ends after zero_grad(), as a training loop's does: an offloader whose
+    step() returns before its host work is done (overlap_forward) may wait there."""
 
     def __init__(self, opt, device):
         self.opt, self.cuda = opt, device.type == "cuda"
@@ -101,13 +115,18 @@ class StepProbe:
 
     def step_done(self):
         self.t3 = time.perf_counter_ns()  # step() has returned (on a GPU: without a host sync)
-        self.t_h2d = self.t3
+
+    def iteration_done(self):
+        """After zero_grad(): where the next forward would start."""
+        self.t4 = time.perf_counter_ns()
+        self.t_h2d = self.t4
         if self.cuda:
             self.e_next = self._event()  # where the next forward's first kernel would start
             if self.h2d is not None:
                 self._event(self.h2d).synchronize()  # every copy back queued so far is done
                 self.t_h2d = time.perf_counter_ns()
             torch.cuda.synchronize(self.device)
+        self.t_end = time.perf_counter_ns()
         self.staging1, self.pinned1 = self._staging_allocs(), _pinned_counts()
 
     def phases(self, sizes: list, threads) -> dict:
@@ -119,10 +138,9 @@ class StepProbe:
         t2 = self.t2
         hooks = [(t, d) for t, k, d in ev if k == "hook" and isinstance(d, tuple) and len(d) == 2]
         hooked = {i for _, (i, _) in hooks if isinstance(i, int) and 0 <= i < len(sizes)}
-        starts = [t for t, k, _ in ev if _is_start(k)]
-        ends = [t for t, k, _ in ev if _is_end(k)]
+        starts, ends = _host_work(ev)
         landed = [t for t, k, _ in ev if "landed" in k]
-        copied = [t for t, k, _ in ev if "copied" in k]
+        copied = [t for t, k, _ in ev if _copied_back(k)]
         if starts and len(starts) == len(ends):  # the worker steps in order: pairs
             busy = sum(b - a for a, b in zip(sorted(starts), sorted(ends)))
         elif starts and ends:
@@ -135,6 +153,8 @@ class StepProbe:
         # offloader (its hook ran); gradients have their parameter's dtype
         b = {"forward_ms": ms(self.t1 - self.t0), "backward_ms": ms(t2 - self.t1),
              "step_after_backward_ms": ms(self.t3 - t2),
+             "zero_grad_ms": ms(self.t4 - self.t3),
+             "iteration_ms": ms(self.t_end - self.t0),
              "d2h_bytes": nbytes, "h2d_bytes": nbytes,
              "d2h_gb_s": None, "h2d_gb_s": None, "d2h_exposed_ms": None, "h2d_exposed_ms": None,
              "host_start_vs_backward_end_ms": ms(min(starts) - t2) if starts else None,
@@ -157,9 +177,10 @@ class StepProbe:
                 b["d2h_gb_s"] = nbytes / span / 1e9 if nbytes and span > 0 else None
             b["device_idle_ms"] = max(0.0, self.e_bwd1.elapsed_time(self.e_next))
             if self.h2d is not None:
-                b["h2d_exposed_ms"] = max(0.0, ms(self.t_h2d - max(t2, host_end)))
+                last_back = max([self.t_h2d, *copied])
+                b["h2d_exposed_ms"] = max(0.0, ms(last_back - max(t2, host_end)))
                 first = min(starts) if starts else t2
-                span = (self.t_h2d - first) / 1e9
+                span = (last_back - first) / 1e9
                 b["h2d_gb_s"] = nbytes / span / 1e9 if nbytes and span > 0 else None
             if self.pinned0 is not None:
                 b["pinned_requests"] = self.pinned1[0] - self.pinned0[0]
@@ -172,7 +193,7 @@ class StepProbe:
             last_back = max(copied) if copied else self.t3
             b["h2d_exposed_ms"] = max(0.0, ms(last_back - max(t2, host_end)))
         if not self.cuda:
-            b["device_idle_ms"] = ms(self.t3 - t2)  # the next forward waits for step()
+            b["device_idle_ms"] = ms(self.t4 - t2)  # the next forward waits for the host
         if busy is not None and nparams:
             b["host_ns_per_param"] = busy / nparams
             b["host_core_ns_per_param"] = busy * (threads or 1) / nparams
@@ -181,7 +202,7 @@ class StepProbe:
 
 def measured_ms(b: dict) -> float:
     """A step as the device lives it: forward, backward, then the idle gap until the next
-    forward may start (on the CPU: until step() returns)."""
+    forward may start (after step() and zero_grad(); on the CPU: until they return)."""
     return b["forward_ms"] + b["backward_ms"] + (b["device_idle_ms"] or 0.0)
 
 

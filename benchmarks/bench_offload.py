@@ -30,8 +30,8 @@ Printed, the tables last, and written to --out (JSON, with the run's metadata):
    both backward and the host step); the host step's start and end against backward's
    end (negative: during backward), its busy time, ns and core-ns per parameter,
    threads and CPU kernel variant; the device's idle gap between backward's end and
-   the next forward (GPU: CUDA events on the compute stream; the CPU: until step()
-   returns); the hooks' time on the autograd thread; the offloader's staging
+   the next forward (GPU: CUDA events on the compute stream; the CPU: until step() and
+   zero_grad() return, as a training loop calls them); the hooks' time on the autograd thread; the offloader's staging
    allocations and, on a GPU, torch's pinned allocator requests and new blocks during
    the timed steps (0 once the arena is made).
 4. Predicted against measured, per recipe with a host step, from this model:
@@ -260,7 +260,6 @@ def run(recipe, cfg, args, device, batches, progress=None):
     sizes = [(p.numel(), p.element_size()) for p in model.parameters()]
     opt = make_optimizer(recipe, model.parameters(), args.lr)
     threads = getattr(opt, "host_threads", None)
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     times, phases = [], []
@@ -279,9 +278,9 @@ def run(recipe, cfg, args, device, batches, progress=None):
         opt.step()
         probe.step_done()
         opt.zero_grad(set_to_none=True)
-        sync()
+        probe.iteration_done()
         if i >= args.warmup:  # the first step allocates the states
-            times.append((time.perf_counter_ns() - probe.t0) / 1e9)
+            times.append((probe.t_end - probe.t0) / 1e9)
             phases.append(probe.phases(sizes, threads))
         if progress is not None:
             progress.step(f"{recipe} step {i + 1}/{len(batches)}")
@@ -306,6 +305,7 @@ def run(recipe, cfg, args, device, batches, progress=None):
 COLUMNS = [  # (breakdown key, header, format)
     ("forward_ms", "fwd ms", ".1f"), ("backward_ms", "bwd ms", ".1f"),
     ("step_after_backward_ms", "step() after bwd ms", ".1f"),
+    ("zero_grad_ms", "zero_grad ms", ".1f"),
     ("d2h_bytes", "d2h MB", "mb"), ("d2h_gb_s", "d2h GB/s", ".1f"),
     ("d2h_exposed_ms", "d2h exposed ms", ".2f"),
     ("h2d_bytes", "h2d MB", "mb"), ("h2d_gb_s", "h2d GB/s", ".1f"),
@@ -355,7 +355,7 @@ def print_tables(args, device, rows, alone, pinned, bw_note):
     print(_common.markdown_table(["recipe"] + [h for _, h, _ in COLUMNS], cells))
     if device.type != "cuda":
         print(f"GB/s and pinned columns: - ({NOT_ON_CPU}); d2h exposed: the last hook's end "
-              "after backward's; h2d exposed and device idle: until step() returns")
+              "after backward's; device idle: until step() and zero_grad() return")
     print(f"\nmodel: predicted = fwd + max(bwd, d2h bytes/bw, host step) + tail (the last "
           f"64 MiB chunk's step and copy back); bw: {bw_note}")
     for r in rows:

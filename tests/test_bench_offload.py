@@ -72,6 +72,8 @@ def test_rows_and_bytes(bench):
         m = r["model"]
         assert m["measured_ms"] == pytest.approx(b["forward_ms"] + b["backward_ms"]
                                                  + b["device_idle_ms"])
+        assert b["device_idle_ms"] >= b["step_after_backward_ms"]  # zero_grad() too
+        assert b["iteration_ms"] >= m["measured_ms"] - 1e-6
         assert m["predicted_ms"] >= b["forward_ms"] + b["backward_ms"]
         assert m["serial_ms"] >= b["forward_ms"] + b["backward_ms"] + b["host_step_ms"]
         assert m["model_d2h_ms"] > 0 and m["model_tail_ms"] > 0
@@ -192,9 +194,10 @@ def _probe_module():
 
 
 def test_event_log_read_defensively():
-    """The per-step numbers from a hand-made event log in the kinds the chunked pipeline
-    may add (chunk start/stepped, landed, copied), with kinds and details it does not
-    know mixed in: those are ignored, and the numbers follow from the times given."""
+    """The per-step numbers from a hand-made event log in the chunked pipeline's kinds
+    (host_step_start/_end framing chunk_step_start/_end, chunk_landed, chunk_h2d,
+    chunk_d2h_start/_end), with kinds and details it does not know mixed in: those are
+    ignored, the chunks are the host's calls, and the numbers follow from the times."""
     probe_mod = _probe_module()
 
     class Staging:
@@ -210,19 +213,24 @@ def test_event_log_read_defensively():
     assert opt._events == []
     ms = 1_000_000
     probe.t0, probe.t1, probe.t2, probe.t3 = 0, 10 * ms, 110 * ms, 116 * ms
+    probe.t4, probe.t_end = 117 * ms, 118 * ms  # zero_grad() returned; the iteration's end
     probe.staging1, probe.pinned1 = 4, None
     t2 = probe.t2
     opt._events = [
         (20 * ms, "hook", (0, 2 * ms)), (60 * ms, "hook", (2, 1 * ms)),
         (61 * ms, "hook", "not a pair"), (62 * ms, "hook", (99, 5 * ms)),  # index unknown
-        (t2 + ms // 2, "chunk_landed", 0),
-        (t2 + 1 * ms, "chunk_step_start", 0), (t2 + 3 * ms, "chunk_stepped", 0),
+        (t2, "chunk_d2h_start", 0), (t2 + ms // 4, "chunk_d2h_end", 0),  # not host work
+        (t2 + ms // 2, "host_step_start", None), (t2 + ms // 2, "chunk_landed", 0),
+        (t2 + 1 * ms, "chunk_step_start", 0), (t2 + 3 * ms, "chunk_step_end", 0),
+        (t2 + 3 * ms, "chunk_h2d", 0),
         (t2 + 3 * ms, "chunk_step_start", 1), (t2 + 4 * ms, "chunk_stepped", 1),
-        (t2 + 5 * ms, "chunk_copied", 1), (t2 + 5 * ms, "something_new", {"x": 1}),
+        (t2 + 5 * ms, "chunk_h2d", 1), (t2 + 5 * ms, "something_new", {"x": 1}),
+        (t2 + 6 * ms, "host_step_end", None), (t2 + 6 * ms, "step_returning", None),
     ]
     sizes = [(1000, 2), (10, 2), (500, 2)]  # slot 1 had no gradient this step
     b = probe.phases(sizes, threads=3)
     assert b["forward_ms"] == 10 and b["backward_ms"] == 100 and b["step_after_backward_ms"] == 6
+    assert b["zero_grad_ms"] == 1 and b["iteration_ms"] == 118
     assert b["d2h_bytes"] == b["h2d_bytes"] == (1000 + 500) * 2
     assert b["hooks"] == 3 and b["hook_ms"] == 8  # every well-formed hook event, timed
     assert b["d2h_exposed_ms"] == 0.5 and b["h2d_exposed_ms"] == 1.0
@@ -230,7 +238,7 @@ def test_event_log_read_defensively():
     assert b["host_step_ms"] == 3 and b["host_calls"] == 2  # two chunks: 2 ms + 1 ms busy
     assert b["host_ns_per_param"] == pytest.approx(3 * ms / 1500)
     assert b["host_core_ns_per_param"] == pytest.approx(3 * 3 * ms / 1500)
-    assert b["device_idle_ms"] == 6 and b["staging_allocs"] == 1
+    assert b["device_idle_ms"] == 7 and b["staging_allocs"] == 1  # until zero_grad() returned
     assert b["d2h_gb_s"] is None and b["pinned_requests"] is None  # GPU only
 
 
@@ -241,6 +249,7 @@ def test_event_log_without_host_events():
     probe = probe_mod.StepProbe(object(), torch.device("cpu"))
     probe.begin()
     probe.t0, probe.t1, probe.t2, probe.t3 = 0, 1_000_000, 3_000_000, 4_000_000
+    probe.t4 = probe.t_end = 4_000_000
     probe.staging1, probe.pinned1 = None, None
     b = probe.phases([(10, 4)], threads=None)
     assert b["forward_ms"] == 1 and b["backward_ms"] == 2 and b["device_idle_ms"] == 1
