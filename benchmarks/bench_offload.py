@@ -29,9 +29,10 @@ Printed, the tables last, and written to --out (JSON, with the run's metadata):
    of each copy exposed (d2h: its end after backward's last kernel; h2d: its end after
    both backward and the host step); the host step's start and end against backward's
    end (negative: during backward), its busy time, ns and core-ns per parameter,
-   threads and CPU kernel variant; the device's idle gap between backward's end and
-   the next forward (GPU: CUDA events on the compute stream; the CPU: until step() and
-   zero_grad() return, as a training loop calls them); the hooks' time on the autograd thread; the offloader's staging
+   threads and CPU kernel variant; step() and zero_grad() as the caller waits for them;
+   the device's idle gap between backward's end and the next forward (GPU: CUDA events
+   on the compute stream; the CPU: until step() and zero_grad() return, as a training
+   loop calls them); the hooks' time on the autograd thread; the offloader's staging
    allocations and, on a GPU, torch's pinned allocator requests and new blocks during
    the timed steps (0 once the arena is made).
 4. Predicted against measured, per recipe with a host step, from this model:
