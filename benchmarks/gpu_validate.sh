@@ -8,6 +8,7 @@
 #   bash benchmarks/gpu_validate.sh build sanitize    # compute-sanitizer memcheck, racecheck
 #   bash benchmarks/gpu_validate.sh build bench demo  # bench_optim, bench_gemm, bench_quant, bench_amp_path, demo
 #   bash benchmarks/gpu_validate.sh build offload     # the offloading optimizer on a 1B GPT
+#   bash benchmarks/gpu_validate.sh build offload3b   # ... on a 3B GPT, with and without clipping
 #   bash benchmarks/gpu_validate.sh build muon        # Muon on the GPU
 #   MEMFIT_WHEEL=... bash benchmarks/gpu_validate.sh build perf   # issue 39: one call, < 8 min
 #
@@ -28,7 +29,20 @@
 # offload: bench_offload --size 1b: a GPT of about 1B parameters in bf16 with checkpointed
 #        blocks; peak device memory, s/step, tokens/s on the device and offloaded,
 #        bit-exactness against the device step, torchao's CPUOffloadOptimizer beside it
-#        where it imports (issue 32 §5; targets in benchmarks/RESULTS.md).
+#        where it imports (issue 32 §5; targets in benchmarks/RESULTS.md); per step
+#        (issue 40 §6): forward/backward, bytes, GB/s and exposed time of the copies each
+#        way, the host step against backward's end, its ns/param, threads and kernel,
+#        the device's idle gap, hooks, pinned and staging allocations; the host step alone
+#        at 1, 2, cores/2, cores-1, cores threads against torch's fused AdamW (bf16, fp32;
+#        60M of the model's parameters); pinned bandwidth both ways; predicted against
+#        measured. About 3 minutes on an H200 (estimate; sized for 6). GPU_OFFLOAD_DRY_RUN=1
+#        runs the same stage on the CPU (--size tiny --device cpu: the path and the JSON,
+#        not the numbers).
+# offload3b: bench_offload --size 3b (issue 40's second target: >= 3B parameters, backward
+#        >= 1 s, offload within 1.2x of the device step with offload_gradients=True, with
+#        and without clipping): device, offload, device+clip, offload+clip, 3 steps each
+#        after 1 untimed (about 3 minutes on an H200, estimate). Check the bwd ms column:
+#        under 1000, rerun with OFFLOAD3B_ARGS="--batch 16". GPU_OFFLOAD_DRY_RUN=1 as above.
 # muon:  memfit.optim.Muon against torch.optim.Muon on CUDA (3 steps, bit for bit: the
 #        momentum pass's fmaf against torch's lerp on the GPU), then bench_muon on the
 #        GPU (Muon8bit, Muon, torch.optim.Muon; CUDA events; a 4096-wide block's matrices).
@@ -127,8 +141,20 @@ stage_bench() {
 stage_offload() {
   # the device recipe twice: whether the GPU repeats its own run bit for bit (its backward
   # does not, without --deterministic), before reading the offload rows' bit-exact column
-  step "bench_offload --size 1b" offload.log $PY benchmarks/bench_offload.py --size 1b \
-    --steps 3 --recipes device,device,offload,offload+sib,torchao --out "$OUT/bench_offload.json"
+  local size=(--size 1b --steps 3)
+  [ "${GPU_OFFLOAD_DRY_RUN:-0}" = 1 ] && size=(--size tiny --device cpu --steps 1 --warmup 1)
+  step "bench_offload ${size[*]}" offload.log $PY benchmarks/bench_offload.py "${size[@]}" \
+    --recipes device,device,offload,offload+sib,torchao --out "$OUT/bench_offload.json"
+}
+
+stage_offload3b() {
+  local size=(--size 3b --steps 3 --warmup 1)
+  [ "${GPU_OFFLOAD_DRY_RUN:-0}" = 1 ] && size=(--size tiny --device cpu --steps 1 --warmup 1)
+  # shellcheck disable=SC2086  # OFFLOAD3B_ARGS: words on purpose
+  step "bench_offload ${size[*]} (3b stage)" offload.log \
+    $PY benchmarks/bench_offload.py "${size[@]}" \
+    --recipes device,offload,device+clip,offload+clip --alone-params 0 \
+    --out "$OUT/bench_offload_3b.json" ${OFFLOAD3B_ARGS:-}
 }
 
 stage_muon() {
@@ -184,7 +210,7 @@ if [ $# -eq 0 ]; then
   awk 'NR > 1 && /^#/ { print; next } NR > 1 { exit }' "$0"  # the header above
   exit 2
 fi
-STAGES="build tests sanitize bench demo offload muon perf"
+STAGES="build tests sanitize bench demo offload offload3b muon perf"
 for stage in "$@"; do
   case " $STAGES " in
     *" $stage "*) ;;
