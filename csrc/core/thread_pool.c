@@ -5,6 +5,7 @@
  * until the count reaches zero. Every wait is pthread_cond_wait: an idle pool uses no
  * CPU, and a worker that wakes finds its work at once (no spinning either way).
  */
+#define _GNU_SOURCE /* pthread_setname_np */
 #include <pthread.h>
 #include <stdlib.h>
 
@@ -34,6 +35,9 @@ static void *worker_main(void *arg_) {
   mf_thread_pool *p = arg->pool;
   const int tid = arg->tid;
   free(arg);
+#ifdef __linux__
+  pthread_setname_np(pthread_self(), "memfit-pool"); /* what top -H and the tests see */
+#endif
   unsigned long seen = 0;
   pthread_mutex_lock(&p->mu);
   for (;;) {
