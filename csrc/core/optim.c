@@ -370,7 +370,7 @@ static void step_on_pool(void *ctx, int tid, int nthreads) {
   (void)nthreads;
   step_ctx *x = (step_ctx *)ctx;
   thread_bufs b;
-  item_consts ic = {-1, {0}};
+  item_consts ic = {.cur = -1};
   if (!bufs_init(x, &b)) return;
   for (;;) {
     const int64_t w0 = (int64_t)atomic_fetch_add(&x->next_item, (long long)x->grab);
@@ -441,7 +441,7 @@ mf_status mf_optim_step_cpu(const mf_optim_hparams *h, mf_state_format fmt, int6
 #pragma omp parallel num_threads(mf_get_num_threads()) if (total_items > 8)
     {
       thread_bufs b;
-      item_consts ic = {-1, {0}};
+      item_consts ic = {.cur = -1};
       const int ok = bufs_init(&x, &b);
 #pragma omp for schedule(dynamic, grab)
       for (int64_t w = 0; w < total_items; w++)
