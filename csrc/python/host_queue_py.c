@@ -49,10 +49,16 @@ static void payload_free(void *payload) {
  * an error nobody collects must not keep what the frames' locals held (an optimizer the
  * user dropped) alive. A new reference, never NULL. */
 static PyObject *take_exception(void) {
+#if PY_VERSION_HEX >= 0x030C0000
+  PyObject *value = PyErr_GetRaisedException(); /* normalized, with its traceback */
+  PyObject *tb = value ? PyException_GetTraceback(value) : NULL;
+#else
   PyObject *type, *value, *tb;
   PyErr_Fetch(&type, &value, &tb);
   PyErr_NormalizeException(&type, &value, &tb);
   if (tb && value) PyException_SetTraceback(value, tb);
+  Py_XDECREF(type);
+#endif
   if (tb) {
     PyObject *mod = PyImport_ImportModule("traceback");
     PyObject *r = mod ? PyObject_CallMethod(mod, "clear_frames", "O", tb) : NULL;
@@ -60,7 +66,6 @@ static PyObject *take_exception(void) {
     Py_XDECREF(mod);
     PyErr_Clear();
   }
-  Py_XDECREF(type);
   Py_XDECREF(tb);
   if (!value) value = Py_NewRef(PyExc_RuntimeError); /* cannot happen after a failed call */
   return value;
@@ -319,8 +324,11 @@ static PyObject *HostQueue_wait(HostQueueObject *self, PyObject *args, PyObject 
   release_done(self);
   if (payload) { /* a job's Python exception, raised here as it was */
     PyObject *exc = (PyObject *)payload;
-    PyObject *tb = PyException_GetTraceback(exc);
-    PyErr_Restore(Py_NewRef((PyObject *)Py_TYPE(exc)), exc, tb);
+#if PY_VERSION_HEX >= 0x030C0000
+    PyErr_SetRaisedException(exc);
+#else
+    PyErr_Restore(Py_NewRef((PyObject *)Py_TYPE(exc)), exc, PyException_GetTraceback(exc));
+#endif
     mf_clear_error();
     return NULL;
   }
