@@ -2,7 +2,7 @@
 
 Runs in a subprocess whose ``memfit`` has the emulated ``_C`` (see emulated_util.py):
 ``python emulated_cases.py GROUP`` runs the cases of GROUP (quant, optim, unscale, cast,
-scaler, gemm, device, smoke) and prints one line per mismatch; exit status 1 on any
+scaler, gemm, host_queue, device, smoke) and prints one line per mismatch; exit status 1 on any
 mismatch or error. Each case calls the same ``memfit._C`` function twice on copies of
 the same inputs: once with NumPy arrays (the C core) and once with the arrays wrapped
 in :class:`Dev`, which presents their host memory as CUDA device 0 through DLPack, so
@@ -525,8 +525,41 @@ def group_gemm(r: Report, rng):
             r.run(case, fwd)
 
 
+# ---- host_queue.cu --------------------------------------------------------------------
+def group_host_queue(r: Report, rng):
+    """The host queue's copies with a CUDA side (host_queue.cu: cudaMemcpyAsync, then the
+    event record) against its host-to-host memcpy, every direction, and an event wait."""
+    q = _C.HostQueue(1)
+    for dtype in (np.dtype(np.uint8), np.dtype(np.float32), BF16):
+        for n in (1, 4097, 1 << 18):
+            for way in ("h2d", "d2h", "d2d"):
+                case = f"host queue copy {way} {dtype.name} n={n}"
+
+                def one(dtype=dtype, n=n, way=way, case=case):
+                    src = rng.integers(0, 256, n * dtype.itemsize, dtype=np.uint8).view(dtype)
+                    out = {}
+                    for side in ("cpu", "cuda"):
+                        dst = np.zeros(n, dtype)
+                        d, s = dst, src
+                        if side == "cuda":
+                            d = Dev(dst) if way in ("h2d", "d2d") else dst
+                            s = Dev(src) if way in ("d2h", "d2d") else src
+                        q.submit_copy(d, s)
+                        q.wait()
+                        out[side] = dst
+                    r.same(case, "dst", out["cpu"], out["cuda"])
+                    r.same(case, "src", src, out["cuda"])
+                r.run(case, one)
+
+    def event_wait():
+        q.submit_event_wait(1)  # mfemu's events are ordered no-ops: any handle
+        q.wait()
+    r.run("host queue event wait", event_wait)
+    q.stop()
+
+
 GROUPS = {"quant": group_quant, "optim": group_optim, "unscale": group_unscale, "cast": group_cast,
-          "scaler": group_scaler, "gemm": group_gemm}
+          "scaler": group_scaler, "gemm": group_gemm, "host_queue": group_host_queue}
 
 
 def main(argv):

@@ -15,6 +15,7 @@ in emulated_cases.py, the build in emulated_util.py. Which kernels each test exe
 * gemm: gemm_tiled_kernel after cuBLASLt declines (gemm.cu, gemm_cublaslt.cu's loader),
   act_forward_kernel, act_backward_kernel (gemm.cu)
 * device queries: device.cu
+* the host queue's copies with a CUDA side and its event wait (host_queue.cu)
 
 What this cannot check (nvcc's code generation, warp lockstep, the GPU memory model,
 cuBLASLt, speed) is listed in docs/architecture.md; benchmarks/gpu_validate.sh checks
@@ -35,7 +36,7 @@ import emulated_util as eu  # noqa: E402
 
 pytestmark = pytest.mark.cuda_emulated
 
-GROUPS = ("quant", "optim", "unscale", "cast", "scaler", "gemm")
+GROUPS = ("quant", "optim", "unscale", "cast", "scaler", "gemm", "host_queue")
 
 
 @pytest.fixture(scope="session")

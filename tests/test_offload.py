@@ -3,7 +3,6 @@ a real worker thread and staging buffers, streams as no-ops): bit for bit agains
 wrapped optimizer stepping the model's parameters itself."""
 
 import copy
-import threading
 import time
 
 import memfit
@@ -264,7 +263,7 @@ def test_next_forward_sees_the_update(step_in_backward, monkeypatch):
 
     def slow_step(*a, **k):
         time.sleep(0.05)
-        calls.append(threading.current_thread().name)
+        calls.append(opt._worker.on_thread())
         return inner_step(*a, **k)
 
     monkeypatch.setattr(opt.optimizer, name, slow_step)
@@ -275,7 +274,7 @@ def test_next_forward_sees_the_update(step_in_backward, monkeypatch):
     out = model(x)  # right after the offloader's step(): no wait in between
     expected = ref_model(x)
     assert torch.equal(out, expected)
-    assert calls and set(calls) == {"memfit-offload"}  # the host step ran on the worker
+    assert calls and all(calls)  # the host step ran on the worker's thread
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16],

@@ -1,5 +1,6 @@
 /* memfit core: error buffer, dtype table, argument checks, threads, build info. */
 #include "memfit/common.h"
+#include "memfit/thread_pool.h"
 
 #include <stdarg.h>
 #include <stdio.h>
@@ -103,6 +104,10 @@ void mf_set_num_threads(int n) { mf_threads = n > 0 ? n : 0; }
 void mf_set_thread_num_threads(int n) { mf_thread_threads = n > 0 ? n : 0; }
 
 int mf_get_num_threads(void) {
+  /* the host queue's thread (host_queue.c): its pool's size, which its steps run on, and
+   * its other (OpenMP) loops use as their count */
+  const mf_thread_pool *pool = mf_thread_pool_current();
+  if (pool) return mf_thread_pool_size(pool);
 #ifdef _OPENMP
   if (mf_thread_threads > 0) return mf_thread_threads;
   return mf_threads > 0 ? mf_threads : omp_get_max_threads();

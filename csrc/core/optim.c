@@ -2,7 +2,9 @@
  * The CPU optimizer step (mf_optim_step_cpu), called by mf_optim_step (optim_api.c)
  * once it has checked the arguments.
  *
- * One OpenMP parallel region covers every tensor of the call: the work items of all
+ * One parallel region covers every tensor of the call (OpenMP's, or the passive thread
+ * pool of memfit/thread_pool.h when the calling thread has one attached: the host
+ * queue's thread; both run the one item function, step_item): the work items of all
  * tensors (2048 elements, 16384 for the fused kernel, or one quantization block if
  * larger) are numbered across tensors and handed out dynamically, so a call with many
  * small tensors pays one fork/join, and a slower core takes fewer items. A tensor
@@ -35,11 +37,13 @@
  * measurement at the first step finds faster (optim_avx2.c; mf_optim_cpu_kernel).
  */
 #include <math.h>
+#include <stdatomic.h>
 #include <stdlib.h>
 #include <string.h>
 
 #include "optim_cpu.h"
 #include "memfit/multi_tensor.h"
+#include "memfit/thread_pool.h"
 
 /* ---- the CPU block kernel ------------------------------------------------------- */
 
@@ -258,6 +262,125 @@ static mf_optim_tensor row_view(const mf_optim_tensor *t, mf_state_format fmt, i
   return v;
 }
 
+/* What every thread of one step reads: the call's arguments and the work list. */
+typedef struct {
+  const mf_optim_hparams *h;
+  mf_state_format fmt;
+  int64_t bs;
+  int ns;
+  float inv_scale;
+  const quant_ctx *qc;
+  block_fn block_step;
+#ifdef MF_X86_SIMD
+  fused_fn fused;
+#else
+  const void *fused;
+#endif
+  int64_t chunk;
+  const mf_optim_tensor *ts;
+  int64_t n;
+  const int64_t *start, *split;
+  int64_t total_items;
+  int grab;
+  atomic_int failed;      /* a thread could not allocate its buffers */
+  atomic_llong next_item; /* the pool's shared work counter (step_on_pool) */
+} step_ctx;
+
+/* A thread's buffers (L1/L2 resident), or 0 when they could not be allocated (then
+ * x->failed is set and the thread steps nothing). */
+static int bufs_init(step_ctx *x, thread_bufs *b) {
+  const int64_t chunk = x->chunk, ns = x->ns, bs = x->bs;
+  /* Every region is written before it is read, but for `zero` (the missing second
+   * state of one-state kinds, which the update rewrites with its own zeros): zero only
+   * that, not the whole ~330 KB a calloc would clear on every call. */
+  const int64_t ring = 2 * (ns > 2 ? ns : 2) * bs; /* the fused kernel's (thread_bufs) */
+  float *mem = (float *)malloc((size_t)((ns > 2 ? 6 : 5) * chunk + ring) * sizeof(float));
+  if (mem) memset(mem + 4 * chunk, 0, (size_t)chunk * sizeof(float));
+  uint8_t *qmem = (uint8_t *)malloc((size_t)chunk);
+  if (!mem || !qmem) {
+    free(mem);
+    free(qmem);
+    atomic_store(&x->failed, 1);
+    memset(b, 0, sizeof *b);
+    return 0;
+  }
+  b->p = mem;
+  b->g = mem + chunk;
+  b->s[0] = mem + 2 * chunk;
+  b->s[1] = mem + 3 * chunk;
+  b->zero = mem + 4 * chunk;
+  b->ring = mem + 5 * chunk;
+  b->s[2] = ns > 2 ? mem + 5 * chunk + ring : NULL;
+  b->q = qmem;
+  b->fused_ready = 0;
+  return 1;
+}
+
+static void bufs_free(thread_bufs *b) {
+  free(b->p); /* the base of the float buffers */
+  free(b->q);
+}
+
+/* The constants of the tensor a thread is on (recomputed when its items move on). */
+typedef struct {
+  int64_t cur; /* the tensor whose constants c holds, or -1 */
+  mf_optim_consts c;
+} item_consts;
+
+/* Work item w of the step: the one definition of an item's work, whichever threads
+ * (OpenMP's or the pool's) run it. Items are independent: any order, same bits. */
+static void step_item(const step_ctx *x, thread_bufs *b, item_consts *ic, int64_t w) {
+  const mf_optim_hparams *h = x->h;
+  const int64_t chunk = x->chunk, bs = x->bs;
+  const int64_t i = mf_mt_tensor_of(x->start, x->n, w);
+  const mf_optim_tensor *t = &x->ts[i];
+  if (i != ic->cur) {
+    const float step = *(const float *)t->step.data + 1.0f;
+    ic->c = mf_optim_prepare(h, step, x->inv_scale);
+    if (h->max_unorm > 0.0) {
+      const double *tot = mf_optim_trust_totals(t->trust.data, t->param.numel);
+      mf_optim_trust_apply(h, &ic->c, mf_optim_trust_scale(h, step, tot[0], tot[1]));
+    }
+    ic->cur = i;
+  }
+  /* item k of a tensor stepped row by row is item k % per_row of row k / per_row */
+  int64_t k = w - x->start[i];
+  mf_optim_tensor row;
+  if (x->split[i] > 1) {
+    const int64_t per_row = mf_mt_items(t->param.numel / x->split[i], chunk);
+    row = row_view(t, x->fmt, bs, x->split[i], k / per_row);
+    t = &row;
+    k %= per_row;
+  }
+  const int64_t numel = t->param.numel, first = k * chunk;
+  const int64_t len = numel - first < chunk ? numel - first : chunk;
+  /* the whole blocks to the fused kernel, a partial last one to the block kernel */
+  const int64_t whole = x->fused ? len - len % bs : 0;
+#ifdef MF_X86_SIMD
+  if (whole > 0) x->fused(h, &ic->c, x->ns, bs, x->qc, t, first, whole, b);
+#endif
+  if (whole < len)
+    x->block_step(h, &ic->c, x->ns, x->fmt, bs, x->qc, t, first + whole, len - whole, b);
+}
+
+/* One thread of the pool's step: takes `grab` items at a time from the shared counter,
+ * as OpenMP's schedule(dynamic, grab) does. */
+static void step_on_pool(void *ctx, int tid, int nthreads) {
+  (void)tid;
+  (void)nthreads;
+  step_ctx *x = (step_ctx *)ctx;
+  thread_bufs b;
+  item_consts ic = {.cur = -1};
+  if (!bufs_init(x, &b)) return;
+  for (;;) {
+    const int64_t w0 = (int64_t)atomic_fetch_add(&x->next_item, (long long)x->grab);
+    if (w0 >= x->total_items) break;
+    const int64_t w1 = w0 + x->grab < x->total_items ? w0 + x->grab : x->total_items;
+    for (int64_t w = w0; w < w1; w++) step_item(x, &b, &ic, w);
+  }
+  bufs_free(&b);
+}
+
 mf_status mf_optim_step_cpu(const mf_optim_hparams *h, mf_state_format fmt, int64_t bs,
                             const mf_tensor *code1, const mf_tensor *code2,
                             const mf_optim_tensor *ts, int64_t n, const mf_tensor *grad_scale,
@@ -306,69 +429,28 @@ mf_status mf_optim_step_cpu(const mf_optim_hparams *h, mf_state_format fmt, int6
   const int64_t total_items = mf_mt_prefix(&ts[0].param.numel, sizeof *ts, split, n, chunk, start);
   const int grab = chunk >= GRAB_ELEMS ? 1 : (int)(GRAB_ELEMS / chunk);
 
-  int failed = 0;
+  step_ctx x = {h, fmt, bs, ns, inv_scale, &qc, block_step, fused, chunk, ts, n, start, split,
+                total_items, grab, 0, 0};
+  mf_thread_pool *pool = mf_thread_pool_current();
+  if (pool) {
+    /* The host queue's thread (host_queue.c): its pool's threads wait passively between
+     * steps, where OpenMP's would spin against the training thread. */
+    if (total_items > 8) mf_thread_pool_run(pool, step_on_pool, &x);
+    else step_on_pool(&x, 0, 1);
+  } else {
 #pragma omp parallel num_threads(mf_get_num_threads()) if (total_items > 8)
-  {
-    thread_bufs b;
-    /* Every region is written before it is read, but for `zero` (the missing second
-     * state of one-state kinds, which the update rewrites with its own zeros): zero only
-     * that, not the whole ~330 KB a calloc would clear on every call. */
-    const int64_t ring = 2 * (ns > 2 ? ns : 2) * bs; /* the fused kernel's (thread_bufs) */
-    float *mem = (float *)malloc((size_t)((ns > 2 ? 6 : 5) * chunk + ring) * sizeof(float));
-    if (mem) memset(mem + 4 * chunk, 0, (size_t)chunk * sizeof(float));
-    uint8_t *qmem = (uint8_t *)malloc((size_t)chunk);
-    if (!mem || !qmem) {
-#pragma omp atomic write
-      failed = 1;
-    }
-    b.p = mem;
-    b.g = mem ? mem + chunk : NULL;
-    b.s[0] = mem ? mem + 2 * chunk : NULL;
-    b.s[1] = mem ? mem + 3 * chunk : NULL;
-    b.zero = mem ? mem + 4 * chunk : NULL;
-    b.ring = mem ? mem + 5 * chunk : NULL;
-    b.s[2] = mem && ns > 2 ? mem + 5 * chunk + ring : NULL;
-    b.q = qmem;
-    b.fused_ready = 0;
-    int64_t cur = -1; /* the tensor whose constants c holds */
-    mf_optim_consts c;
+    {
+      thread_bufs b;
+      item_consts ic = {.cur = -1};
+      const int ok = bufs_init(&x, &b);
 #pragma omp for schedule(dynamic, grab)
-    for (int64_t w = 0; w < total_items; w++) {
-      if (!mem || !qmem) continue;
-      const int64_t i = mf_mt_tensor_of(start, n, w);
-      const mf_optim_tensor *t = &ts[i];
-      if (i != cur) {
-        const float step = *(const float *)t->step.data + 1.0f;
-        c = mf_optim_prepare(h, step, inv_scale);
-        if (h->max_unorm > 0.0) {
-          const double *tot = mf_optim_trust_totals(t->trust.data, t->param.numel);
-          mf_optim_trust_apply(h, &c, mf_optim_trust_scale(h, step, tot[0], tot[1]));
-        }
-        cur = i;
-      }
-      /* item k of a tensor stepped row by row is item k % per_row of row k / per_row */
-      int64_t k = w - start[i];
-      mf_optim_tensor row;
-      if (split[i] > 1) {
-        const int64_t per_row = mf_mt_items(t->param.numel / split[i], chunk);
-        row = row_view(t, fmt, bs, split[i], k / per_row);
-        t = &row;
-        k %= per_row;
-      }
-      const int64_t numel = t->param.numel, first = k * chunk;
-      const int64_t len = numel - first < chunk ? numel - first : chunk;
-      /* the whole blocks to the fused kernel, a partial last one to the block kernel */
-      const int64_t whole = fused ? len - len % bs : 0;
-#ifdef MF_X86_SIMD
-      if (whole > 0) fused(h, &c, ns, bs, &qc, t, first, whole, &b);
-#endif
-      if (whole < len) block_step(h, &c, ns, fmt, bs, &qc, t, first + whole, len - whole, &b);
+      for (int64_t w = 0; w < total_items; w++)
+        if (ok) step_item(&x, &b, &ic, w);
+      if (ok) bufs_free(&b);
     }
-    free(mem);
-    free(qmem);
   }
   free(start);
-  if (failed) return mf_error(MF_ERR_NOMEM, "optimizer step: out of host memory");
+  if (atomic_load(&x.failed)) return mf_error(MF_ERR_NOMEM, "optimizer step: out of host memory");
   for (int64_t i = 0; i < n; i++) *(float *)ts[i].step.data += 1.0f;
   return MF_OK;
 }

@@ -129,5 +129,8 @@ extern PyMethodDef mf_gemm_methods[];
 extern PyMethodDef mf_plan_methods[];
 extern PyMethodDef mf_optim_methods[];
 extern PyMethodDef mf_amp_methods[];
+extern PyMethodDef mf_host_queue_methods[];
+/* Adds the type memfit._C.HostQueue (host_queue_py.c) to the module; -1 with an error. */
+int mf_py_host_queue_add(PyObject *module);
 
 #endif /* MEMFIT_BINDINGS_H */

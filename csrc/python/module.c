@@ -197,6 +197,7 @@ static PyMethodDef *method_tables[] = {
     mf_plan_methods,
     mf_optim_methods,
     mf_amp_methods,
+    mf_host_queue_methods,
 };
 
 static struct PyModuleDef module_def = {PyModuleDef_HEAD_INIT, "memfit._C",
@@ -228,6 +229,7 @@ PyMODINIT_FUNC PyInit__C(void) {
   if (!(mf_py_TypeError = new_error(m, "MemfitTypeError", PyExc_TypeError))) goto fail;
   if (!(mf_py_ValueError = new_error(m, "MemfitValueError", PyExc_ValueError))) goto fail;
   if (!(mf_py_CudaError = new_error(m, "CudaError", PyExc_RuntimeError))) goto fail;
+  if (mf_py_host_queue_add(m) < 0) goto fail;
   return m;
 fail:
   Py_DECREF(m);

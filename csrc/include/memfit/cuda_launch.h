@@ -79,6 +79,14 @@ mf_status mf_cuda_grad_norm(const mf_tensor *grads, int64_t n, double norm_type,
 mf_status mf_cuda_clip_grads(mf_tensor *grads, int64_t n, const mf_tensor *norm,
                              float max_norm, void *stream);
 
+/* cuda/host_queue.cu: the host queue's device jobs (host_queue.c), run on its thread.
+ * cudaMemcpyAsync of n bytes on `stream` (NULL: the default stream) with `device`
+ * current, then cudaEventRecord(event, stream) when event is not NULL. */
+mf_status mf_cuda_copy_async(void *dst, const void *src, size_t n, int device, void *stream,
+                             void *event);
+/* cudaEventSynchronize(event). */
+mf_status mf_cuda_event_wait(void *event);
+
 #ifdef __cplusplus
 }
 #endif

@@ -4,76 +4,54 @@ optimizer's lifetime (memfit.optim.offload; docs/offload.md, "Its lifetime")."""
 from __future__ import annotations
 
 import os
-import queue
-import threading
-import traceback
 import weakref
 
 from memfit._C import MemfitTypeError, MemfitValueError
 
 
 class _Worker:
-    """One thread that runs jobs in submission order. The first error a job raises is
-    kept and raised by :meth:`wait` in the caller's thread; jobs after it still run
-    (each one is self-contained), so the queue always drains. The thread holds no
+    """One thread that runs jobs in submission order: memfit's host queue
+    (``_C.HostQueue``, csrc/core/host_queue.c), a thread of the C core that holds no
+    GIL while it waits or copies and takes it only to call a job. The first error a job
+    raises is kept and raised by :meth:`wait` in the caller's thread; jobs after it still
+    run (each one is self-contained), so the queue always drains. The thread holds no
     reference to the optimizer between jobs (a job's closure does, while it is queued),
-    so a dropped optimizer is collected and its finalizer stops the thread."""
+    so a dropped optimizer is collected and its finalizer stops the thread.
 
-    _STOP = object()
+    The queue's host steps run on its own pool of ``threads`` threads (the queue's thread
+    and threads - 1 more), which wait on condition variables between steps instead of
+    spinning as OpenMP's do (docs/offload.md, "Threads")."""
 
     def __init__(self, threads: int = 0):
-        self._threads = threads  # the core's threads for the host step (0: the process's)
-        self._jobs: queue.Queue = queue.Queue()
-        self._error = None
-        self._thread = None
+        self._threads = threads  # the pool's threads for the host step (0: the process's)
+        self._queue = None  # started by the first job
         self._stopped = False
 
     def submit(self, job) -> None:
         if self._stopped:
             raise RuntimeError("CPUOffloadOptimizer: the optimizer was closed; build a new one")
-        if self._thread is None:
-            self._thread = threading.Thread(target=self._run, name="memfit-offload", daemon=True)
-            self._thread.start()
-        self._jobs.put(job)
+        if self._queue is None:
+            from memfit import _C
 
-    def _run(self):
-        from memfit import _C
+            self._queue = _C.HostQueue(self._threads)
+        self._queue.submit(job)
 
-        _C.set_thread_num_threads(self._threads)  # this thread's kernels only
-        while True:
-            job = self._jobs.get()
-            try:
-                if job is _Worker._STOP:
-                    return
-                job()
-            except BaseException as e:  # handed to the caller by wait()
-                # the frames' locals (the optimizer among them) are let go: an error
-                # nobody collects must not keep a dropped optimizer alive
-                traceback.clear_frames(e.__traceback__)
-                if self._error is None:
-                    self._error = e
-            finally:
-                job = None  # not kept alive while the thread waits for the next one
-                self._jobs.task_done()
+    def on_thread(self) -> bool:
+        """Whether the caller is the worker's own thread (a job)."""
+        return self._queue is not None and self._queue.on_queue_thread
 
     def wait(self) -> None:
         """Blocks until every submitted job has run; raises the first error one raised."""
-        self._jobs.join()
-        error, self._error = self._error, None
-        if error is not None:
-            raise error
+        if self._queue is not None:
+            self._queue.wait()
 
     def stop(self) -> None:
         """Lets the queued jobs run, then ends the thread (joined unless this is it)."""
         if self._stopped:
             return
         self._stopped = True
-        thread = self._thread
-        if thread is None:
-            return
-        self._jobs.put(_Worker._STOP)
-        if thread is not threading.current_thread():
-            thread.join()
+        if self._queue is not None:
+            self._queue.stop()
 
 
 def _release(hooks: list, worker: _Worker, staging=None) -> None:
