@@ -40,6 +40,7 @@ import torch
 from memfit._C import MemfitTypeError, MemfitValueError
 from memfit.amp.in_kernel import TORCH_FLAG
 from memfit.optim import _dtensor
+from memfit.optim import _offload_pipeline as pipeline
 from memfit.optim._offload_norms import LandedNorms
 from memfit.optim._offload_staging import Staging
 from memfit.optim._offload_thread import _host_threads, _release, _weak_hook, _Worker
@@ -101,7 +102,8 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
     _memfit_scale_in_kernel = True  # grad_scale/found_inf reach the wrapped step (amp/in_kernel.py)
 
     def __init__(self, params, optimizer_class=None, *, offload_gradients=False,
-                 step_in_backward=False, offload=True, host_threads=None, **kwargs):
+                 step_in_backward=False, offload=True, host_threads=None,
+                 chunk_bytes=pipeline.DEFAULT_CHUNK_BYTES, overlap_forward=False, **kwargs):
         if optimizer_class is None:
             from memfit.optim.optimizers import AdamW8bit as optimizer_class
         if not (isinstance(optimizer_class, type) and issubclass(optimizer_class, _MemfitOptimizer)):
@@ -109,8 +111,8 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
                 "optimizer_class: expected a memfit.optim optimizer class (AdamW8bit, AdamW, "
                 f"Lion8bit, ...), got {getattr(optimizer_class, '__name__', optimizer_class)!r}; "
                 "its states are what this optimizer keeps on the host")
-        for name, v in (("offload_gradients", offload_gradients),
-                        ("step_in_backward", step_in_backward), ("offload", offload)):
+        for name, v in (("offload_gradients", offload_gradients), ("offload", offload),
+                        ("step_in_backward", step_in_backward), ("overlap_forward", overlap_forward)):
             if not isinstance(v, bool):
                 raise MemfitTypeError(f"{name}: expected True or False, got {v!r}")
         if offload and step_in_backward and not offload_gradients:
@@ -127,6 +129,7 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
             # the reason instead of torch's "No inf checks were recorded"
             setattr(self, TORCH_FLAG, True)
         threads = _host_threads(host_threads)
+        pipeline.check_chunk_bytes(chunk_bytes)
         groups = _groups_of(params)
         device, seen = None, set()
         for gi, g in enumerate(groups):
@@ -177,6 +180,11 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
             self.optimizer._override_alias = {id(s.host): s.dev for s in slots}
         self._slots = slots
         self._slot_of = {id(s.dev): s for s in slots}
+        # the step's chunks (_offload_pipeline) and those still in flight (overlap_forward)
+        self.chunk_bytes, self.overlap_forward = chunk_bytes, overlap_forward
+        self._chunks = pipeline.make_chunks([s for s in slots if s.host is not s.dev],
+                                            chunk_bytes)
+        self._inflight = pipeline.InFlight()
         self._worker = _Worker(threads)
         self._events = None
         self._accumulating = 0  # no_step() depth: backwards sum their gradients
@@ -247,7 +255,7 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
         if not self._finalizer.alive:
             return
         try:
-            self._worker.wait()
+            self._settle()
         finally:
             self._finalizer()
 
@@ -285,12 +293,12 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
         # gradient has landed: a scaler or clipping may read them
         if self._offload_grads and not self._in_backward:
             self._adopt_device_grads()
-        self._worker.wait()
+        self._settle()
         return self._groups
 
     @property
     def state(self) -> dict:
-        self._worker.wait()
+        self._settle()
         self._norms.forget()  # its keys reach the host gradients too
         inner = self.optimizer.state
         return {p: inner[h] for g, ig in zip(self._groups, self.optimizer.param_groups)
@@ -322,6 +330,8 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
             self._log("hook", (self._slot_of[id(p)].index, time.perf_counter_ns() - t0))
 
     def _take_grad(self, p) -> None:
+        if self._inflight.pending:  # the next backward's first gradient: the step is over
+            self._settle()
         s = self._slot_of[id(p)]
         if self._in_backward and s.stepped:
             p.grad = None  # as before this backward: its gradient was consumed by the step
@@ -513,27 +523,27 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
         return loss
 
     def _step(self, grad_scale, found_inf) -> None:
+        self._settle()  # the last step's chunks (overlap_forward)
         self._stepping = True
         try:
-            if self._offload_grads:
-                self._adopt_device_grads()
-            else:
-                for s in self._slots:
-                    if s.dev.grad is not None:
-                        job = self._to_host(s, s.dev.grad)
-                        self._worker.submit(lambda s=s, job=job: self._land(s, *job))
-            after = (torch.cuda.current_stream(self._device).record_event()
-                     if self._h2d is not None else None)
-            self._worker.submit(lambda: self._host_step(self._slots, grad_scale, found_inf, after))
-            try:
-                self._worker.wait()
-            finally:
-                if not self._offload_grads:  # a step that raised leaves no host copy behind
-                    for s in self._slots:
-                        self._drop_host_grad(s)
+            pipeline.step(self, grad_scale, found_inf)
+            if self.overlap_forward:
+                self._inflight.install(self._hooks)
+                return
+            self._settle()
             self._landed_on_device()
         finally:
             self._stepping = False
+
+    def _settle(self) -> None:
+        """Waits for the work in flight (raises the first error a job raised): every API
+        but the next forward's modules (overlap_forward) waits for the whole step."""
+        try:
+            self._worker.wait()
+        finally:
+            if self._inflight.pending:
+                self._inflight.clear(self._hooks)
+                self._landed_on_device()
 
     def _step_in_backward_done(self, grad_scale, found_inf) -> None:
         """step() with step_in_backward: waits for the steps taken during backward, steps
@@ -542,7 +552,7 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
         raises, the next backward starts anew: nothing of this one is carried over."""
         ok = False
         try:
-            self._worker.wait()
+            self._settle()
             self._log("step_returning")
             if grad_scale is not None or found_inf is not None:
                 raise RuntimeError(
@@ -559,7 +569,7 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
                 after = (torch.cuda.current_stream(self._device).record_event()
                          if self._h2d is not None else None)
                 self._worker.submit(lambda: self._host_step(summed, None, None, after, positions))
-                self._worker.wait()
+                self._settle()
             if late:
                 positions = self._backward_positions()
                 if any(id(s.host) not in positions for s in late):  # frozen, assigned a grad
@@ -570,7 +580,7 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
                         job = self._to_host(s, s.dev.grad)
                         s.dev.grad = None
                         self._worker.submit(lambda s=s, job=job: self._land(s, *job, positions))
-                    self._worker.wait()
+                    self._settle()
                 else:
                     self.optimizer._step_params([s.dev for s in late], positions)
             ok = True
@@ -607,7 +617,7 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
                 "CPUOffloadOptimizer.zero_grad: called in the middle of a step (parameters "
                 "were stepped during backward and step() has not been called yet); call "
                 "step() first; nothing was cleared")
-        self._worker.wait()
+        self._settle()
         self._sync_hooks()  # parameters unfrozen since the last step: hooked from now on
         with torch.no_grad():
             for s in self._slots:
@@ -656,7 +666,7 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
         """The wrapped optimizer's state dict (loads into ``optimizer_class`` over the same
         parameters, and back). The state-dict hooks registered on this optimizer run as
         torch runs them (pre-hooks first, post-hooks on the finished dict)."""
-        self._worker.wait()
+        self._settle()
         for hook in list(self._optimizer_state_dict_pre_hooks.values()):
             hook(self)
         return run_state_dict_post_hooks(self, self.optimizer.state_dict())
@@ -670,7 +680,7 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
         if self._stepping or any(s.stepped for s in self._slots):
             raise RuntimeError("CPUOffloadOptimizer.load_state_dict: called in the middle of a "
                                "step; call step() first; nothing was loaded")
-        self._worker.wait()
+        self._settle()
         self.optimizer.load_state_dict(run_load_state_dict_pre_hooks(self, state_dict))
         self.reload_params()
         run_load_state_dict_post_hooks(self)
@@ -679,7 +689,7 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
     def reload_params(self) -> None:
         """Copies the model's parameters into the host copies: call it after changing the
         parameters outside the optimizer (``load_state_dict`` calls it)."""
-        self._worker.wait()
+        self._settle()
         for s in self._slots:
             if s.host is not s.dev:
                 s.host.copy_(s.dev.detach())
