@@ -4,6 +4,7 @@ runs on its own thread count with a passive OpenMP wait, and every mode stays bi
 bit the wrapped optimizer's."""
 
 import os
+import threading
 import time
 
 import memfit
@@ -12,7 +13,7 @@ import pytest
 import torch
 from memfit import _C
 from memfit.optim.offload import CPUOffloadOptimizer
-from test_offload import assert_same, batch, groups, loss_of, make_model
+from test_offload import assert_same, batch, groups, loss_of, make_model, train
 
 # -- host buffers: allocated once ------------------------------------------------------------
 
@@ -312,3 +313,111 @@ def test_no_step_accumulates_and_the_last_backward_steps(offload):
     with pytest.raises(memfit.MemfitValueError, match="no_step"):
         with CPUOffloadOptimizer(model.parameters(), offload_gradients=True).no_step():
             pass
+
+
+# -- the step in chunks (_offload_pipeline) ------------------------------------------------------
+
+def test_chunks_follow_backward_and_chunk_bytes():
+    """Chunks take the slots in backward's order (the reverse of the parameters') and
+    close once they hold chunk_bytes of gradients; chunk_bytes is checked."""
+    model = make_model()  # 64x96, 96, 48x96, 48, 64x48, 64 float32 parameters
+    sizes = [p.numel() * 4 for p in model.parameters()]
+    opt = CPUOffloadOptimizer(model.parameters(), lr=1e-2)
+    assert opt.chunk_bytes == 64 << 20 and len(opt._chunks) == 1
+    assert [s.index for s in opt._chunks[0]] == [5, 4, 3, 2, 1, 0]
+    opt = CPUOffloadOptimizer(model.parameters(), lr=1e-2, chunk_bytes=sizes[4] + 1)
+    # 64x48 + 64 floats reach it; then 48 + 48x96; then 96 + 64x96
+    assert [[s.index for s in c] for c in opt._chunks] == [[5, 4], [3, 2], [1, 0]]
+    opt = CPUOffloadOptimizer(model.parameters(), lr=1e-2, chunk_bytes=1)
+    assert [[s.index for s in c] for c in opt._chunks] == [[i] for i in range(5, -1, -1)]
+    for bad, err in ((0, memfit.MemfitValueError), (-5, memfit.MemfitValueError),
+                     (1.5, memfit.MemfitTypeError), (True, memfit.MemfitTypeError)):
+        with pytest.raises(err, match="chunk_bytes"):
+            CPUOffloadOptimizer(model.parameters(), lr=1e-2, chunk_bytes=bad)
+    with pytest.raises(memfit.MemfitTypeError, match="overlap_forward"):
+        CPUOffloadOptimizer(model.parameters(), lr=1e-2, overlap_forward=1)
+    assert all(not p._post_accumulate_grad_hooks for p in model.parameters())
+
+
+CHUNKED = [(mo.AdamW8bit, dict(lr=1e-2, weight_decay=0.1)), (mo.AdamW4bit, dict(lr=1e-2)),
+           (mo.Muon8bit, dict(lr=2e-2)), (mo.LAMB8bit, dict(lr=1e-2)), (mo.AdamW, dict(lr=1e-2))]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("offload_gradients", [False, True], ids=["grads-dev", "grads-host"])
+@pytest.mark.parametrize("cls,kw", CHUNKED, ids=[c.__name__ for c, _ in CHUNKED])
+def test_every_tensor_a_chunk_is_bit_identical(cls, kw, offload_gradients, dtype):
+    """chunk_bytes=1: each tensor is a chunk of its own, stepped, landed and copied back
+    on its own (the event log counts them); 5 steps of 2 accumulated backwards, two param
+    groups, a scheduler: bit for bit the wrapped optimizer (stochastic rounding draws
+    each tensor's bits by its bucket and place, whatever the chunks)."""
+    model, ref_model = make_model(dtype), make_model(dtype)
+    opt = CPUOffloadOptimizer(groups(model, cls), cls, chunk_bytes=1,
+                              offload_gradients=offload_gradients, **kw)
+    ref = cls(groups(ref_model, cls), **kw)
+    opt._events = []
+    for o, m in ((opt, model), (ref, ref_model)):
+        train(m, o, dtype=dtype, scheduler=torch.optim.lr_scheduler.StepLR(o, 2, gamma=0.5))
+    kinds = [k for _, k, _ in opt._events]
+    assert kinds.count("chunk_step_start") == kinds.count("chunk_h2d") == 5 * 6
+    assert kinds.count("host_step_start") == kinds.count("host_step_end") == 5
+    assert_same(model, ref_model, opt, ref)
+
+
+@pytest.mark.filterwarnings("ignore:.*already NaN/Inf before backward")
+@pytest.mark.parametrize("kind", ["torch", "memfit"])
+@pytest.mark.parametrize("offload_gradients", [False, True], ids=["grads-dev", "grads-host"])
+def test_chunks_with_a_scaler_and_clipping(kind, offload_gradients):
+    """A GradScaler's scale and found_inf reach every chunk's calls: the step with an inf
+    gradient changes nothing, the others equal the wrapped optimizer's, with clipping
+    (bf16 parameters, stochastic rounding, every tensor a chunk)."""
+    dtype = torch.bfloat16
+    make = ((lambda: torch.amp.GradScaler("cpu", init_scale=2.0**10)) if kind == "torch"
+            else (lambda: memfit.amp.GradScaler("cpu", init_scale=2.0**10)))
+    model, ref_model = make_model(dtype), make_model(dtype)
+    opt = CPUOffloadOptimizer(groups(model), mo.AdamW8bit, lr=1e-2, chunk_bytes=1,
+                              offload_gradients=offload_gradients)
+    ref = mo.AdamW8bit(groups(ref_model), lr=1e-2)
+    scaler, rscaler = make(), make()
+    if kind == "memfit":
+        memfit.amp.scale_in_kernel(opt)
+        memfit.amp.scale_in_kernel(ref)
+
+    def clip(m, o):
+        return (o.clip_grad_norm_(1.0) if offload_gradients and o is opt
+                else torch.nn.utils.clip_grad_norm_([p for g in groups(m) for p in g["params"]],
+                                                    1.0))
+    for steps, inf_at, c in ((2, None, clip), (1, 0, None), (2, None, None), (1, 0, clip)):
+        train(model, opt, steps=steps, dtype=dtype, scaler=scaler, clip=c, inf_at=inf_at)
+        train(ref_model, ref, steps=steps, dtype=dtype, scaler=rscaler, clip=c, inf_at=inf_at)
+        assert scaler.get_scale() == rscaler.get_scale()
+    assert scaler.get_scale() == 2.0**8  # backed off twice
+    assert_same(model, ref_model, opt, ref)
+
+
+def test_the_scaler_check_is_made_as_gradients_land(monkeypatch):
+    """offload_gradients=True with memfit's scaler: from the second step on, the worker
+    has checked every host gradient for inf/NaN as it landed, so the scaler's check
+    before the step reads none of them on the caller's thread; the skip and the bits
+    are as without offload."""
+    model, ref_model = make_model(), make_model()
+    opt = CPUOffloadOptimizer(model.parameters(), mo.AdamW8bit, lr=1e-2, offload_gradients=True)
+    ref = mo.AdamW8bit(ref_model.parameters(), lr=1e-2)
+    scaler = memfit.amp.GradScaler("cpu", init_scale=2.0**10)
+    rscaler = memfit.amp.GradScaler("cpu", init_scale=2.0**10)
+    unscale = _C.unscale_grads
+    calls = []
+    monkeypatch.setattr(_C, "unscale_grads", lambda views, *a: calls.append(
+        (threading.current_thread().name, len(views))) or unscale(views, *a))
+    for s in range(4):
+        calls.clear()
+        train(model, opt, steps=1, scaler=scaler, inf_at=0 if s == 2 else None)
+        train(ref_model, ref, steps=1, scaler=rscaler, inf_at=0 if s == 2 else None)
+        # the caller's checks: the offloader's, then the reference's; the worker's: one
+        # per gradient landed (2 backwards of 6), once the scaler has asked
+        ours = [n for name, n in calls if name == threading.current_thread().name]
+        worker = [n for name, n in calls if name == "memfit-offload"]
+        assert ours == ([0, 6] if s else [6, 6]) and worker == ([1] * 12 if s else [])
+        assert scaler.get_scale() == rscaler.get_scale()
+    assert scaler.get_scale() == 2.0**9
+    assert_same(model, ref_model, opt, ref)

@@ -68,3 +68,13 @@ def scale_in_kernel(optimizer, enabled: bool = True):
     else:
         optimizer.__dict__.pop(TORCH_FLAG, None)
     return optimizer
+
+
+def checked_grads(optimizer, skip: dict) -> dict:
+    """``skip`` (memfit.amp.GradScaler's {id(g): (g, found_inf)} of gradients it need not
+    read) plus the gradients the optimizer checked for inf/NaN itself as they landed
+    (memfit.optim.CPUOffloadOptimizer with offload_gradients=True: its worker checks
+    them during backward; memfit/optim/_offload_found_inf.py). For the scaler's check
+    before a step only (no unscale)."""
+    landed = getattr(optimizer, "_memfit_checked_grads", None)
+    return skip if landed is None else {**(skip or {}), **landed()}

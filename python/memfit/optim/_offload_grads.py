@@ -72,8 +72,11 @@ def land(self, s, staged, landed, after, positions=None, replace=False) -> None:
             else:
                 h.grad.add_(staged)  # gradient accumulation, as autograd adds on the device
             self._staging.release(staged)
-    if self._norms.wanted and positions is None:
-        self._norms.record(s.index, h.grad)  # for clipping, while backward goes on
+    if positions is None:  # measured while backward goes on
+        if self._norms.wanted:
+            self._norms.record(s.index, h.grad)  # for clipping
+        if self._flags.wanted:
+            self._flags.record(s.index, h.grad)  # a GradScaler's inf check
     if positions is not None:  # step in backward: the tensor steps at once
         self._log("tensor_start", s.index)
         self._host_step([s], None, None, after, positions)

@@ -42,6 +42,7 @@ from memfit.amp.in_kernel import TORCH_FLAG
 from memfit.optim import _dtensor
 from memfit.optim import _offload_grads
 from memfit.optim import _offload_pipeline as pipeline
+from memfit.optim._offload_found_inf import LandedFlags
 from memfit.optim._offload_norms import LandedNorms
 from memfit.optim._offload_staging import Staging
 from memfit.optim._offload_thread import _host_threads, _release, _weak_hook, _Worker
@@ -190,6 +191,7 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
         self._events = None
         self._accumulating = 0  # no_step() depth: backwards sum their gradients
         self._norms = LandedNorms()  # clipping's per-tensor norms, taken as gradients land
+        self._flags = LandedFlags()  # and a GradScaler's inf/NaN check
         self.host_threads = threads
         # the host buffers gradients land in: allocated once (_offload_staging)
         self._staging = Staging([s.host for s in slots], pinned=cuda,
@@ -296,6 +298,15 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
             self._adopt_device_grads()
         self._settle()
         return self._groups
+
+    def _memfit_checked_grads(self) -> dict:
+        """memfit.amp.GradScaler's inf check before a step (amp/in_kernel.py): the host
+        gradients the worker checked as they landed (_offload_found_inf)."""
+        if not self._offload_grads or self._in_backward:
+            return {}
+        self._settle()
+        return self._flags.checked({s.index: s.host.grad for s in self._slots
+                                    if s.host.grad is not None and s.host is not s.dev})
 
     @property
     def state(self) -> dict:
@@ -468,9 +479,10 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
             pipeline.step(self, grad_scale, found_inf)
             if self.overlap_forward:
                 self._inflight.install(self._hooks)
-                return
-            self._settle()
-            self._landed_on_device()
+            else:
+                self._settle()
+                self._landed_on_device()
+            self._log("step_returning")
         finally:
             self._stepping = False
 
