@@ -421,3 +421,107 @@ def test_the_scaler_check_is_made_as_gradients_land(monkeypatch):
         assert scaler.get_scale() == rscaler.get_scale()
     assert scaler.get_scale() == 2.0**9
     assert_same(model, ref_model, opt, ref)
+
+
+def chunk_events(opt, kind) -> dict:
+    """{chunk index: when} of one event kind in the log."""
+    return {d: t for t, k, d in opt._events if k == kind}
+
+
+def test_chunks_overlap_copy_in_step_and_copy_back(monkeypatch):
+    """A fake device whose copy engine is slow: each chunk's device -> host copy waits
+    (up to 30 s) for the host step of the chunk before it to start. A pipeline that
+    stepped only after every copy would wait out the 30 s on every chunk; this one
+    steps chunk k while chunk k+1 is copied, and copies chunk k back before chunk k+1
+    steps (the event log's order; no time is measured). Bits as the wrapped optimizer."""
+    from memfit.optim import _offload_pipeline as pipeline
+
+    model, ref_model = make_model(torch.bfloat16), make_model(torch.bfloat16)
+    opt = CPUOffloadOptimizer(model.parameters(), mo.AdamW8bit, lr=1e-2, chunk_bytes=1)
+    ref = mo.AdamW8bit(ref_model.parameters(), lr=1e-2)
+    copy_in = pipeline.copy_in
+    waited_out = []
+
+    def slow_copy_in(o, slots):
+        started = chunk_events(o, "chunk_step_start")
+        previous = next((ci for ci, c in enumerate(o._chunks) if c[0] is slots[0]), None) + 1
+        deadline = time.monotonic() + 30
+        while previous < len(o._chunks) and previous not in started:
+            if time.monotonic() > deadline:
+                waited_out.append(previous)
+                break
+            time.sleep(0.001)
+            started = chunk_events(o, "chunk_step_start")
+        return copy_in(o, slots)
+
+    monkeypatch.setattr(pipeline, "copy_in", slow_copy_in)
+    for s in range(3):
+        opt._events = []
+        for m, o in ((model, opt), (ref_model, ref)):
+            loss_of(m, batch(s, torch.bfloat16)).backward()
+            o.step()
+            o.zero_grad()
+        assert not waited_out
+        d2h_end, start = chunk_events(opt, "chunk_d2h_end"), chunk_events(opt, "chunk_step_start")
+        end, back = chunk_events(opt, "chunk_step_end"), chunk_events(opt, "chunk_h2d")
+        order = list(range(5, -1, -1))  # the parameters' order: backward's chunks reversed
+        for k, nxt in zip(order, order[1:]):
+            assert start[k] < d2h_end[nxt]  # chunk k steps while chunk k+1 is copied in
+            assert end[k] <= back[k] < start[nxt]  # and goes back before chunk k+1 steps
+        returned = [t for t, kind, _ in opt._events if kind == "step_returning"]
+        assert len(returned) == 1 and max(back.values()) < returned[0]
+    assert_same(model, ref_model, opt, ref)
+
+
+def test_overlap_forward_waits_per_module(monkeypatch):
+    """overlap_forward=True: step() returns once every chunk is queued, and each module's
+    forward waits only for the parameters it registers itself. The worker's step of the
+    last layer's weight is held until the test releases it (or 30 s pass): step()
+    returns while it is held, the first layers' forward runs meanwhile, the last layer's
+    waits for it and reads the update; the output equals the wrapped optimizer's model,
+    and the forward hook is gone once nothing is in flight."""
+    model, ref_model = make_model(), make_model()
+    opt = CPUOffloadOptimizer(model.parameters(), mo.AdamW8bit, lr=1e-2, chunk_bytes=1,
+                              overlap_forward=True)
+    ref = mo.AdamW8bit(ref_model.parameters(), lr=1e-2)
+    held = model[4].weight
+    host_of_held = opt._slot_of[id(held)].host
+    release, timed_out = threading.Event(), []
+    step_bucket = opt.optimizer._step_bucket
+
+    def held_step_bucket(group, hp, device, fmt, items, *a):
+        if items[0][0] is host_of_held and not release.wait(30):
+            timed_out.append(True)
+        return step_bucket(group, hp, device, fmt, items, *a)
+
+    monkeypatch.setattr(opt.optimizer, "_step_bucket", held_step_bucket)
+    hooks = torch.nn.modules.module._global_forward_pre_hooks
+    before = len(hooks)
+    for s in range(3):
+        x = batch(s, torch.float32)
+        for m, o in ((model, opt), (ref_model, ref)):
+            loss_of(m, x).backward()
+            o.step()
+        assert len(hooks) == before + 1 and not release.is_set()
+        y = batch(10 + s, torch.float32)
+        h = model[3](model[2](model[1](model[0](y))))  # their own chunks only
+        assert not release.is_set() and not timed_out
+        release.set()
+        out = model[4](h)  # waits for the held chunk
+        assert torch.equal(out, ref_model(y)) and not timed_out
+        assert len(hooks) == before  # nothing in flight: the hook removed itself
+        release.clear()
+        opt.zero_grad()
+        ref.zero_grad()
+    assert_same(model, ref_model, opt, ref)
+    # every other API waits for the whole step first
+    loss_of(model, batch(5, torch.float32)).backward()
+    opt.step()
+    threading.Timer(0.2, release.set).start()
+    sd = opt.state_dict()
+    assert len(hooks) == before and not timed_out
+    loss_of(ref_model, batch(5, torch.float32)).backward()
+    ref.step()
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), ref_model.parameters()))
+    assert sd["state"].keys() == ref.state_dict()["state"].keys()
+    opt.close()
