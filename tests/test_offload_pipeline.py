@@ -525,3 +525,41 @@ def test_overlap_forward_waits_per_module(monkeypatch):
     assert all(torch.equal(p, q) for p, q in zip(model.parameters(), ref_model.parameters()))
     assert sd["state"].keys() == ref.state_dict()["state"].keys()
     opt.close()
+
+
+# -- small tensors stay on the device ------------------------------------------------------------
+
+@pytest.mark.parametrize("mode", [dict(), dict(offload_gradients=True),
+                                  dict(offload_gradients=True, step_in_backward=True)],
+                         ids=["grads-dev", "grads-host", "in-backward"])
+def test_small_tensors_stay_on_the_device(mode):
+    """keep_on_device_below=4096 (torchao's rule): tensors under 4096 elements have
+    no host copy and no host buffer; the wrapped optimizer steps the model's own tensors
+    for them (on the CPU, the "device" here) and keeps their gradients in ``p.grad``;
+    the weights are offloaded as before. Bits as the wrapped optimizer (bf16, stochastic
+    rounding: the biases draw the bits of their places among all the parameters)."""
+    dtype = torch.bfloat16
+    model, ref_model = make_model(dtype), make_model(dtype)
+    opt = CPUOffloadOptimizer(groups(model), mo.AdamW8bit, lr=1e-2, chunk_bytes=1,
+                              keep_on_device_below=4096, **mode)
+    ref = mo.AdamW8bit(groups(ref_model), lr=1e-2)
+    small = {id(p) for p in model.parameters() if p.numel() < 4096}
+    assert len(small) == 4  # the biases and the 64x48 weight
+    inner = [h for g in opt.optimizer.param_groups for h in g["params"]]
+    assert {id(h) for h in inner} & {id(p) for p in model.parameters()} == small
+    assert len(opt._chunks) == 2 and all(id(s.dev) not in small for c in opt._chunks for s in c)
+    for s in range(3):
+        for m, o in ((model, opt), (ref_model, ref)):
+            loss_of(m, batch(s, dtype)).backward()
+            if o is opt and not mode.get("step_in_backward"):
+                assert all((p.grad is not None) == (id(p) in small or not mode)
+                           for p in model.parameters())
+            o.step()
+            o.zero_grad()
+    assert [opt._staging.view(s.index) is None for s in opt._slots] == \
+        [id(s.dev) in small for s in opt._slots]
+    assert_same(model, ref_model, opt, ref)
+    with pytest.raises(memfit.MemfitValueError, match="keep_on_device_below"):
+        CPUOffloadOptimizer(model.parameters(), keep_on_device_below=-1)
+    with pytest.raises(memfit.MemfitTypeError, match="keep_on_device_below"):
+        CPUOffloadOptimizer(model.parameters(), keep_on_device_below=4096.0)

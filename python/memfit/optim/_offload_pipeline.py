@@ -36,13 +36,13 @@ from memfit.optim._torch import _MemfitOptimizer, _on
 DEFAULT_CHUNK_BYTES = 64 << 20  # about 64 MiB of gradients per chunk (docs/offload.md)
 
 
-def check_chunk_bytes(v) -> int:
-    """``chunk_bytes`` as the constructor takes it: an int >= 1 (bytes)."""
+def check_count(name: str, v, least: int) -> int:
+    """A constructor's count (``chunk_bytes``: bytes, ``keep_on_device_below``:
+    elements): an int >= least."""
     if isinstance(v, bool) or not isinstance(v, int):
-        raise MemfitTypeError(f"chunk_bytes: expected an int (bytes of gradients per chunk), "
-                              f"got {type(v).__name__}")
-    if v < 1:
-        raise MemfitValueError(f"chunk_bytes: expected at least 1 byte, got {v}")
+        raise MemfitTypeError(f"{name}: expected an int, got {type(v).__name__}")
+    if v < least:
+        raise MemfitValueError(f"{name}: expected at least {least}, got {v}")
     return v
 
 
@@ -111,6 +111,27 @@ def plan_calls(inner) -> dict:
                     bhp = dict(hp, sr_seed=_core.stream_seed(_core.sr_seed(base, sr_step, b), k))
                 calls[id(item[0])] = (group, bhp, device, fmt, [item])
     return calls
+
+
+def positions(inner, stepping) -> dict:
+    """``inner._sr_positions(stepping)`` (the numbers the step in backward steps each
+    tensor with, _MemfitOptimizer._step_params) with the buckets numbered by state
+    format alone, as :func:`plan_calls` numbers them: a tensor kept on the device
+    (``keep_on_device_below``) draws the bits it would draw among the host copies, as
+    in the wrapped optimizer's step() with every parameter on one device. The bucket
+    itself stays (device, format): what _step_params checks."""
+    out = {}
+    for gi, group in enumerate(inner.param_groups):
+        counts = {}  # format -> [its bucket's number, parameters so far]
+        for i, p in enumerate(group["params"]):
+            if id(p) in stepping:
+                bucket = inner._bucket(group, p)
+                at = counts.get(bucket[1])
+                if at is None:
+                    at = counts[bucket[1]] = [len(counts), 0]
+                out[id(p)] = (gi, i, bucket, at[0], at[1])
+                at[1] += 1
+    return out
 
 
 class InFlight:
@@ -318,6 +339,17 @@ def step(opt, grad_scale, found_inf) -> None:
             opt._inflight.add(mine, marker)
             opt._worker.submit(lambda ci=ci, mine=mine, landed=landed, marker=marker:
                                run.chunk(opt, ci, mine, landed, calls, after, marker))
+        # the tensors kept on the device (keep_on_device_below) step there, on this
+        # thread (the caller's stream), while the worker steps the chunks
+        try:
+            with torch.no_grad():
+                for s in opt._slots:
+                    call = calls.get(id(s.dev)) if s.host is s.dev else None
+                    if call is not None:
+                        opt.optimizer._step_bucket(*call, grad_scale, found_inf)
+        except BaseException:
+            run.failed = True
+            raise
     finally:
         opt._worker.submit(lambda: run.end(opt, slots))
     if opt._d2h is not None:

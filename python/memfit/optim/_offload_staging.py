@@ -61,6 +61,7 @@ class Staging:
     RING = 2  # spill buffers when gradients are kept: one landing, one being added
 
     def __init__(self, hosts: list, pinned: bool, ring: bool):
+        # hosts: each parameter's host copy, None for one kept on the device
         self._hosts, self._pinned = hosts, pinned
         self._ring = None  # [flat buffers] when ring: made at the first spill
         self._ring_free = threading.Semaphore(self.RING) if ring else None
@@ -91,12 +92,14 @@ class Staging:
         """Parameter i's view of the arena (made, for every parameter, at the first
         call)."""
         if self._views is None:
-            sizes = [_round_up(h.numel() * h.element_size()) if _dense(h) else 0
-                     for h in self._hosts]
+            sizes = [_round_up(h.numel() * h.element_size()) if h is not None and _dense(h)
+                     else 0 for h in self._hosts]
             arena = self._alloc(sum(sizes))
             views, at = [], 0
             for h, n in zip(self._hosts, sizes):
-                if n == 0:  # overlapping or gapped strides: a buffer of its own, once
+                if h is None:  # kept on the device: no host buffer
+                    views.append(None)
+                elif n == 0:  # overlapping or gapped strides: a buffer of its own, once
                     views.append(torch.empty_like(h, pin_memory=self._pinned))
                     self.allocations += 1
                     self.nbytes += views[-1].untyped_storage().nbytes()
@@ -117,7 +120,8 @@ class Staging:
             self._ring_free.acquire()  # releases the GIL: the worker adds and gives one back
             with self._lock:
                 if self._ring is None:
-                    largest = max(_round_up(t.numel() * t.element_size()) for t in self._hosts)
+                    largest = max(_round_up(t.numel() * t.element_size())
+                                  for t in self._hosts if t is not None)
                     self._ring = [self._alloc(largest) for _ in range(self.RING)]
                     self._free[-1] = list(self._ring)
                 flat = self._free[-1].pop()

@@ -91,6 +91,15 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
         host_threads: the threads of the host step (memfit's core, on the worker
             thread only); default: the cores this process may use, less one for the
             training thread.
+        chunk_bytes: the step's chunks hold about this many bytes of gradients (default
+            64 MiB): each is copied to the host, stepped and copied back on its own,
+            overlapping the others (docs/offload.md, "The pipeline").
+        overlap_forward: step() returns once every chunk is queued; each module's
+            forward then waits only for the parameters it registers itself (safe only
+            when no parameter is read outside its own module's forward).
+        keep_on_device_below: tensors with fewer elements stay on the device and are
+            stepped there by the wrapped optimizer (torchao keeps those under 4096);
+            default 0: every tensor is offloaded.
 
     ``param_groups`` are the wrapped optimizer's groups (an LR scheduler changes the
     host step's lr), with ``'params'`` the tensors whose ``.grad`` the step reads: the
@@ -105,7 +114,8 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
 
     def __init__(self, params, optimizer_class=None, *, offload_gradients=False,
                  step_in_backward=False, offload=True, host_threads=None,
-                 chunk_bytes=pipeline.DEFAULT_CHUNK_BYTES, overlap_forward=False, **kwargs):
+                 chunk_bytes=pipeline.DEFAULT_CHUNK_BYTES, overlap_forward=False,
+                 keep_on_device_below=0, **kwargs):
         if optimizer_class is None:
             from memfit.optim.optimizers import AdamW8bit as optimizer_class
         if not (isinstance(optimizer_class, type) and issubclass(optimizer_class, _MemfitOptimizer)):
@@ -131,7 +141,8 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
             # the reason instead of torch's "No inf checks were recorded"
             setattr(self, TORCH_FLAG, True)
         threads = _host_threads(host_threads)
-        pipeline.check_chunk_bytes(chunk_bytes)
+        pipeline.check_count("chunk_bytes", chunk_bytes, 1)
+        pipeline.check_count("keep_on_device_below", keep_on_device_below, 0)
         groups = _groups_of(params)
         device, seen = None, set()
         for gi, g in enumerate(groups):
@@ -166,7 +177,7 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
                 hosts = []
                 for i, p in enumerate(g["params"]):
                     h = p
-                    if offload:
+                    if offload and p.numel() >= keep_on_device_below:
                         # the master weight: the parameter's dtype and layout, pinned for
                         # asynchronous copies when the parameter is on a GPU
                         h = torch.empty_like(p, device="cpu", pin_memory=cuda).copy_(p.detach())
@@ -194,8 +205,8 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
         self._flags = LandedFlags()  # and a GradScaler's inf/NaN check
         self.host_threads = threads
         # the host buffers gradients land in: allocated once (_offload_staging)
-        self._staging = Staging([s.host for s in slots], pinned=cuda,
-                                 ring=not step_in_backward) if offload else None
+        self._staging = Staging([s.host if s.host is not s.dev else None for s in slots],
+                                pinned=cuda, ring=not step_in_backward) if offload else None
         self._stepping = False
         # what torch.optim.Optimizer's own methods (hooks, repr) read
         self.defaults = self.optimizer.defaults
@@ -276,7 +287,8 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
         if not (self._offload_grads or self._in_backward) or not self._finalizer.alive:
             return
         for s in self._slots:
-            if s.dev.requires_grad and id(s.dev) not in self._hooked:
+            if s.dev.requires_grad and id(s.dev) not in self._hooked and (
+                    self._in_backward or s.host is not s.dev):  # (a small one keeps p.grad)
                 self._hooks.append(s.dev.register_post_accumulate_grad_hook(self._hook))
                 self._hooked.add(id(s.dev))
 
@@ -354,7 +366,7 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
                 "for every micro-batch but the last)")
         g = p.grad
         if self._in_backward and self._accumulating:  # no_step(): summed, not stepped
-            if self._offload:
+            if s.host is not s.dev:
                 staged, landed, after = self._to_host(s, g)
                 p.grad = None
                 self._worker.submit(lambda: self._land(s, staged, landed, after))
@@ -362,7 +374,7 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
         positions = None
         if self._in_backward:
             positions = self._backward_positions()
-        if not self._offload:  # step in backward on the device
+        if s.host is s.dev:  # step in backward on the device
             try:
                 self.optimizer._step_params([p], positions)
             except BaseException:
@@ -384,7 +396,7 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
         gradient, O(parameters), once), for every parameter that requires a gradient."""
         if self._positions is None:
             stepping = {id(s.host) for s in self._slots if s.dev.requires_grad}
-            self._positions = self.optimizer._sr_positions(stepping)
+            self._positions = pipeline.positions(self.optimizer, stepping)
         return self._positions
 
     # the gradients' way to the host (_offload_grads)
@@ -525,15 +537,14 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
                 positions = self._backward_positions()
                 if any(id(s.host) not in positions for s in late):  # frozen, assigned a grad
                     stepping = {id(s.host) for s in self._slots if s.stepped or s in late}
-                    positions = self.optimizer._sr_positions(stepping)
-                if self._offload:
-                    for s in late:
+                    positions = pipeline.positions(self.optimizer, stepping)
+                for s in late:
+                    if s.host is not s.dev:
                         job = self._to_host(s, s.dev.grad)
                         s.dev.grad = None
                         self._worker.submit(lambda s=s, job=job: self._land(s, *job, positions))
-                    self._settle()
-                else:
-                    self.optimizer._step_params([s.dev for s in late], positions)
+                self._settle()
+                self.optimizer._step_params([s.dev for s in late if s.host is s.dev], positions)
             ok = True
         finally:
             if ok:
