@@ -3,6 +3,7 @@ land in host buffers allocated once (an arena and a reused spill pool), the host
 runs on its own thread count with a passive OpenMP wait, and every mode stays bit for
 bit the wrapped optimizer's."""
 
+import contextlib
 import os
 import threading
 import time
@@ -563,3 +564,60 @@ def test_small_tensors_stay_on_the_device(mode):
         CPUOffloadOptimizer(model.parameters(), keep_on_device_below=-1)
     with pytest.raises(memfit.MemfitTypeError, match="keep_on_device_below"):
         CPUOffloadOptimizer(model.parameters(), keep_on_device_below=4096.0)
+
+
+# -- step_in_backward's buffer: one, first in first out ------------------------------------------
+
+def test_fifo_hands_out_pieces_in_order_and_waits_when_full():
+    """The FIFO buffer: pieces follow each other and wrap; space comes back only once the
+    oldest piece is given back; a take that finds it full waits for that."""
+    from memfit.optim._offload_staging import _Fifo
+
+    allocs = []
+    fifo = _Fifo(256, lambda n: allocs.append(n) or torch.zeros(n, dtype=torch.uint8))
+    a, ea = fifo.take(100)
+    b, eb = fifo.take(100)
+    assert allocs == [256] and a.data_ptr() + 100 == b.data_ptr()
+    fifo.give_back(eb)  # not the oldest: nothing is free yet
+    got = []
+    t = threading.Thread(target=lambda: got.append(fifo.take(100)))
+    t.start()
+    t.join(0.2)
+    assert t.is_alive() and not got  # 56 bytes at the end, none before the oldest piece
+    fifo.give_back(ea)
+    t.join(30)
+    assert got and got[0][0].data_ptr() == a.data_ptr()  # everything was free: from 0
+    c, ec = fifo.take(100)
+    d, ed = fifo.take(50)  # [200, 250)
+    fifo.give_back(got[0][1])
+    e, ee = fifo.take(90)  # 6 bytes left at the end: wraps to the start, before c
+    assert e.data_ptr() == a.data_ptr() and c.data_ptr() == a.data_ptr() + 100
+    assert allocs == [256]
+
+
+@pytest.mark.parametrize("accumulate", [False, True], ids=["plain", "no_step"])
+def test_step_in_backward_allocates_nothing_after_the_first_step(accumulate):
+    """step_in_backward's gradients pass through one FIFO buffer (here the smallest,
+    twice the largest gradient: chunk_bytes=1, so backward waits for the worker to free
+    room) and, summed under no_step(), through the arena: no allocation after the
+    first step, every piece given back, and the wrapped optimizer's bits."""
+    dtype = torch.bfloat16
+    model, ref_model = make_model(dtype), make_model(dtype)
+    opt = CPUOffloadOptimizer(groups(model), mo.AdamW8bit, lr=1e-2, offload_gradients=True,
+                              step_in_backward=True, chunk_bytes=1)
+    ref = mo.AdamW8bit(groups(ref_model), lr=1e-2)
+    counts = []
+    for s in range(4):
+        for a in range(2 if accumulate else 1):
+            x = batch(2 * s + a, dtype)
+            with opt.no_step() if a == 0 and accumulate else contextlib.nullcontext():
+                slow_loss(model, x, 0.01).backward()
+            loss_of(ref_model, x).backward()
+        opt.step()
+        ref.step()
+        ref.zero_grad()
+        counts.append(opt._staging.allocations)
+        assert not opt._staging._out and all(g is None for g in host_grads(opt))
+    assert counts == [2 if accumulate else 1] * 4  # the FIFO (and the arena)
+    assert opt._staging._fifo._size == 2 * 96 * 64 * 2  # the largest gradient, twice
+    assert_same(model, ref_model, opt, ref)

@@ -61,9 +61,10 @@ def land(self, s, staged, landed, after, positions=None, replace=False) -> None:
     h = s.host
     with torch.no_grad():
         if h.grad is None:
-            if self._in_backward or staged is self._staging.view(s.index):
-                h.grad = staged  # a spill buffer lives until the tensor has stepped
-            else:  # the caller had dropped the host gradient
+            if (self._in_backward and positions is not None) or \
+                    staged is self._staging.view(s.index):
+                h.grad = staged  # a FIFO piece lives until the tensor has stepped (below)
+            else:  # the caller had dropped the host gradient, or no_step() sums it
                 h.grad = self._staging.view(s.index).copy_(staged)
                 self._staging.release(staged)
         else:
@@ -79,5 +80,9 @@ def land(self, s, staged, landed, after, positions=None, replace=False) -> None:
             self._flags.record(s.index, h.grad)  # a GradScaler's inf check
     if positions is not None:  # step in backward: the tensor steps at once
         self._log("tensor_start", s.index)
-        self._host_step([s], None, None, after, positions)
+        try:
+            self._host_step([s], None, None, after, positions)
+        except BaseException:
+            self._drop_host_grad(s)  # the FIFO's space is not held by a step that raised
+            raise
         self._log("tensor_end", s.index)
