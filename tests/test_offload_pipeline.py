@@ -621,3 +621,25 @@ def test_step_in_backward_allocates_nothing_after_the_first_step(accumulate):
     assert counts == [2 if accumulate else 1] * 4  # the FIFO (and the arena)
     assert opt._staging._fifo._size == 2 * 96 * 64 * 2  # the largest gradient, twice
     assert_same(model, ref_model, opt, ref)
+
+
+def test_an_offloader_dropped_in_flight_leaves_no_forward_hook():
+    """overlap_forward: an offloader closed or dropped while its chunks are in flight
+    takes its forward pre-hook with it (and the chunks still land: its worker drains)."""
+    hooks = torch.nn.modules.module._global_forward_pre_hooks
+    before = len(hooks)
+    for close in (True, False):
+        model = make_model()
+        opt = CPUOffloadOptimizer(model.parameters(), lr=1e-2, chunk_bytes=1,
+                                  overlap_forward=True)
+        loss_of(model, batch(0, torch.float32)).backward()
+        opt.step()
+        assert len(hooks) == before + 1
+        if close:
+            opt.close()
+        else:
+            del opt  # collected once the worker's queued jobs (which hold it) have run
+            deadline = time.monotonic() + 30
+            while len(hooks) != before and time.monotonic() < deadline:
+                time.sleep(0.01)
+        assert len(hooks) == before

@@ -341,15 +341,14 @@ def step(opt, grad_scale, found_inf) -> None:
                                run.chunk(opt, ci, mine, landed, calls, after, marker))
         # the tensors kept on the device (keep_on_device_below) step there, on this
         # thread (the caller's stream), while the worker steps the chunks
-        try:
-            with torch.no_grad():
-                for s in opt._slots:
-                    call = calls.get(id(s.dev)) if s.host is s.dev else None
-                    if call is not None:
-                        opt.optimizer._step_bucket(*call, grad_scale, found_inf)
-        except BaseException:
-            run.failed = True
-            raise
+        with torch.no_grad():
+            for s in opt._slots:
+                call = calls.get(id(s.dev)) if s.host is s.dev else None
+                if call is not None:
+                    opt.optimizer._step_bucket(*call, grad_scale, found_inf)
+    except BaseException:
+        run.failed = True  # (a copy or a kernel refused): the chunks after it step nothing
+        raise
     finally:
         opt._worker.submit(lambda: run.end(opt, slots))
     if opt._d2h is not None:

@@ -124,7 +124,8 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
                 f"Lion8bit, ...), got {getattr(optimizer_class, '__name__', optimizer_class)!r}; "
                 "its states are what this optimizer keeps on the host")
         for name, v in (("offload_gradients", offload_gradients), ("offload", offload),
-                        ("step_in_backward", step_in_backward), ("overlap_forward", overlap_forward)):
+                        ("step_in_backward", step_in_backward),
+                        ("overlap_forward", overlap_forward)):
             if not isinstance(v, bool):
                 raise MemfitTypeError(f"{name}: expected True or False, got {v!r}")
         if offload and step_in_backward and not offload_gradients:
