@@ -70,11 +70,11 @@ def scale_in_kernel(optimizer, enabled: bool = True):
     return optimizer
 
 
-def checked_grads(optimizer, skip: dict) -> dict:
-    """``skip`` (memfit.amp.GradScaler's {id(g): (g, found_inf)} of gradients it need not
-    read) plus the gradients the optimizer checked for inf/NaN itself as they landed
+def skip(optimizer, unscaled: dict, scale) -> dict:
+    """The gradients memfit.amp.GradScaler need not read ({id(g): (g, found_inf)}): those
+    it unscaled already (``unscaled``) and, for its check before a step (``scale``
+    None: no unscale), those the optimizer checked for inf/NaN itself as they landed
     (memfit.optim.CPUOffloadOptimizer with offload_gradients=True: its worker checks
-    them during backward; memfit/optim/_offload_found_inf.py). For the scaler's check
-    before a step only (no unscale)."""
+    them during backward; memfit/optim/_offload_found_inf.py)."""
     landed = getattr(optimizer, "_memfit_checked_grads", None)
-    return skip if landed is None else {**(skip or {}), **landed()}
+    return unscaled if scale is not None or landed is None else {**unscaled, **landed()}

@@ -404,10 +404,8 @@ class GradScaler(ScalerReport):
         return found, per_device
 
     def _unscale_grads_(self, optimizer, scale, found_inf=None, allow_fp16: bool = False) -> dict:
-        skip = self._clip_unscaled if scale is not None else \
-            in_kernel.checked_grads(optimizer, self._clip_unscaled)  # an offloader's landed checks
-        found, unscaled = self._unscale_tensors_(self._optimizer_grads(optimizer, allow_fp16),
-                                                 scale, skip)
+        found, unscaled = self._unscale_tensors_(self._optimizer_grads(optimizer, allow_fp16), scale,
+                                                 in_kernel.skip(optimizer, self._clip_unscaled, scale))
         if scale is not None:
             for device, grads in unscaled.items():
                 self._unscaled_lists.append((grads, found[device]))

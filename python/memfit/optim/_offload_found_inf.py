@@ -4,7 +4,7 @@
 With ``offload_gradients=True`` the scaler's inf check reads the host gradients: a pass
 over every gradient of the model on the caller's thread, after backward, before the
 first chunk can step. Once memfit's scaler has asked for it
-(:func:`memfit.amp.in_kernel.checked_grads`), the worker checks each host gradient
+(:func:`memfit.amp.in_kernel.skip`), the worker checks each host gradient
 right after it lands, while backward goes on, with the scaler's own kernel
 (``_C.unscale_grads`` without a scale: it only reads), and the scaler folds those flags
 in instead of reading the gradients again: the same found_inf, bit for bit (a 0/1 flag
