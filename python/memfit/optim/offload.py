@@ -15,11 +15,13 @@ the copies are real copies and the streams are no-ops, so the same code is teste
   device's ``p.grad`` is dropped; else in :meth:`step`); it lands in the host gradient
   (``host.grad``, added to it when several backwards accumulate);
 - ONE worker thread does all host work in order: landing gradients, the wrapped
-  optimizer's own ``step()`` (memfit's kernels release the GIL), and the host -> device
-  copies of the updated parameters on another side stream;
+  optimizer's step (memfit's kernels release the GIL) and the host -> device copies of
+  the updated parameters on another side stream, chunk by chunk, so that the chunks'
+  copies and steps overlap (_offload_pipeline);
 - :meth:`step` returns only when every update has landed (on the CPU) or the current
   CUDA stream waits for the copies (no host sync on the GPU): the next forward never
-  reads a parameter before its update.
+  reads a parameter before its update (``overlap_forward=True``: each module's forward
+  waits for its own parameters instead).
 
 ``step_in_backward=True`` steps each tensor as soon as its gradient is ready, during
 backward, and frees the gradient (torchtune's recipe): on the host (``offload=True``,
