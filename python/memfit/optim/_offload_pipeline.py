@@ -148,6 +148,7 @@ class InFlight:
 
     def __init__(self):
         self._of = {}       # id(device parameter) -> its chunk's marker
+        self._last = None   # the last marker added: the worker sets them in order
         self._handle = None
 
     @staticmethod
@@ -157,6 +158,7 @@ class InFlight:
     def add(self, slots, marker) -> None:
         for s in slots:
             self._of[id(s.dev)] = marker
+        self._last = marker
 
     @property
     def pending(self) -> bool:
@@ -175,7 +177,7 @@ class InFlight:
                         m[0].wait()
                         if m[1] is not None:
                             torch.cuda.current_stream(p.device).wait_event(m[1])
-                if all(m[0].is_set() for m in of.values()):
+                if self._last is not None and self._last[0].is_set():
                     self.clear(hooks)  # the copies of every chunk are issued
             self._handle = torch.nn.modules.module.register_module_forward_pre_hook(
                 wait_for_own_parameters)
@@ -184,6 +186,7 @@ class InFlight:
     def clear(self, hooks: list) -> None:
         """Nothing in flight any more (main thread): the pre-hook is removed."""
         self._of.clear()
+        self._last = None
         if self._handle is not None:
             self._handle.remove()
             if self._handle in hooks:
