@@ -643,3 +643,28 @@ def test_an_offloader_dropped_in_flight_leaves_no_forward_hook():
             while len(hooks) != before and time.monotonic() < deadline:
                 time.sleep(0.01)
         assert len(hooks) == before
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("cls,kw", CHUNKED[:4], ids=[c.__name__ for c, _ in CHUNKED[:4]])
+def test_chunks_of_several_tensors_share_calls(cls, kw, dtype, monkeypatch):
+    """Chunks of several tensors: the tensors at consecutive places of one bucket share
+    one core call, seeded with the stream of the first one's place (here the biases'
+    bucket in one call of 3, and the 2nd and 3rd weights in one call that starts at
+    place 1; the 1st weight alone in the next chunk): bits as the wrapped optimizer."""
+    kw = dict(kw, min_8bit_size=1024)  # the three weights in one bucket (8/4-bit states)
+    model, ref_model = make_model(dtype), make_model(dtype)
+    size = torch.tensor([], dtype=dtype).element_size()
+    opt = CPUOffloadOptimizer(groups(model, cls), cls, chunk_bytes=7000 * size, **kw)
+    ref = cls(groups(ref_model, cls), **kw)
+    # slots: weights 0, 1, 2, then biases 3, 4, 5; in backward's order the biases and
+    # the 3rd and 2nd weights reach 7000 elements (64 + 48 + 96 + 3072 + 4608)
+    assert [[s.index for s in c] for c in opt._chunks] == [[5, 4, 3, 2, 1], [0]]
+    sizes = []
+    step_bucket = opt.optimizer._step_bucket
+    monkeypatch.setattr(opt.optimizer, "_step_bucket",
+                        lambda *a: sizes.append(len(a[4])) or step_bucket(*a))
+    for o, m in ((opt, model), (ref, ref_model)):
+        train(m, o, dtype=dtype, steps=3)
+    assert sorted(sizes) == [1] * 3 + [2] * 3 + [3] * 3  # per step: 3 biases, 2 weights, 1
+    assert_same(model, ref_model, opt, ref)

@@ -10,10 +10,10 @@ of chunk k+1, the host step of chunk k and the copy back of chunk k-1 run at the
 time, instead of every copy, then the whole step, then every copy back.
 
 Same bits as the wrapped optimizer's ``step()``: :func:`plan_calls` runs its checks over
-every parameter first (a step that raises changes nothing), then gives each parameter
-the core call step() would make for it alone, with the numbers stochastic rounding
-draws by (the bucket, the place in it: as ``_MemfitOptimizer._step_params``), so the
-order in which chunks step changes no bit. A GradScaler's ``grad_scale``/``found_inf``
+every parameter first (a step that raises changes nothing) and numbers each tensor as
+step() does (its bucket, its place in it: what stochastic rounding draws by); each
+chunk's tensors are then stepped by calls that keep those numbers (:func:`calls_of`:
+one per run of consecutive places), so the chunks change no bit. A GradScaler's ``grad_scale``/``found_inf``
 reach every call (the kernels unscale and skip per tensor, as step() does per bucket).
 
 The chunks (:func:`make_chunks`) follow the order backward makes the gradients (the
@@ -80,19 +80,19 @@ def chunkable(inner) -> bool:
 
 
 def plan_calls(inner) -> dict:
-    """The wrapped optimizer's step() cut per tensor. Checks every parameter that has a
-    gradient, as step() does (raises before anything changes) and makes the missing
-    states; returns {id(param): the arguments of its one core call (_step_bucket's
-    group, hparams, device, format, [item])}. Each call draws the random bits step()
-    draws for that tensor: its bucket's seed (the bucket numbered by state format in
-    the order of the group's parameters, as step() numbers them when every parameter is
-    on one device: so a small tensor kept on the device draws the bits it would draw
-    among the others) and the stream of its place in that bucket."""
+    """The wrapped optimizer's step(), planned per tensor. Checks every parameter that
+    has a gradient, as step() does (raises before anything changes) and makes the
+    missing states; returns {id(param): (group index, bucket number, place in the
+    bucket, group, hparams, device, format, item, the bucket's stochastic-rounding seed
+    or None)}, which :func:`calls_of` turns into core calls. The buckets are numbered by
+    state format in the order of the group's parameters, as step() numbers them when
+    every parameter is on one device (so a small tensor kept on the device draws the
+    bits it would draw among the others)."""
     plan, new = inner._plan_step()
     inner._add_states(new)
     checked = inner._state_checked
-    calls = {}
-    for group, hp, rounding, buckets, _ in plan:
+    planned = {}
+    for gi, (group, hp, rounding, buckets, _) in enumerate(plan):
         places, counts = {}, {}  # id(p) -> (bucket, place); format -> [bucket, count]
         for p in group["params"]:
             if p.grad is None:
@@ -105,11 +105,34 @@ def plan_calls(inner) -> dict:
         base, sr_step = group.get("sr_seed", 0), group.get("sr_step", 0)
         for (device, fmt), items in buckets.items():
             for item in items:
-                bhp = hp
-                if rounding == "stochastic" and item[3][5]:  # a float16/bfloat16 parameter
-                    b, k = places[id(item[0])]
-                    bhp = dict(hp, sr_seed=_core.stream_seed(_core.sr_seed(base, sr_step, b), k))
-                calls[id(item[0])] = (group, bhp, device, fmt, [item])
+                b, k = places[id(item[0])]
+                seed = _core.sr_seed(base, sr_step, b) if rounding == "stochastic" else None
+                planned[id(item[0])] = (gi, b, k, group, hp, device, fmt, item, seed)
+    return planned
+
+
+def calls_of(planned: dict, tensors) -> list:
+    """The core calls (_step_bucket's group, hparams, device, format, items) that step
+    the planned ``tensors``, as step() would step them: tensors at consecutive places
+    of one bucket share a call seeded with the stream of the first one's place (tensor
+    j of a call seeded ``stream_seed(seed, k)`` draws what place k + j draws), so a chunk
+    that holds whole buckets makes step()'s own calls, and one tensor alone is
+    _MemfitOptimizer._step_params's call."""
+    mine = sorted((planned[id(t)] for t in tensors if id(t) in planned),
+                  key=lambda c: (c[0], c[1], c[2]))
+    calls, run = [], []
+    for c in mine + [None]:
+        if c is not None and run and c[:2] == run[-1][:2] and c[2] == run[-1][2] + 1 \
+                and c[5] == run[-1][5]:
+            run.append(c)
+            continue
+        if run:
+            _, _, k, group, hp, device, fmt, _, seed = run[0]
+            items = [r[7] for r in run]
+            if seed is not None and any(item[3][5] for item in items):  # float16/bfloat16
+                hp = dict(hp, sr_seed=_core.stream_seed(seed, k))
+            calls.append((group, hp, device, fmt, items))
+        run = [c]
     return calls
 
 
@@ -230,10 +253,8 @@ class _Run:
             opt._log("chunk_step_start", ci)
             step_bucket = opt.optimizer._step_bucket
             with torch.no_grad():  # (thread-local: the worker's own)
-                for s in slots:
-                    call = calls.get(id(s.host))
-                    if call is not None:
-                        step_bucket(*call, self.grad_scale, self.found_inf)
+                for call in calls:
+                    step_bucket(*call, self.grad_scale, self.found_inf)
             opt._log("chunk_step_end", ci)
             copy_back(opt, slots, after, marker)
             opt._log("chunk_h2d", ci)
@@ -319,7 +340,7 @@ def step(opt, grad_scale, found_inf) -> None:
         whole(opt, slots, have, grad_scale, found_inf, after)
         return
     try:
-        calls = plan_calls(opt.optimizer)  # raises here, before anything changes
+        planned = plan_calls(opt.optimizer)  # raises here, before anything changes
     except BaseException:
         if not opt._offload_grads:  # a step that raised leaves no host copy behind
             for s in slots:
@@ -340,15 +361,15 @@ def step(opt, grad_scale, found_inf) -> None:
             marker = InFlight.marker()
             run.markers.append(marker)
             opt._inflight.add(mine, marker)
-            opt._worker.submit(lambda ci=ci, mine=mine, landed=landed, marker=marker:
+            calls = calls_of(planned, [s.host for s in mine])
+            opt._worker.submit(lambda ci=ci, mine=mine, landed=landed, calls=calls,
+                               marker=marker:
                                run.chunk(opt, ci, mine, landed, calls, after, marker))
         # the tensors kept on the device (keep_on_device_below) step there, on this
         # thread (the caller's stream), while the worker steps the chunks
         with torch.no_grad():
-            for s in opt._slots:
-                call = calls.get(id(s.dev)) if s.host is s.dev else None
-                if call is not None:
-                    opt.optimizer._step_bucket(*call, grad_scale, found_inf)
+            for call in calls_of(planned, [s.dev for s in opt._slots if s.host is s.dev]):
+                opt.optimizer._step_bucket(*call, grad_scale, found_inf)
     except BaseException:
         run.failed = True  # (a copy or a kernel refused): the chunks after it step nothing
         raise
