@@ -668,3 +668,19 @@ def test_chunks_of_several_tensors_share_calls(cls, kw, dtype, monkeypatch):
         train(m, o, dtype=dtype, steps=3)
     assert sorted(sizes) == [1] * 3 + [2] * 3 + [3] * 3  # per step: 3 biases, 2 weights, 1
     assert_same(model, ref_model, opt, ref)
+
+
+def test_a_wrapped_step_with_hooks_of_its_own_runs_whole():
+    """Step hooks registered on the wrapped optimizer itself: its step() runs whole (the
+    hooks see one step, as torch runs them), not in chunks; bits as without offload."""
+    model, ref_model = make_model(torch.bfloat16), make_model(torch.bfloat16)
+    opt = CPUOffloadOptimizer(groups(model), mo.AdamW8bit, lr=1e-2, chunk_bytes=1)
+    ref = mo.AdamW8bit(groups(ref_model), lr=1e-2)
+    seen = []
+    opt.optimizer.register_step_pre_hook(lambda o, a, k: seen.append(o is opt.optimizer))
+    opt._events = []
+    for o, m in ((opt, model), (ref, ref_model)):
+        train(m, o, dtype=torch.bfloat16, steps=2)
+    assert seen == [True, True]
+    assert not [k for _, k, _ in opt._events if k.startswith("chunk_")]
+    assert_same(model, ref_model, opt, ref)
