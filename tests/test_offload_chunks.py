@@ -15,6 +15,7 @@ import pytest
 import torch
 from memfit import _C
 from memfit.optim.offload import CPUOffloadOptimizer
+from memfit.recipes import STAGING_SLOTS
 from test_offload import assert_same, batch, groups, loss_of, make_model, train
 from test_offload_pipeline import host_grads, slow_loss
 
@@ -299,14 +300,14 @@ def test_fifo_hands_out_pieces_in_order_and_waits_when_full():
 
 @pytest.mark.parametrize("accumulate", [False, True], ids=["plain", "no_step"])
 def test_step_in_backward_allocates_nothing_after_the_first_step(accumulate):
-    """step_in_backward's gradients pass through one FIFO buffer (here the smallest,
-    twice the largest gradient: chunk_bytes=1, so backward waits for the worker to free
+    """step_in_backward's gradients pass through one FIFO buffer (two of the largest
+    gradient: memfit estimate's staging; backward waits when the worker has not freed
     room) and, summed under no_step(), through the arena: no allocation after the
     first step, every piece given back, and the wrapped optimizer's bits."""
     dtype = torch.bfloat16
     model, ref_model = make_model(dtype), make_model(dtype)
     opt = CPUOffloadOptimizer(groups(model), mo.AdamW8bit, lr=1e-2, offload_gradients=True,
-                              step_in_backward=True, chunk_bytes=1)
+                              step_in_backward=True)
     ref = mo.AdamW8bit(groups(ref_model), lr=1e-2)
     counts = []
     for s in range(4):
@@ -321,7 +322,7 @@ def test_step_in_backward_allocates_nothing_after_the_first_step(accumulate):
         counts.append(opt._staging.allocations)
         assert not opt._staging._out and all(g is None for g in host_grads(opt))
     assert counts == [2 if accumulate else 1] * 4  # the FIFO (and the arena)
-    assert opt._staging._fifo._size == 2 * 96 * 64 * 2  # the largest gradient, twice
+    assert opt._staging._fifo._size == STAGING_SLOTS * 96 * 64 * 2  # the largest gradient
     assert_same(model, ref_model, opt, ref)
 
 

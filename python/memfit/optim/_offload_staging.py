@@ -12,10 +12,11 @@
   spill: a third gradient waits for the worker to add one of the two (the memory stays
   two gradients whatever the timing). With step_in_backward (every gradient lives only
   until its tensor has stepped, and the worker steps them in the order they came) one
-  buffer used first in, first out (:class:`_Fifo`): of twice the chunk size or twice
-  the largest gradient, made at the first spill; a gradient that finds it full waits
-  for the worker to step the oldest (so the host holds that much in flight, whatever
-  the timing, and nothing is allocated after the first step). Gradients summed under
+  buffer used first in, first out (:class:`_Fifo`): of ``memfit.recipes.STAGING_SLOTS``
+  (two) gradients of the largest tensor's size, the staging ``memfit estimate`` counts,
+  made at the first spill; a gradient that finds it full waits for the worker to step
+  the oldest (so the host holds that much in flight, whatever the timing, and nothing
+  is allocated after the first step). Gradients summed under
   ``no_step()`` live until the last micro-batch: they move to the arena.
 
 On a GPU the buffers are page-locked for asynchronous copies. torch's caching host
@@ -32,6 +33,8 @@ import collections
 import threading
 
 import torch
+
+from memfit.recipes import STAGING_SLOTS  # the estimator's count of the staging
 
 _ALIGN = 64  # bytes: every view starts on a cache line (and a vector load's alignment)
 
@@ -108,14 +111,12 @@ class Staging:
 
     RING = 2  # spill buffers when gradients are kept: one landing, one being added
 
-    def __init__(self, hosts: list, pinned: bool, ring: bool, fifo_bytes: int = 0):
+    def __init__(self, hosts: list, pinned: bool, ring: bool):
         # hosts: each parameter's host copy, None for one kept on the device
         self._hosts, self._pinned = hosts, pinned
-        sizes = [_round_up(h.numel() * h.element_size()) for h in hosts if h is not None]
-        # fifo_bytes (twice the chunk size), no more than every gradient at once, and
-        # room for two of the largest
-        fifo = max(min(fifo_bytes, sum(sizes)), 2 * max(sizes, default=_ALIGN))
-        self._fifo = None if ring else _Fifo(fifo, self._alloc)
+        largest = max((_round_up(h.numel() * h.element_size()) for h in hosts
+                       if h is not None), default=_ALIGN)
+        self._fifo = None if ring else _Fifo(STAGING_SLOTS * largest, self._alloc)
         self._ring = None  # [flat buffers] when ring: made at the first spill
         self._ring_free = threading.Semaphore(self.RING) if ring else None
         self._views = None     # index -> the parameter's view of the arena

@@ -209,8 +209,7 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
         self.host_threads = threads
         # the host buffers gradients land in: allocated once (_offload_staging)
         self._staging = Staging([s.host if s.host is not s.dev else None for s in slots],
-                                pinned=cuda, ring=not step_in_backward,
-                                fifo_bytes=2 * chunk_bytes) if offload else None
+                                pinned=cuda, ring=not step_in_backward) if offload else None
         self._stepping = False
         # what torch.optim.Optimizer's own methods (hooks, repr) read
         self.defaults = self.optimizer.defaults
