@@ -56,23 +56,15 @@ def land(self, s, staged, landed, after, positions=None, replace=False) -> None:
     """Worker: the copied gradient becomes (or is added to, unless ``replace``) the
     host gradient; with step_in_backward (``positions`` given), the tensor steps
     right away."""
-    if landed is not None:
-        landed.synchronize()
     h = s.host
-    with torch.no_grad():
-        if h.grad is None:
-            if (self._in_backward and positions is not None) or \
-                    staged is self._staging.view(s.index):
-                h.grad = staged  # a FIFO piece lives until the tensor has stepped (below)
-            else:  # the caller had dropped the host gradient, or no_step() sums it
-                h.grad = self._staging.view(s.index).copy_(staged)
-                self._staging.release(staged)
-        else:
-            if replace:
-                h.grad.copy_(staged)
-            else:
-                h.grad.add_(staged)  # gradient accumulation, as autograd adds on the device
+    try:
+        if landed is not None:
+            landed.synchronize()
+        _into_host_grad(self, s, h, staged, positions, replace)
+    except BaseException:
+        if h.grad is not staged:  # a buffer (a FIFO piece) is never kept by an error
             self._staging.release(staged)
+        raise
     if positions is None:  # measured while backward goes on
         if self._norms.wanted:
             self._norms.record(s.index, h.grad)  # for clipping
@@ -86,3 +78,21 @@ def land(self, s, staged, landed, after, positions=None, replace=False) -> None:
             self._drop_host_grad(s)  # the FIFO's space is not held by a step that raised
             raise
         self._log("tensor_end", s.index)
+
+
+def _into_host_grad(self, s, h, staged, positions, replace) -> None:
+    """Worker (land): ``staged`` becomes, or is added to, the host gradient ``h.grad``."""
+    with torch.no_grad():
+        if h.grad is None:
+            if (self._in_backward and positions is not None) or \
+                    staged is self._staging.view(s.index):
+                h.grad = staged  # a FIFO piece lives until the tensor has stepped (land)
+            else:  # the caller had dropped the host gradient, or no_step() sums it
+                h.grad = self._staging.view(s.index).copy_(staged)
+                self._staging.release(staged)
+        else:
+            if replace:
+                h.grad.copy_(staged)
+            else:
+                h.grad.add_(staged)  # gradient accumulation, as autograd adds on the device
+            self._staging.release(staged)
