@@ -13,8 +13,9 @@ Same bits as the wrapped optimizer's ``step()``: :func:`plan_calls` runs its che
 every parameter first (a step that raises changes nothing) and numbers each tensor as
 step() does (its bucket, its place in it: what stochastic rounding draws by); each
 chunk's tensors are then stepped by calls that keep those numbers (:func:`calls_of`:
-one per run of consecutive places), so the chunks change no bit. A GradScaler's ``grad_scale``/``found_inf``
-reach every call (the kernels unscale and skip per tensor, as step() does per bucket).
+one per run of consecutive places), so the chunks change no bit. A GradScaler's
+``grad_scale``/``found_inf`` reach every call (the kernels unscale and skip per tensor,
+as step() does per bucket).
 
 The chunks (:func:`make_chunks`) follow the order backward makes the gradients (the
 reverse of the parameters' order, the proxy torch's DDP buckets use); a step that runs
@@ -70,7 +71,7 @@ def make_chunks(slots: list, chunk_bytes: int) -> list:
 
 def chunkable(inner) -> bool:
     """Whether the wrapped optimizer's step is memfit's own, unchanged: then the
-    pipeline cuts it per tensor. Otherwise (a step replaced on the instance or
+    pipeline cuts it into chunks. Otherwise (a step replaced on the instance or
     overridden by a subclass, step hooks registered on the wrapped optimizer itself)
     its ``step()`` runs whole, after every gradient has landed, as it is."""
     step = type(inner).step
