@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from memfit import _C
-from memfit.amp import _dist
+from memfit.amp import _dist, in_kernel
 from memfit.amp._grads import _BF16, _F16, _F32, _FUSED_DTYPES, _prepare, _Replicator, _stream
 
 
@@ -87,8 +87,8 @@ class ScalerUnscale:
         return found, per_device
 
     def _unscale_grads_(self, optimizer, scale, found_inf=None, allow_fp16: bool = False) -> dict:
-        found, unscaled = self._unscale_tensors_(self._optimizer_grads(optimizer, allow_fp16),
-                                                 scale, self._clip_unscaled)
+        found, unscaled = self._unscale_tensors_(self._optimizer_grads(optimizer, allow_fp16), scale,
+                                                 in_kernel.skip(optimizer, self._clip_unscaled, scale))
         if scale is not None:
             for device, grads in unscaled.items():
                 self._unscaled_lists.append((grads, found[device]))

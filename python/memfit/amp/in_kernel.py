@@ -68,3 +68,13 @@ def scale_in_kernel(optimizer, enabled: bool = True):
     else:
         optimizer.__dict__.pop(TORCH_FLAG, None)
     return optimizer
+
+
+def skip(optimizer, unscaled: dict, scale) -> dict:
+    """The gradients memfit.amp.GradScaler need not read ({id(g): (g, found_inf)}): those
+    it unscaled already (``unscaled``) and, for its check before a step (``scale``
+    None: no unscale), those the optimizer checked for inf/NaN itself as they landed
+    (memfit.optim.CPUOffloadOptimizer with offload_gradients=True: its worker checks
+    them during backward; memfit/optim/_offload_found_inf.py)."""
+    landed = getattr(optimizer, "_memfit_checked_grads", None)
+    return unscaled if scale is not None or landed is None else {**unscaled, **landed()}

@@ -11,8 +11,13 @@
   spill buffers are a ring of two of the largest gradient's size, made at the first
   spill: a third gradient waits for the worker to add one of the two (the memory stays
   two gradients whatever the timing). With step_in_backward (every gradient lives only
-  until its tensor has stepped) a pool of buffers by size, which grows to what is in
-  flight at once and is reused from then on.
+  until its tensor has stepped, and the worker steps them in the order they came) one
+  buffer used first in, first out (:class:`_Fifo`): of ``memfit.recipes.STAGING_SLOTS``
+  (two) gradients of the largest tensor's size, the staging ``memfit estimate`` counts,
+  made at the first spill; a gradient that finds it full waits for the worker to step
+  the oldest (so the host holds that much in flight, whatever the timing, and nothing
+  is allocated after the first step). Gradients summed under
+  ``no_step()`` live until the last micro-batch: they move to the arena.
 
 On a GPU the buffers are page-locked for asynchronous copies. torch's caching host
 allocator rounds every pinned allocation up to a power of two (up to twice the bytes
@@ -24,9 +29,12 @@ code runs with pageable buffers.
 
 from __future__ import annotations
 
+import collections
 import threading
 
 import torch
+
+from memfit.recipes import STAGING_SLOTS  # the estimator's count of the staging
 
 _ALIGN = 64  # bytes: every view starts on a cache line (and a vector load's alignment)
 
@@ -53,21 +61,68 @@ def _shaped(flat: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
         flat.untyped_storage(), start // like.element_size(), like.size(), like.stride())
 
 
+class _Fifo:
+    """One host buffer handed out first in, first out: each piece taken is put after the
+    last one (wrapping to the start when the end is too short) and given back in any
+    order; the space before the oldest piece still out is free again only once that
+    piece is back. :meth:`take` waits (GIL released) while it is full."""
+
+    def __init__(self, nbytes: int, alloc):
+        self._size, self._alloc, self._buf = nbytes, alloc, None
+        self._live = collections.deque()  # [start, end, given back], oldest first
+        self._head = 0  # where the next piece goes
+        self._cond = threading.Condition()
+
+    def _fit(self, n: int):
+        if not self._live:
+            self._head = 0
+            return 0
+        tail = self._live[0][0]
+        if self._live[-1][0] < tail:  # wrapped: free is [head, tail)
+            return self._head if tail - self._head >= n else None
+        if self._size - self._head >= n:  # free is [head, size) and [0, tail)
+            return self._head
+        return 0 if tail >= n else None
+
+    def take(self, n: int) -> tuple:
+        """A piece of n bytes (n <= the buffer's size): (flat uint8 tensor, its entry)."""
+        with self._cond:
+            if self._buf is None:
+                self._buf = self._alloc(self._size)
+            while (start := self._fit(n)) is None:
+                self._cond.wait()
+            entry = [start, start + n, False]
+            self._live.append(entry)
+            self._head = start + n
+            return self._buf[start:start + n], entry
+
+    def give_back(self, entry) -> None:
+        with self._cond:
+            entry[2] = True
+            while self._live and self._live[0][2]:
+                self._live.popleft()
+            self._cond.notify_all()
+
+
 class Staging:
-    """The arena and the spill pool of one offloader. ``allocations`` counts the host
-    allocations made (the arena is one; each spill buffer one): it stops growing once
-    the pool holds what one step has in flight."""
+    """The arena and the spill buffers of one offloader. ``allocations`` counts the host
+    allocations made (the arena is one; the ring's two buffers or the FIFO buffer one
+    each): none after the first step."""
 
     RING = 2  # spill buffers when gradients are kept: one landing, one being added
 
     def __init__(self, hosts: list, pinned: bool, ring: bool):
+        # hosts: each parameter's host copy, None for one kept on the device
         self._hosts, self._pinned = hosts, pinned
+        largest = max((_round_up(h.numel() * h.element_size()) for h in hosts
+                       if h is not None), default=_ALIGN)
+        self._fifo = None if ring else _Fifo(STAGING_SLOTS * largest, self._alloc)
         self._ring = None  # [flat buffers] when ring: made at the first spill
         self._ring_free = threading.Semaphore(self.RING) if ring else None
         self._views = None     # index -> the parameter's view of the arena
         self._registered = []  # data_ptrs registered with CUDA (unregistered by close)
-        self._free = {}        # nbytes -> [flat uint8 buffers]
-        self._out = {}         # id(spill view) -> (nbytes, flat buffer)
+        self._free = {}        # -1 -> [the ring's free flat uint8 buffers]
+        self._out = {}         # id(spill view) -> (-1 or its FIFO entry, flat buffer, view)
         self._lock = threading.Lock()
         self.allocations = 0
         self.nbytes = 0  # host bytes allocated (what the arena and spill buffers hold)
@@ -91,12 +146,14 @@ class Staging:
         """Parameter i's view of the arena (made, for every parameter, at the first
         call)."""
         if self._views is None:
-            sizes = [_round_up(h.numel() * h.element_size()) if _dense(h) else 0
-                     for h in self._hosts]
+            sizes = [_round_up(h.numel() * h.element_size()) if h is not None and _dense(h)
+                     else 0 for h in self._hosts]
             arena = self._alloc(sum(sizes))
             views, at = [], 0
             for h, n in zip(self._hosts, sizes):
-                if n == 0:  # overlapping or gapped strides: a buffer of its own, once
+                if h is None:  # kept on the device: no host buffer
+                    views.append(None)
+                elif n == 0:  # overlapping or gapped strides: a buffer of its own, once
                     views.append(torch.empty_like(h, pin_memory=self._pinned))
                     self.allocations += 1
                     self.nbytes += views[-1].untyped_storage().nbytes()
@@ -117,7 +174,8 @@ class Staging:
             self._ring_free.acquire()  # releases the GIL: the worker adds and gives one back
             with self._lock:
                 if self._ring is None:
-                    largest = max(_round_up(t.numel() * t.element_size()) for t in self._hosts)
+                    largest = max(_round_up(t.numel() * t.element_size())
+                                  for t in self._hosts if t is not None)
                     self._ring = [self._alloc(largest) for _ in range(self.RING)]
                     self._free[-1] = list(self._ring)
                 flat = self._free[-1].pop()
@@ -125,14 +183,10 @@ class Staging:
             with self._lock:
                 self._out[id(t)] = (-1, flat, t)
             return t
-        with self._lock:
-            free = self._free.get(nbytes)
-            flat = free.pop() if free else None
-        if flat is None:
-            flat = self._alloc(nbytes)
+        flat, entry = self._fifo.take(nbytes)  # releases the GIL while it waits
         t = _shaped(flat, h)
         with self._lock:
-            self._out[id(t)] = (nbytes, flat, t)
+            self._out[id(t)] = (entry, flat, t)
         return t
 
     def release(self, t) -> None:
@@ -141,10 +195,14 @@ class Staging:
             return
         with self._lock:
             entry = self._out.pop(id(t), None)
-            if entry is not None:
-                self._free.setdefault(entry[0], []).append(entry[1])
-        if entry is not None and entry[0] == -1:
+            if entry is not None and entry[0] == -1:
+                self._free[-1].append(entry[1])
+        if entry is None:
+            return
+        if entry[0] == -1:
             self._ring_free.release()
+        else:
+            self._fifo.give_back(entry[0])
 
     def close(self) -> None:
         """Unregisters the CUDA-registered buffers (before their memory is freed)."""

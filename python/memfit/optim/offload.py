@@ -15,11 +15,13 @@ the copies are real copies and the streams are no-ops, so the same code is teste
   device's ``p.grad`` is dropped; else in :meth:`step`); it lands in the host gradient
   (``host.grad``, added to it when several backwards accumulate);
 - ONE worker thread does all host work in order: landing gradients, the wrapped
-  optimizer's own ``step()`` (memfit's kernels release the GIL), and the host -> device
-  copies of the updated parameters on another side stream;
+  optimizer's step (memfit's kernels release the GIL) and the host -> device copies of
+  the updated parameters on another side stream, chunk by chunk, so that the chunks'
+  copies and steps overlap (_offload_pipeline);
 - :meth:`step` returns only when every update has landed (on the CPU) or the current
   CUDA stream waits for the copies (no host sync on the GPU): the next forward never
-  reads a parameter before its update.
+  reads a parameter before its update (``overlap_forward=True``: each module's forward
+  waits for its own parameters instead).
 
 ``step_in_backward=True`` steps each tensor as soon as its gradient is ready, during
 backward, and frees the gradient (torchtune's recipe): on the host (``offload=True``,
@@ -40,6 +42,9 @@ import torch
 from memfit._C import MemfitTypeError, MemfitValueError
 from memfit.amp.in_kernel import TORCH_FLAG
 from memfit.optim import _dtensor
+from memfit.optim import _offload_grads
+from memfit.optim import _offload_pipeline as pipeline
+from memfit.optim._offload_found_inf import LandedFlags
 from memfit.optim._offload_norms import LandedNorms
 from memfit.optim._offload_staging import Staging
 from memfit.optim._offload_thread import _host_threads, _release, _weak_hook, _Worker
@@ -88,6 +93,15 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
         host_threads: the threads of the host step (memfit's core, on the worker
             thread only); default: the cores this process may use, less one for the
             training thread.
+        chunk_bytes: the step's chunks hold about this many bytes of gradients (default
+            64 MiB): each is copied to the host, stepped and copied back on its own,
+            overlapping the others (docs/offload.md, "The pipeline").
+        overlap_forward: step() returns once every chunk is queued; each module's
+            forward then waits only for the parameters it registers itself (safe only
+            when no parameter is read outside its own module's forward).
+        keep_on_device_below: tensors with fewer elements stay on the device and are
+            stepped there by the wrapped optimizer (torchao keeps those under 4096);
+            default 0: every tensor is offloaded.
 
     ``param_groups`` are the wrapped optimizer's groups (an LR scheduler changes the
     host step's lr), with ``'params'`` the tensors whose ``.grad`` the step reads: the
@@ -101,7 +115,9 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
     _memfit_scale_in_kernel = True  # grad_scale/found_inf reach the wrapped step (amp/in_kernel.py)
 
     def __init__(self, params, optimizer_class=None, *, offload_gradients=False,
-                 step_in_backward=False, offload=True, host_threads=None, **kwargs):
+                 step_in_backward=False, offload=True, host_threads=None,
+                 chunk_bytes=pipeline.DEFAULT_CHUNK_BYTES, overlap_forward=False,
+                 keep_on_device_below=0, **kwargs):
         if optimizer_class is None:
             from memfit.optim.optimizers import AdamW8bit as optimizer_class
         if not (isinstance(optimizer_class, type) and issubclass(optimizer_class, _MemfitOptimizer)):
@@ -109,8 +125,9 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
                 "optimizer_class: expected a memfit.optim optimizer class (AdamW8bit, AdamW, "
                 f"Lion8bit, ...), got {getattr(optimizer_class, '__name__', optimizer_class)!r}; "
                 "its states are what this optimizer keeps on the host")
-        for name, v in (("offload_gradients", offload_gradients),
-                        ("step_in_backward", step_in_backward), ("offload", offload)):
+        for name, v in (("offload_gradients", offload_gradients), ("offload", offload),
+                        ("step_in_backward", step_in_backward),
+                        ("overlap_forward", overlap_forward)):
             if not isinstance(v, bool):
                 raise MemfitTypeError(f"{name}: expected True or False, got {v!r}")
         if offload and step_in_backward and not offload_gradients:
@@ -127,6 +144,8 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
             # the reason instead of torch's "No inf checks were recorded"
             setattr(self, TORCH_FLAG, True)
         threads = _host_threads(host_threads)
+        pipeline.check_count("chunk_bytes", chunk_bytes, 1)
+        pipeline.check_count("keep_on_device_below", keep_on_device_below, 0)
         groups = _groups_of(params)
         device, seen = None, set()
         for gi, g in enumerate(groups):
@@ -161,7 +180,7 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
                 hosts = []
                 for i, p in enumerate(g["params"]):
                     h = p
-                    if offload:
+                    if offload and p.numel() >= keep_on_device_below:
                         # the master weight: the parameter's dtype and layout, pinned for
                         # asynchronous copies when the parameter is on a GPU
                         h = torch.empty_like(p, device="cpu", pin_memory=cuda).copy_(p.detach())
@@ -177,14 +196,20 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
             self.optimizer._override_alias = {id(s.host): s.dev for s in slots}
         self._slots = slots
         self._slot_of = {id(s.dev): s for s in slots}
+        # the step's chunks (_offload_pipeline) and those still in flight (overlap_forward)
+        self.chunk_bytes, self.overlap_forward = chunk_bytes, overlap_forward
+        self._chunks = pipeline.make_chunks([s for s in slots if s.host is not s.dev],
+                                            chunk_bytes)
+        self._inflight = pipeline.InFlight()
         self._worker = _Worker(threads)
         self._events = None
         self._accumulating = 0  # no_step() depth: backwards sum their gradients
         self._norms = LandedNorms()  # clipping's per-tensor norms, taken as gradients land
+        self._flags = LandedFlags()  # and a GradScaler's inf/NaN check
         self.host_threads = threads
         # the host buffers gradients land in: allocated once (_offload_staging)
-        self._staging = Staging([s.host for s in slots], pinned=cuda,
-                                 ring=not step_in_backward) if offload else None
+        self._staging = Staging([s.host if s.host is not s.dev else None for s in slots],
+                                pinned=cuda, ring=not step_in_backward) if offload else None
         self._stepping = False
         # what torch.optim.Optimizer's own methods (hooks, repr) read
         self.defaults = self.optimizer.defaults
@@ -247,7 +272,7 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
         if not self._finalizer.alive:
             return
         try:
-            self._worker.wait()
+            self._settle()
         finally:
             self._finalizer()
 
@@ -265,7 +290,8 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
         if not (self._offload_grads or self._in_backward) or not self._finalizer.alive:
             return
         for s in self._slots:
-            if s.dev.requires_grad and id(s.dev) not in self._hooked:
+            if s.dev.requires_grad and id(s.dev) not in self._hooked and (
+                    self._in_backward or s.host is not s.dev):  # (a small one keeps p.grad)
                 self._hooks.append(s.dev.register_post_accumulate_grad_hook(self._hook))
                 self._hooked.add(id(s.dev))
 
@@ -285,12 +311,21 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
         # gradient has landed: a scaler or clipping may read them
         if self._offload_grads and not self._in_backward:
             self._adopt_device_grads()
-        self._worker.wait()
+        self._settle()
         return self._groups
+
+    def _memfit_checked_grads(self) -> dict:
+        """memfit.amp.GradScaler's inf check before a step (amp/in_kernel.py): the host
+        gradients the worker checked as they landed (_offload_found_inf)."""
+        if not self._offload_grads or self._in_backward:
+            return {}
+        self._settle()
+        return self._flags.checked({s.index: s.host.grad for s in self._slots
+                                    if s.host.grad is not None and s.host is not s.dev})
 
     @property
     def state(self) -> dict:
-        self._worker.wait()
+        self._settle()
         self._norms.forget()  # its keys reach the host gradients too
         inner = self.optimizer.state
         return {p: inner[h] for g, ig in zip(self._groups, self.optimizer.param_groups)
@@ -322,6 +357,8 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
             self._log("hook", (self._slot_of[id(p)].index, time.perf_counter_ns() - t0))
 
     def _take_grad(self, p) -> None:
+        if self._inflight.pending:  # the next backward's first gradient: the step is over
+            self._settle()
         s = self._slot_of[id(p)]
         if self._in_backward and s.stepped:
             p.grad = None  # as before this backward: its gradient was consumed by the step
@@ -332,7 +369,7 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
                 "for every micro-batch but the last)")
         g = p.grad
         if self._in_backward and self._accumulating:  # no_step(): summed, not stepped
-            if self._offload:
+            if s.host is not s.dev:
                 staged, landed, after = self._to_host(s, g)
                 p.grad = None
                 self._worker.submit(lambda: self._land(s, staged, landed, after))
@@ -340,7 +377,7 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
         positions = None
         if self._in_backward:
             positions = self._backward_positions()
-        if not self._offload:  # step in backward on the device
+        if s.host is s.dev:  # step in backward on the device
             try:
                 self.optimizer._step_params([p], positions)
             except BaseException:
@@ -362,75 +399,13 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
         gradient, O(parameters), once), for every parameter that requires a gradient."""
         if self._positions is None:
             stepping = {id(s.host) for s in self._slots if s.dev.requires_grad}
-            self._positions = self.optimizer._sr_positions(stepping)
+            self._positions = pipeline.positions(self.optimizer, stepping)
         return self._positions
 
-    def _adopt_device_grads(self) -> list:
-        """offload_gradients=True: a gradient on the device at this point was assigned by
-        the caller (``p.grad = g``) or computed for a parameter unfrozen since its hooks
-        were made; it becomes the host gradient, replacing what was there (as assigning
-        ``p.grad`` replaces it for a plain optimizer). Returns their slots."""
-        adopted = []
-        for s in self._slots:
-            g = s.dev.grad
-            if g is None or s.host is s.dev or (self._in_backward and s.stepped):
-                continue
-            staged, landed, after = self._to_host(s, g)
-            s.dev.grad = None
-            self._worker.submit(lambda s=s, job=(staged, landed, after):
-                                self._land(s, *job, replace=True))
-            adopted.append(s)
-        return adopted
-
-    def _to_host(self, s, g):
-        """Starts copying gradient g of slot s into a host buffer (its view of the arena
-        when it becomes the host gradient as it is, else a spill buffer: _offload_staging);
-        returns the buffer and two CUDA events (None on the CPU, where the copy is
-        already done): the copy is complete; the compute stream has reached this point
-        (what a later host -> device copy of this parameter must wait for: kernels
-        already queued may still read it)."""
-        with torch.no_grad():
-            if not self._in_backward and not s.claimed:
-                staged = self._staging.view(s.index)
-                s.claimed = True
-            else:
-                staged = self._staging.spill(s.index)
-            if self._d2h is None:
-                staged.copy_(g)
-                return staged, None, None
-            ready = torch.cuda.current_stream(self._device).record_event()
-            self._d2h.wait_event(ready)
-            with torch.cuda.stream(self._d2h):
-                staged.copy_(g.detach(), non_blocking=True)
-                g.record_stream(self._d2h)  # its memory is not reused before the copy ends
-                return staged, self._d2h.record_event(), ready
-
-    def _land(self, s, staged, landed, after, positions=None, replace=False) -> None:
-        """Worker: the copied gradient becomes (or is added to, unless ``replace``) the
-        host gradient; with step_in_backward (``positions`` given), the tensor steps
-        right away."""
-        if landed is not None:
-            landed.synchronize()
-        h = s.host
-        with torch.no_grad():
-            if h.grad is None:
-                if self._in_backward or staged is self._staging.view(s.index):
-                    h.grad = staged  # a spill buffer lives until the tensor has stepped
-                else:  # the caller had dropped the host gradient
-                    h.grad = self._staging.view(s.index).copy_(staged)
-                    self._staging.release(staged)
-            else:
-                if replace:
-                    h.grad.copy_(staged)
-                else:
-                    h.grad.add_(staged)  # gradient accumulation, as autograd adds on the device
-                self._staging.release(staged)
-        if self._norms.wanted and positions is None:
-            self._norms.record(s.index, h.grad)  # for clipping, while backward goes on
-        if positions is not None:  # step in backward: the tensor steps at once
-            self._log("tensor_start", s.index)
-            self._host_step([s], None, None, after, positions)
-            self._log("tensor_end", s.index)
+    # the gradients' way to the host (_offload_grads)
+    _adopt_device_grads = _offload_grads.adopt_device_grads
+    _to_host = _offload_grads.to_host
+    _land = _offload_grads.land
 
     def _log(self, kind, detail=None) -> None:
         """The pipeline's event log (``_events``: a list, or None when off): what the
@@ -513,27 +488,28 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
         return loss
 
     def _step(self, grad_scale, found_inf) -> None:
+        self._settle()  # the last step's chunks (overlap_forward)
         self._stepping = True
         try:
-            if self._offload_grads:
-                self._adopt_device_grads()
+            pipeline.step(self, grad_scale, found_inf)
+            if self.overlap_forward:
+                self._inflight.install(self._hooks)
             else:
-                for s in self._slots:
-                    if s.dev.grad is not None:
-                        job = self._to_host(s, s.dev.grad)
-                        self._worker.submit(lambda s=s, job=job: self._land(s, *job))
-            after = (torch.cuda.current_stream(self._device).record_event()
-                     if self._h2d is not None else None)
-            self._worker.submit(lambda: self._host_step(self._slots, grad_scale, found_inf, after))
-            try:
-                self._worker.wait()
-            finally:
-                if not self._offload_grads:  # a step that raised leaves no host copy behind
-                    for s in self._slots:
-                        self._drop_host_grad(s)
-            self._landed_on_device()
+                self._settle()
+                self._landed_on_device()
+            self._log("step_returning")
         finally:
             self._stepping = False
+
+    def _settle(self) -> None:
+        """Waits for the work in flight (raises the first error a job raised): every API
+        but the next forward's modules (overlap_forward) waits for the whole step."""
+        try:
+            self._worker.wait()
+        finally:
+            if self._inflight.pending:
+                self._inflight.clear(self._hooks)
+                self._landed_on_device()
 
     def _step_in_backward_done(self, grad_scale, found_inf) -> None:
         """step() with step_in_backward: waits for the steps taken during backward, steps
@@ -542,7 +518,7 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
         raises, the next backward starts anew: nothing of this one is carried over."""
         ok = False
         try:
-            self._worker.wait()
+            self._settle()
             self._log("step_returning")
             if grad_scale is not None or found_inf is not None:
                 raise RuntimeError(
@@ -559,20 +535,19 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
                 after = (torch.cuda.current_stream(self._device).record_event()
                          if self._h2d is not None else None)
                 self._worker.submit(lambda: self._host_step(summed, None, None, after, positions))
-                self._worker.wait()
+                self._settle()
             if late:
                 positions = self._backward_positions()
                 if any(id(s.host) not in positions for s in late):  # frozen, assigned a grad
                     stepping = {id(s.host) for s in self._slots if s.stepped or s in late}
-                    positions = self.optimizer._sr_positions(stepping)
-                if self._offload:
-                    for s in late:
+                    positions = pipeline.positions(self.optimizer, stepping)
+                for s in late:
+                    if s.host is not s.dev:
                         job = self._to_host(s, s.dev.grad)
                         s.dev.grad = None
                         self._worker.submit(lambda s=s, job=job: self._land(s, *job, positions))
-                    self._worker.wait()
-                else:
-                    self.optimizer._step_params([s.dev for s in late], positions)
+                self._settle()
+                self.optimizer._step_params([s.dev for s in late if s.host is s.dev], positions)
             ok = True
         finally:
             if ok:
@@ -607,7 +582,7 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
                 "CPUOffloadOptimizer.zero_grad: called in the middle of a step (parameters "
                 "were stepped during backward and step() has not been called yet); call "
                 "step() first; nothing was cleared")
-        self._worker.wait()
+        self._settle()
         self._sync_hooks()  # parameters unfrozen since the last step: hooked from now on
         with torch.no_grad():
             for s in self._slots:
@@ -656,7 +631,7 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
         """The wrapped optimizer's state dict (loads into ``optimizer_class`` over the same
         parameters, and back). The state-dict hooks registered on this optimizer run as
         torch runs them (pre-hooks first, post-hooks on the finished dict)."""
-        self._worker.wait()
+        self._settle()
         for hook in list(self._optimizer_state_dict_pre_hooks.values()):
             hook(self)
         return run_state_dict_post_hooks(self, self.optimizer.state_dict())
@@ -670,7 +645,7 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
         if self._stepping or any(s.stepped for s in self._slots):
             raise RuntimeError("CPUOffloadOptimizer.load_state_dict: called in the middle of a "
                                "step; call step() first; nothing was loaded")
-        self._worker.wait()
+        self._settle()
         self.optimizer.load_state_dict(run_load_state_dict_pre_hooks(self, state_dict))
         self.reload_params()
         run_load_state_dict_post_hooks(self)
@@ -679,7 +654,7 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
     def reload_params(self) -> None:
         """Copies the model's parameters into the host copies: call it after changing the
         parameters outside the optimizer (``load_state_dict`` calls it)."""
-        self._worker.wait()
+        self._settle()
         for s in self._slots:
             if s.host is not s.dev:
                 s.host.copy_(s.dev.detach())

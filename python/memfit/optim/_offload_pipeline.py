@@ -1,0 +1,397 @@
+"""The offloader's step in chunks (memfit.optim.offload; docs/offload.md, "The pipeline").
+
+The step of :class:`~memfit.optim.offload.CPUOffloadOptimizer` (every mode but
+``step_in_backward``, which steps each tensor as its gradient lands) is cut into chunks
+of about ``chunk_bytes`` of gradients, and each chunk goes through three stages on its
+own: its gradients go device -> host (default mode: copied by :func:`step`, on the
+caller's thread; ``offload_gradients=True``: they already landed during backward), the
+worker steps it on the host, and its parameters go host -> device at once. So the copy
+of chunk k+1, the host step of chunk k and the copy back of chunk k-1 run at the same
+time, instead of every copy, then the whole step, then every copy back.
+
+Same bits as the wrapped optimizer's ``step()``: :func:`plan_calls` runs its checks over
+every parameter first (a step that raises changes nothing) and numbers each tensor as
+step() does (its bucket, its place in it: what stochastic rounding draws by); each
+chunk's tensors are then stepped by calls that keep those numbers (:func:`calls_of`:
+one per run of consecutive places), so the chunks change no bit. A GradScaler's
+``grad_scale``/``found_inf`` reach every call (the kernels unscale and skip per tensor,
+as step() does per bucket).
+
+The chunks (:func:`make_chunks`) follow the order backward makes the gradients (the
+reverse of the parameters' order, the proxy torch's DDP buckets use); a step that runs
+after backward (every mode here) steps them in the parameters' order, so that the
+first layers' parameters are back first, for the next forward (``overlap_forward``,
+:class:`InFlight`).
+"""
+
+from __future__ import annotations
+
+import threading
+
+import torch
+
+from memfit._C import MemfitTypeError, MemfitValueError
+from memfit.optim import _core
+from memfit.optim._torch import _MemfitOptimizer, _on
+
+DEFAULT_CHUNK_BYTES = 64 << 20  # about 64 MiB of gradients per chunk (docs/offload.md)
+
+
+def check_count(name: str, v, least: int) -> int:
+    """A constructor's count (``chunk_bytes``: bytes, ``keep_on_device_below``:
+    elements): an int >= least."""
+    if isinstance(v, bool) or not isinstance(v, int):
+        raise MemfitTypeError(f"{name}: expected an int, got {type(v).__name__}")
+    if v < least:
+        raise MemfitValueError(f"{name}: expected at least {least}, got {v}")
+    return v
+
+
+def grad_bytes(t: torch.Tensor) -> int:
+    """The bytes of t's gradient (the parameter's dtype and size)."""
+    return t.numel() * t.element_size()
+
+
+def make_chunks(slots: list, chunk_bytes: int) -> list:
+    """The slots in the order backward makes their gradients (the reverse of the
+    parameters' order), cut into chunks: a chunk is closed once it holds chunk_bytes of
+    gradients or more (so a tensor larger than chunk_bytes ends the chunk it joins).
+    Returns a list of tuples of slots; chunk 0 gets its gradients first."""
+    chunks, current, size = [], [], 0
+    for s in reversed(slots):
+        current.append(s)
+        size += grad_bytes(s.dev)
+        if size >= chunk_bytes:
+            chunks.append(tuple(current))
+            current, size = [], 0
+    if current:
+        chunks.append(tuple(current))
+    return chunks
+
+
+def chunkable(inner) -> bool:
+    """Whether the wrapped optimizer's step is memfit's own, unchanged: then the
+    pipeline cuts it into chunks. Otherwise (a step replaced on the instance or
+    overridden by a subclass, step hooks registered on the wrapped optimizer itself)
+    its ``step()`` runs whole, after every gradient has landed, as it is."""
+    step = type(inner).step
+    return (getattr(step, "__wrapped__", step) is _MemfitOptimizer.__dict__["step"]
+            and "step" not in inner.__dict__
+            and not inner._optimizer_step_pre_hooks and not inner._optimizer_step_post_hooks)
+
+
+def plan_calls(inner) -> dict:
+    """The wrapped optimizer's step(), planned per tensor. Checks every parameter that
+    has a gradient, as step() does (raises before anything changes) and makes the
+    missing states; returns {id(param): (group index, bucket number, place in the
+    bucket, group, hparams, device, format, item, the bucket's stochastic-rounding seed
+    or None)}, which :func:`calls_of` turns into core calls. The buckets are numbered by
+    state format in the order of the group's parameters, as step() numbers them when
+    every parameter is on one device (so a small tensor kept on the device draws the
+    bits it would draw among the others)."""
+    plan, new = inner._plan_step()
+    inner._add_states(new)
+    checked = inner._state_checked
+    planned = {}
+    for gi, (group, hp, rounding, buckets, _) in enumerate(plan):
+        places, counts = {}, {}  # id(p) -> (bucket, place); format -> [bucket, count]
+        for p in group["params"]:
+            if p.grad is None:
+                continue
+            at = counts.get(checked[id(p)][6][1])
+            if at is None:
+                at = counts[checked[id(p)][6][1]] = [len(counts), 0]
+            places[id(p)] = (at[0], at[1])
+            at[1] += 1
+        base, sr_step = group.get("sr_seed", 0), group.get("sr_step", 0)
+        for (device, fmt), items in buckets.items():
+            for item in items:
+                b, k = places[id(item[0])]
+                seed = _core.sr_seed(base, sr_step, b) if rounding == "stochastic" else None
+                planned[id(item[0])] = (gi, b, k, group, hp, device, fmt, item, seed)
+    return planned
+
+
+def calls_of(planned: dict, tensors) -> list:
+    """The core calls (_step_bucket's group, hparams, device, format, items) that step
+    the planned ``tensors``, as step() would step them: tensors at consecutive places
+    of one bucket share a call seeded with the stream of the first one's place (tensor
+    j of a call seeded ``stream_seed(seed, k)`` draws what place k + j draws), so a chunk
+    that holds whole buckets makes step()'s own calls, and one tensor alone is
+    _MemfitOptimizer._step_params's call."""
+    mine = sorted((planned[id(t)] for t in tensors if id(t) in planned),
+                  key=lambda c: (c[0], c[1], c[2]))
+    calls, run = [], []
+    for c in mine + [None]:
+        if c is not None and run and c[:2] == run[-1][:2] and c[2] == run[-1][2] + 1 \
+                and c[5] == run[-1][5]:
+            run.append(c)
+            continue
+        if run:
+            _, _, k, group, hp, device, fmt, _, seed = run[0]
+            items = [r[7] for r in run]
+            if seed is not None and any(item[3][5] for item in items):  # float16/bfloat16
+                hp = dict(hp, sr_seed=_core.stream_seed(seed, k))
+            calls.append((group, hp, device, fmt, items))
+        run = [c]
+    return calls
+
+
+def positions(inner, stepping) -> dict:
+    """``inner._sr_positions(stepping)`` (the numbers the step in backward steps each
+    tensor with, _MemfitOptimizer._step_params) with the buckets numbered by state
+    format alone, as :func:`plan_calls` numbers them: a tensor kept on the device
+    (``keep_on_device_below``) draws the bits it would draw among the host copies, as
+    in the wrapped optimizer's step() with every parameter on one device. The bucket
+    itself stays (device, format): what _step_params checks."""
+    out = {}
+    for gi, group in enumerate(inner.param_groups):
+        counts = {}  # format -> [its bucket's number, parameters so far]
+        for i, p in enumerate(group["params"]):
+            if id(p) in stepping:
+                bucket = inner._bucket(group, p)
+                at = counts.get(bucket[1])
+                if at is None:
+                    at = counts[bucket[1]] = [len(counts), 0]
+                out[id(p)] = (gi, i, bucket, at[0], at[1])
+                at[1] += 1
+    return out
+
+
+class InFlight:
+    """The chunks of the last step whose parameters may still be on their way to the
+    device (``overlap_forward=True``: step() returns once every chunk is queued).
+
+    Each chunk has a marker: a threading.Event the worker sets once the chunk's copy
+    back has been issued (on the CPU: done), and on a GPU the CUDA event of that copy.
+    While markers are pending a module forward pre-hook (global, installed by
+    :meth:`install`, removed as soon as nothing is pending) makes each module wait for
+    the parameters it registers itself (``module._parameters``): the host waits for the
+    marker and, on a GPU, the current stream for the copy. A parameter read by another
+    module's forward than its own is not waited for: that is overlap_forward's rule."""
+
+    def __init__(self):
+        self._of = {}       # id(device parameter) -> its chunk's marker
+        self._last = None   # the last marker added: the worker sets them in order
+        self._handle = None
+
+    @staticmethod
+    def marker() -> list:
+        return [threading.Event(), None]  # set once issued; the copy's CUDA event
+
+    def add(self, slots, marker) -> None:
+        for s in slots:
+            self._of[id(s.dev)] = marker
+        self._last = marker
+
+    @property
+    def pending(self) -> bool:
+        return bool(self._of)
+
+    def install(self, hooks: list) -> None:
+        """Installs the forward pre-hook (main thread; kept in ``hooks`` so that close()
+        removes it with the gradient hooks)."""
+        if self._handle is None and self._of:
+            of = self._of
+
+            def wait_for_own_parameters(module, args):
+                for p in module._parameters.values():
+                    m = of.get(id(p)) if p is not None else None
+                    if m is not None:
+                        m[0].wait()
+                        if m[1] is not None:
+                            torch.cuda.current_stream(p.device).wait_event(m[1])
+                if self._last is not None and self._last[0].is_set():
+                    self.clear(hooks)  # the copies of every chunk are issued
+            self._handle = torch.nn.modules.module.register_module_forward_pre_hook(
+                wait_for_own_parameters)
+            hooks.append(self._handle)
+
+    def clear(self, hooks: list) -> None:
+        """Nothing in flight any more (main thread): the pre-hook is removed."""
+        self._of.clear()
+        self._last = None
+        if self._handle is not None:
+            self._handle.remove()
+            if self._handle in hooks:
+                hooks.remove(self._handle)
+            self._handle = None
+
+
+class _Run:
+    """One step in chunks: what its jobs on the worker share (the scale and found_inf,
+    on the host, and whether a job raised: the jobs after it step nothing)."""
+
+    def __init__(self, grad_scale, found_inf):
+        self.grad_scale, self.found_inf = grad_scale, found_inf
+        self.failed = False
+        self.markers = []
+
+    def begin(self, opt) -> None:
+        """Worker: the scaler's tensors on the host, once for every call (on a GPU this
+        waits for the scaler's own check, not the caller)."""
+        opt._log("host_step_start")
+        try:
+            cpu = torch.device("cpu")
+            self.grad_scale = _on(self.grad_scale, cpu)
+            self.found_inf = _on(self.found_inf, cpu)
+        except BaseException:
+            self.failed = True
+            raise
+
+    def chunk(self, opt, ci, slots, landed, calls, after, marker) -> None:
+        """Worker: chunk ci's gradients have landed (CUDA event ``landed``); it steps and
+        its parameters go back to the device (after CUDA event ``after``)."""
+        try:
+            if self.failed:
+                return
+            if landed is not None:
+                landed.synchronize()
+            opt._log("chunk_landed", ci)
+            for s in slots:  # the last copy of this master to the device has read it
+                if s.h2d_done is not None:
+                    s.h2d_done.synchronize()
+            opt._log("chunk_step_start", ci)
+            step_bucket = opt.optimizer._step_bucket
+            with torch.no_grad():  # (thread-local: the worker's own)
+                for call in calls:
+                    step_bucket(*call, self.grad_scale, self.found_inf)
+            opt._log("chunk_step_end", ci)
+            copy_back(opt, slots, after, marker)
+            opt._log("chunk_h2d", ci)
+        except BaseException:
+            self.failed = True
+            raise
+        finally:
+            if not opt._offload_grads:  # consumed (else kept until zero_grad, as p.grad)
+                for s in slots:
+                    opt._drop_host_grad(s)
+            marker[0].set()
+
+    def end(self, opt, slots) -> None:
+        """Worker: the optimizer step is over (sr_step advances, as step() advances it,
+        unless a chunk raised); whatever a failed chunk left is dropped."""
+        for m in self.markers:
+            m[0].set()
+        if not opt._offload_grads:
+            for s in slots:
+                if s.host.grad is not None:
+                    opt._drop_host_grad(s)
+        if not self.failed:
+            opt.optimizer._advance_sr_step()
+            opt.optimizer._optimizer_step_code()
+        opt._log("host_step_end")
+
+
+def copy_in(opt, slots):
+    """Starts chunk ``slots``' gradients device -> host, into their host gradients (the
+    arena's views); returns the copy's CUDA event (None on the CPU: done here)."""
+    if opt._d2h is None:
+        for s in slots:
+            s.host.grad.copy_(s.dev.grad)
+        return None
+    ready = torch.cuda.current_stream(opt._device).record_event()
+    opt._d2h.wait_event(ready)
+    with torch.cuda.stream(opt._d2h):
+        for s in slots:
+            g = s.dev.grad
+            s.host.grad.copy_(g.detach(), non_blocking=True)
+            g.record_stream(opt._d2h)  # its memory is not reused before the copy ends
+        return opt._d2h.record_event()
+
+
+def copy_back(opt, slots, after, marker=None) -> None:
+    """Worker: ``slots``' updated parameters host -> device, after CUDA event ``after``
+    of the compute stream (kernels queued before the step may still read them); the
+    copy's CUDA event goes to ``marker``."""
+    with torch.no_grad():
+        if opt._h2d is None:
+            for s in slots:
+                s.dev.detach().copy_(s.host)
+            return
+        opt._h2d.wait_event(after)
+        with torch.cuda.stream(opt._h2d):
+            for s in slots:
+                s.dev.detach().copy_(s.host, non_blocking=True)
+            done = opt._h2d.record_event()
+        for s in slots:
+            s.h2d_done = done
+        if marker is not None:
+            marker[1] = done
+
+
+def step(opt, grad_scale, found_inf) -> None:
+    """CPUOffloadOptimizer.step() in every mode but step_in_backward: the chunks are
+    queued on the worker; returns once all are done (or, with overlap_forward, once all
+    are queued: the next forward waits per module, :class:`InFlight`)."""
+    slots = [s for s in opt._slots if s.host is not s.dev]
+    if opt._offload_grads:
+        opt._adopt_device_grads()
+        opt._worker.wait()  # the landings of backward: every host gradient is known
+        have = {id(s) for s in slots if s.host.grad is not None}
+    else:
+        have = {id(s) for s in slots if s.dev.grad is not None}
+        for s in slots:
+            if id(s) in have:  # planned on the arena's views; the data lands per chunk
+                s.host.grad = opt._staging.view(s.index)
+                s.claimed = True
+    after = (torch.cuda.current_stream(opt._device).record_event()
+             if opt._h2d is not None else None)
+    if not chunkable(opt.optimizer):
+        whole(opt, slots, have, grad_scale, found_inf, after)
+        return
+    try:
+        planned = plan_calls(opt.optimizer)  # raises here, before anything changes
+    except BaseException:
+        if not opt._offload_grads:  # a step that raised leaves no host copy behind
+            for s in slots:
+                opt._drop_host_grad(s)
+        raise
+    run = _Run(grad_scale, found_inf)
+    opt._worker.submit(lambda: run.begin(opt))
+    try:
+        for ci in range(len(opt._chunks) - 1, -1, -1):  # the parameters' order
+            mine = [s for s in opt._chunks[ci] if id(s) in have]
+            if not mine:
+                continue
+            landed = None
+            if not opt._offload_grads:
+                opt._log("chunk_d2h_start", ci)
+                landed = copy_in(opt, mine)
+                opt._log("chunk_d2h_end", ci)
+            marker = InFlight.marker()
+            run.markers.append(marker)
+            opt._inflight.add(mine, marker)
+            calls = calls_of(planned, [s.host for s in mine])
+            opt._worker.submit(lambda ci=ci, mine=mine, landed=landed, calls=calls,
+                               marker=marker:
+                               run.chunk(opt, ci, mine, landed, calls, after, marker))
+        # the tensors kept on the device (keep_on_device_below) step there, on this
+        # thread (the caller's stream), while the worker steps the chunks
+        with torch.no_grad():
+            for call in calls_of(planned, [s.dev for s in opt._slots if s.host is s.dev]):
+                opt.optimizer._step_bucket(*call, grad_scale, found_inf)
+    except BaseException:
+        run.failed = True  # (a copy or a kernel refused): the chunks after it step nothing
+        raise
+    finally:
+        opt._worker.submit(lambda: run.end(opt, slots))
+    if opt._d2h is not None:
+        # the next backward writes the device gradients after these copies read them
+        torch.cuda.current_stream(opt._device).wait_stream(opt._d2h)
+
+
+def whole(opt, slots, have, grad_scale, found_inf, after) -> None:
+    """The wrapped optimizer's own step() (not chunkable): every gradient lands, then one
+    host step, then every copy back."""
+    for s in slots:
+        if id(s) in have and not opt._offload_grads:
+            landed = copy_in(opt, [s])
+            opt._worker.submit(lambda s=s, landed=landed: landed and landed.synchronize())
+    opt._worker.submit(lambda: opt._host_step(slots, grad_scale, found_inf, after))
+    try:
+        opt._worker.wait()
+    finally:
+        if not opt._offload_grads:  # a step that raised leaves no host copy behind
+            for s in slots:
+                opt._drop_host_grad(s)
