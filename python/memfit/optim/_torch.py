@@ -7,7 +7,7 @@ from collections import OrderedDict, defaultdict
 import torch
 
 from memfit._C import MemfitValueError
-from memfit.optim import _checks, _core, _dtensor, _format, convert
+from memfit.optim import _checks, _core, _dtensor, _format, _registry, convert
 # re-exported: their old home (tests and users import them from here)
 from memfit.optim._format import dequantized_state, saved_format  # noqa: F401
 from memfit.optim._blocks import state_rows
@@ -80,6 +80,12 @@ class _MemfitOptimizer(torch.optim.Optimizer, _format.MemfitOptimizerBase):
         # so a resumed run draws the same random bits. None: stochastic unless kahan.
         defaults.setdefault("sr_seed", 0)
         super().__init__(params, defaults)  # checks each group (add_param_group)
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        # memfit.optim's public classes register their math: the converters look up the
+        # class a state dict names there, without importing the class modules
+        _registry.register(cls)
 
     def __setstate__(self, state):
         super().__setstate__(state)

@@ -78,7 +78,7 @@ from types import MappingProxyType
 
 import torch
 
-from memfit.optim import convert as _convert
+from memfit.optim import _registry
 from memfit.optim import optimizers as _m
 from memfit.optim import trust as _trust
 from memfit.optim.convert._bitsandbytes import bnb_schedule_steps as _bnb_schedule_steps
@@ -236,7 +236,7 @@ class _BnbOptimizer:
     def state_dict(self):
         sd = super().state_dict()
         # "bnb.Adam8bit", not memfit's own Adam8bit (L2 decay): loaders decide by the math
-        sd["memfit"]["optimizer"] = _convert.record_name(self)
+        sd["memfit"]["optimizer"] = _registry.record_name(self)
         return sd
 
     def _format(self, group, p) -> int:
