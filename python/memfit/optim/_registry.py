@@ -29,7 +29,7 @@ from memfit.optim import _core
 Math = namedtuple("Math", "kind bits states")
 
 # the module whose classes are bitsandbytes' shims: their records say "bnb."
-_SHIM_MODULE = "memfit.optim.bnb"
+SHIM_MODULE = "memfit.optim.bnb"
 
 _recorded = {}  # record name -> class
 _bare = {}  # a shim's bare name -> its class (for dicts saved before records named the shim)
@@ -43,7 +43,7 @@ def record_name(optimizer) -> str:
     memfit.optim.bnb, whose ``Adam``, ``Adam8bit`` and ``AdamW`` share their names with
     memfit's own classes but not always their math (bitsandbytes' Adam decays decoupled)."""
     cls = optimizer if isinstance(optimizer, type) else type(optimizer)
-    return ("bnb." if cls.__module__ == _SHIM_MODULE else "") + cls.__name__
+    return ("bnb." if cls.__module__ == SHIM_MODULE else "") + cls.__name__
 
 
 def math_of(cls) -> Math:
