@@ -8,8 +8,7 @@ from __future__ import annotations
 
 from memfit.optim import optimizers as _m
 from memfit.optim._bnb_args import _no_amsgrad, _paged_error, _resolve, _string_betas
-from memfit.optim._bnb_overrides import _BnbOptimizer
-from memfit.optim._registry import SHIM_MODULE as _SHIM_MODULE
+from memfit.optim._bnb_overrides import _shim_class
 from memfit.optim.convert._bitsandbytes import bnb_schedule_steps as _bnb_schedule_steps
 
 
@@ -41,8 +40,7 @@ def _adam_class(name, base, fixed_bits, weight_decay_default, paged=False, has_i
            + (" (decoupled weight decay, as bitsandbytes)" if "AdamW" not in name else "")
            + (f"; always raises ValueError: {name} is paged" if paged else "")
            + ". See :mod:`memfit.optim.bnb`.")
-    return type(name, (_BnbOptimizer, base), {"__init__": __init__, "__doc__": doc,
-                                              "__module__": _SHIM_MODULE})
+    return _shim_class(name, base, __init__, doc)
 
 
 # bitsandbytes' Adam decays decoupled, as its AdamW: both on memfit's AdamW math
@@ -86,8 +84,7 @@ def _lion_class(name, fixed_bits, paged=False):
     doc = (f"bitsandbytes' ``{name}`` on ``memfit.optim.Lion8bit``'s math"
            + (f"; always raises ValueError: {name} is paged" if paged else "")
            + ". See :mod:`memfit.optim.bnb`.")
-    return type(name, (_BnbOptimizer, _m.Lion8bit), {"__init__": __init__, "__doc__": doc,
-                                                     "__module__": _SHIM_MODULE})
+    return _shim_class(name, _m.Lion8bit, __init__, doc)
 
 
 def _init_lion(self, name, params, lr, betas, weight_decay, optim_bits, args, min_8bit_size,
@@ -146,8 +143,7 @@ def _ademamix_class(name, base, fixed_bits, paged=False):
     doc = (f"bitsandbytes' ``{name}`` on ``memfit.optim.{base.__name__}``'s math"
            + (f"; always raises ValueError: {name} is paged" if paged else "")
            + ". See :mod:`memfit.optim.bnb`.")
-    return type(name, (_BnbOptimizer, base), {"__init__": __init__, "__doc__": doc,
-                                              "__module__": _SHIM_MODULE})
+    return _shim_class(name, base, __init__, doc)
 
 
 AdEMAMix = _ademamix_class("AdEMAMix", _m.AdEMAMix, None)
@@ -175,8 +171,7 @@ def _sgd_class(name, fixed_bits):
     doc = (f"bitsandbytes' ``{name}`` on ``memfit.optim.SGD8bit``'s math (torch.optim.SGD's: "
            "dampening and nesterov honoured; momentum=0, which bitsandbytes refuses, is plain "
            "SGD). See :mod:`memfit.optim.bnb`.")
-    return type(name, (_BnbOptimizer, _m.SGD8bit), {"__init__": __init__, "__doc__": doc,
-                                                    "__module__": _SHIM_MODULE})
+    return _shim_class(name, _m.SGD8bit, __init__, doc)
 
 
 def _init_sgd(self, name, params, lr, momentum, dampening, weight_decay, nesterov, optim_bits, args,
@@ -208,8 +203,7 @@ def _rmsprop_class(name, fixed_bits):
                           fixed_bits, args, min_8bit_size, percentile_clipping, block_wise)
     doc = (f"bitsandbytes' ``{name}`` on ``memfit.optim.RMSprop8bit``'s math (torch.optim.RMSprop's; "
            "centered=True is refused, as bitsandbytes does). See :mod:`memfit.optim.bnb`.")
-    return type(name, (_BnbOptimizer, _m.RMSprop8bit), {"__init__": __init__, "__doc__": doc,
-                                                        "__module__": _SHIM_MODULE})
+    return _shim_class(name, _m.RMSprop8bit, __init__, doc)
 
 
 def _init_rmsprop(self, name, params, lr, alpha, eps, weight_decay, momentum, centered, optim_bits,
@@ -247,8 +241,7 @@ def _adagrad_class(name, fixed_bits):
     doc = (f"bitsandbytes' ``{name}`` on ``memfit.optim.Adagrad8bit``'s math (torch.optim.Adagrad's: "
            "lr_decay and initial_accumulator_value, which bitsandbytes refuses unless 0, are "
            "honoured). See :mod:`memfit.optim.bnb`.")
-    return type(name, (_BnbOptimizer, _m.Adagrad8bit), {"__init__": __init__, "__doc__": doc,
-                                                        "__module__": _SHIM_MODULE})
+    return _shim_class(name, _m.Adagrad8bit, __init__, doc)
 
 
 Adagrad = _adagrad_class("Adagrad", None)

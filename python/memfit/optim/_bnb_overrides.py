@@ -1,7 +1,7 @@
 """bitsandbytes' per-parameter overrides for memfit.optim.bnb's classes: the
 ``GlobalOptimManager`` singleton, and the mixin of every shim class (``_BnbOptimizer``)
 that reads it when a parameter's state format is chosen and records the shim as the
-saver of its state dicts."""
+saver of its state dicts; ``_shim_class`` makes a shim class on that mixin."""
 
 from __future__ import annotations
 
@@ -47,6 +47,15 @@ class _BnbOptimizer:
                 "'bits': 8 (or use the 8-bit class for all and override the others to 32)")
         return _MemfitOptimizer._format(
             dict(group, bits=bits, min_8bit_size=config.get("min_8bit_size", group["min_8bit_size"])), p)
+
+
+def _shim_class(name, base, init, doc) -> type:
+    """A class of memfit.optim.bnb: ``base`` (memfit's class of the same math) with
+    bitsandbytes' constructor ``init`` and the overrides' mixin; its module is
+    memfit.optim.bnb, where users import it from (pickles and state-dict records name
+    it there)."""
+    return type(name, (_BnbOptimizer, base), {"__init__": init, "__doc__": doc,
+                                              "__module__": _registry.SHIM_MODULE})
 
 
 # -- per-parameter overrides -----------------------------------------------------------------

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 from memfit.optim import trust as _trust
 from memfit.optim._bnb_args import _no_amsgrad, _string_betas, _trust_options
-from memfit.optim._bnb_overrides import _BnbOptimizer
-from memfit.optim._registry import SHIM_MODULE as _SHIM_MODULE
+from memfit.optim._bnb_overrides import _BnbOptimizer, _shim_class
+from memfit.optim._registry import SHIM_MODULE
 
 
 def _lamb_class(name, fixed_bits):
@@ -29,8 +29,7 @@ def _lamb_class(name, fixed_bits):
                        max_unorm, fixed_bits)
     doc = (f"bitsandbytes' ``{name}`` on ``memfit.optim.LAMB8bit``'s math (the trust ratio, "
            "bias_correction and adam_w_mode applied in 8 and 32 bits). See :mod:`memfit.optim.bnb`.")
-    return type(name, (_BnbOptimizer, _trust.LAMB8bit), {"__init__": __init__, "__doc__": doc,
-                                                         "__module__": _SHIM_MODULE})
+    return _shim_class(name, _trust.LAMB8bit, __init__, doc)
 
 
 def _init_lamb(self, name, params, lr, bias_correction, betas, eps, weight_decay, amsgrad,
@@ -66,8 +65,7 @@ def _lars_class(name, fixed_bits):
     doc = (f"bitsandbytes' ``{name}`` on ``memfit.optim.LARS8bit``'s math (PytorchLARS': the "
            "trust ratio, dampening and nesterov applied in 8 and 32 bits; momentum=0 raises "
            "NotImplementedError as in bitsandbytes). See :mod:`memfit.optim.bnb`.")
-    return type(name, (_BnbOptimizer, _trust.LARS8bit), {"__init__": __init__, "__doc__": doc,
-                                                         "__module__": _SHIM_MODULE})
+    return _shim_class(name, _trust.LARS8bit, __init__, doc)
 
 
 def _init_lars(self, name, params, lr, momentum, dampening, weight_decay, nesterov, optim_bits,
@@ -93,7 +91,7 @@ class PytorchLARS(_BnbOptimizer, _trust.LARS):
     accepted: the update is the (L2-decayed) gradient, scaled by the trust ratio
     (bitsandbytes' own step fails on it). See :mod:`memfit.optim.bnb`."""
 
-    __module__ = _SHIM_MODULE  # where users import it from (pickle, the state dict's record)
+    __module__ = SHIM_MODULE  # where users import it from (pickle, the state dict's record)
 
     _needs_momentum = False
 
