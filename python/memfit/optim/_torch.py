@@ -42,7 +42,8 @@ class _MemfitOptimizer(_StepMixin, _SubsetStepMixin, _StateDictMixin, torch.opti
     (memfit.optim._torch_step), the step of a subset (_torch_subset) and state dicts
     (_torch_state_dict) are its parts, composed by this class's bases.
 
-    Subclasses set ``_kind`` and ``_bits`` and implement ``_hparams(group)``.
+    Subclasses set ``_kind`` and ``_bits`` (their math, which the public ones register
+    with memfit.optim._registry as they are made) and implement ``_hparams(group)``.
 
     Per-parameter state (``optimizer.state[p]``):
         ``step``: float32 tensor of shape () on p's device (steps taken; torch's format).
