@@ -12,10 +12,6 @@ this runs in well under a second and needs neither torch nor memfit._C):
   import name`` of a package's attribute is. Calls of ``importlib.import_module`` with
   a computed name (the packages' lazy ``__getattr__``) cannot be read and do not count.
 * no Python file over 700 lines (docs: one capability per file, readable on its own).
-
-Each check has a temporary exception set for the optimizer package, which another
-change is splitting at the same time (issue 42); both sets are self-checking: an entry
-that no longer matches the tree fails the test, so they empty as the work lands.
 """
 
 from __future__ import annotations
@@ -29,25 +25,6 @@ MAX_LINES = 700
 # compiled modules: imports resolve to them (``from memfit import _C`` is not an import
 # of the package memfit), and they import nothing of memfit's
 EXTENSIONS = frozenset({"memfit._C"})
-
-# Import circles inside memfit.optim that exist until the optimizer-package split of
-# issue 42 (the class registry) lands: each entry is one strongly connected component
-# of the import graph, exactly as it stands. The lead empties this set when merging
-# that work; until then the test fails on any other circle, on a component that grew
-# or shrank, and on an entry that no longer exists.
-_PENDING_OPTIM_CYCLES: frozenset = frozenset({
-    frozenset({
-        "memfit.optim._torch", "memfit.optim.bnb", "memfit.optim.convert",
-        "memfit.optim.convert._bitsandbytes", "memfit.optim.convert._memfit",
-        "memfit.optim.convert._torch_optim", "memfit.optim.muon", "memfit.optim.optimizers",
-        "memfit.optim.trust",
-    }),
-})
-
-# Files over MAX_LINES until the optimizer-package split of issue 42 lands (path
-# relative to python/memfit): the test fails if one is no longer over the limit.
-_PENDING_OPTIM_LONG_FILES: frozenset = frozenset({"optim/bnb.py"})
-
 
 def module_name(path: Path) -> str:
     parts = ("memfit",) + path.relative_to(ROOT).with_suffix("").parts
@@ -212,30 +189,18 @@ def test_the_walk_sees_every_kind_of_import(tmp_path, monkeypatch):
         "memfit.sub", "memfit.sub.d", "memfit.sub"]
 
 
-def test_the_pending_exceptions_are_only_optim():
-    for component in _PENDING_OPTIM_CYCLES:
-        assert all(m.startswith("memfit.optim.") for m in component), sorted(component)
-    assert all(p.startswith("optim/") for p in _PENDING_OPTIM_LONG_FILES)
-
-
 # ---- the checks ---------------------------------------------------------------------------
 
 def test_no_import_circles():
     graph = import_graph()
     assert len(graph) > 50 and "memfit.optim._torch" in graph  # the walk found the package
     components = strongly_connected(graph)
-    new = [describe(graph, c) for c in components if c not in _PENDING_OPTIM_CYCLES]
-    gone = [sorted(c) for c in _PENDING_OPTIM_CYCLES if c not in components]
-    assert not new, "import circles in python/memfit:\n" + "\n".join(new)
-    assert not gone, ("_PENDING_OPTIM_CYCLES names circles that no longer exist as listed "
-                      f"(remove them, or update them to what is left): {gone}")
+    assert not components, "import circles in python/memfit:\n" + "\n".join(
+        describe(graph, c) for c in components)
 
 
 def test_no_file_over_700_lines():
     lengths = {p.relative_to(ROOT).as_posix(): len(p.read_text(encoding="utf-8").splitlines())
                for p in ROOT.rglob("*.py")}
     long_files = {p: n for p, n in lengths.items() if n > MAX_LINES}
-    new = {p: n for p, n in long_files.items() if p not in _PENDING_OPTIM_LONG_FILES}
-    gone = sorted(p for p in _PENDING_OPTIM_LONG_FILES if p not in long_files)
-    assert not new, f"Python files over {MAX_LINES} lines (split them by capability): {new}"
-    assert not gone, f"_PENDING_OPTIM_LONG_FILES names files no longer over {MAX_LINES} lines: {gone}"
+    assert not long_files, f"Python files over {MAX_LINES} lines (split them by capability): {long_files}"

@@ -49,6 +49,7 @@ __all__ = [
     "to_torch_state_dict",
 ]
 
+from memfit.optim import _registry
 
 _TORCH_NAMES = {
     "Adagrad": "optimizers", "Adagrad8bit": "optimizers",
@@ -60,6 +61,19 @@ _TORCH_NAMES = {
     "LAMB": "trust", "LAMB8bit": "trust", "LARS": "trust", "LARS8bit": "trust",
     "to_torch_state_dict": "convert", "CPUOffloadOptimizer": "offload",
 }
+
+
+def _import_classes() -> None:
+    """Imports every module that defines optimizer classes; each class registers itself
+    as it is made (memfit.optim._registry). The registry calls this once, the first time
+    a state dict names a class it has not seen (a ``bnb.AdamW8bit`` checkpoint loaded
+    into ``memfit.optim.AdamW8bit`` before memfit.optim.bnb was imported): importing
+    memfit.optim itself stays free of torch (memfit.optim.functional needs none)."""
+    from memfit.optim import bnb, muon, optimizers, trust  # noqa: F401 (they register)
+
+
+# this package is imported before any of its modules: the registry can always fill itself
+_registry.set_loader(_import_classes)
 
 
 def __getattr__(name):

@@ -46,7 +46,7 @@ from memfit.optim.convert._bitsandbytes import (
 from memfit.optim.convert._refusals import _check_optimizer
 from memfit.optim.convert._refusals import check_state_ids  # noqa: F401 (memfit.optim._torch's)
 from memfit.optim.convert._memfit import _same_math, upgrade_v1
-from memfit.optim.convert._memfit import record_name  # noqa: F401 (memfit.optim.bnb's)
+from memfit.optim._registry import record_name  # noqa: F401 (its old home)
 from memfit.optim.convert._torch_optim import from_torch, to_torch_state_dict
 
 __all__ = ["from_bitsandbytes", "from_torch", "to_current", "to_torch_state_dict", "upgrade_v1"]

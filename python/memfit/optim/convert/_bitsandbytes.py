@@ -12,7 +12,7 @@ import torch
 
 from memfit.optim import _blocks, _core
 from memfit.optim.convert._refusals import _check_optimizer, _name, _places, _refuse, _tensor_problem, _where
-from memfit.optim.convert._torch_optim import _from_floats
+from memfit.optim.convert._floats import _from_floats
 
 _BNB_STATE_KEYS = {"state1", "state2", "absmax1", "absmax2", "qmap1", "qmap2", "step",
                    "gnorm_vec", "unorm_vec"}

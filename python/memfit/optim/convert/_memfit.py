@@ -1,6 +1,7 @@
-"""memfit's own state dicts: which class saved one (``record_name``), whether it does the
-same math as the loading optimizer (``_same_math``: a memfit.optim.bnb shim's, Adam into
-AdamW without weight decay, LAMB/LARS into AdamW/Adam/SGD at plain values), format 1's
+"""memfit's own state dicts: whether the class that saved one (found by its record in
+memfit.optim._registry, never by importing the class modules) does the same math as the
+loading optimizer (``_same_math``: a memfit.optim.bnb shim's, Adam into AdamW without
+weight decay, LAMB/LARS into AdamW/Adam/SGD at plain values), format 1's
 upgrade (``upgrade_v1``), and the memfit state built from float32 values that every
 conversion ends with (``_memfit_state``, ``_result``)."""
 
@@ -10,34 +11,11 @@ import math
 
 import torch
 
-from memfit.optim import _blocks, _core, _format
+from memfit.optim import _blocks, _core, _format, _registry
+from memfit.optim._registry import record_name
 from memfit.optim.convert._refusals import (
     _KIND_MATH, _check_optimizer, _checked_group, _decay_refusal, _float_state, _name, _places,
     _refuse, _tensor_problem, _unsigned_names, _where)
-
-def record_name(optimizer) -> str:
-    """The name under which ``state_dict()`` records the class of ``optimizer`` (an
-    optimizer or its class): the class name, ``bnb.``-prefixed for the classes of
-    memfit.optim.bnb, whose ``Adam``, ``Adam8bit`` and ``AdamW`` share their names with
-    memfit's own classes but not always their math (bitsandbytes' Adam decays decoupled)."""
-    cls = optimizer if isinstance(optimizer, type) else type(optimizer)
-    return ("bnb." if cls.__module__ == "memfit.optim.bnb" else "") + cls.__name__
-
-
-def _saver_classes() -> dict:
-    """{recorded name: class} of every class that can have saved a memfit state dict:
-    memfit.optim's, and memfit.optim.bnb's under their record_name and, for dicts they
-    saved before it was recorded, under their bare name where memfit.optim has none."""
-    # here: these import _torch, which imports this module
-    from memfit.optim import bnb, muon, optimizers
-    out = {n: getattr(optimizers, n) for n in optimizers.__all__}
-    out.update((n, getattr(muon, n)) for n in ("Muon", "Muon8bit"))
-    for n in bnb.__all__:
-        cls = getattr(bnb, n)
-        if isinstance(cls, type) and issubclass(cls, _format.MemfitOptimizerBase):
-            out[record_name(cls)] = cls
-            out.setdefault(n, cls)
-    return out
 
 
 def _qualified(saver) -> str:
@@ -55,28 +33,29 @@ def _same_math(optimizer, state_dict):
         return state_dict
     name = _name(optimizer)
     if saver != record_name(optimizer):
-        cls = _saver_classes().get(saver) if isinstance(saver, str) else None
+        cls = _registry.saver_class(saver)
         if cls is None:
             raise _refuse(optimizer, f"the state dict was saved by {_qualified(saver)}, which is not a "
                                      f"memfit optimizer class; load a state dict saved by {name} or "
                                      "by a memfit class of the same math")
         saved_groups = state_dict["param_groups"]
         adam = {_core.ADAM, _core.ADAMW}
-        if cls._kind != optimizer._kind and not {cls._kind, optimizer._kind} <= adam:
+        saved_kind = _registry.math_of(cls).kind
+        if saved_kind != optimizer._kind and not {saved_kind, optimizer._kind} <= adam:
             raise _refuse(optimizer, f"the state dict was saved by {_qualified(saver)}, which does "
-                                     f"{_KIND_MATH[cls._kind]}, and {name} does "
+                                     f"{_KIND_MATH[saved_kind]}, and {name} does "
                                      f"{_KIND_MATH[optimizer._kind]}")
-        if {cls._kind, optimizer._kind} <= adam:
+        if {saved_kind, optimizer._kind} <= adam:
             # Adam and AdamW agree without decay; per group, as LAMB's adam_w_mode chooses
             # (the saved one where the group has it: the loaded group keeps it)
             for gi, sg in enumerate(saved_groups):
-                saved_kind = ((_core.ADAMW if sg["adam_w_mode"] else _core.ADAM)
-                              if "adam_w_mode" in sg else cls._kind)
+                group_kind = ((_core.ADAMW if sg["adam_w_mode"] else _core.ADAM)
+                              if "adam_w_mode" in sg else saved_kind)
                 kind = optimizer._group_kind(sg)
-                if saved_kind != kind and sg.get("weight_decay"):
-                    raise _decay_refusal(optimizer, f"param_groups[{gi}]", saved_kind == _core.ADAMW,
+                if group_kind != kind and sg.get("weight_decay"):
+                    raise _decay_refusal(optimizer, f"param_groups[{gi}]", group_kind == _core.ADAMW,
                                          _qualified(saver), kind)
-        if cls._kind != optimizer._kind:
+        if saved_kind != optimizer._kind:
             # ... and then the saved flag of the decay's meaning becomes this class's (LAMB
             # keeps none: its adam_w_mode says it)
             fixed = {k: v for k, v, _ in optimizer._fixed_options if k == "decoupled_weight_decay"}
