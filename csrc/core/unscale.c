@@ -67,17 +67,26 @@ static mf_status check_scalar(const mf_tensor *s, const char *name, const mf_ten
 #define ON_CUDA(what, stream, call) ((void)(stream), mf_error_no_cuda(what))
 #endif
 
+/* Threads for a pass over `elems` elements: one below ~64K elements (a parallel
+ * region costs more than the work). */
+static int threads_for(int64_t elems) { return elems < 65536 ? 1 : mf_get_num_threads(); }
+
 /* The chunks (work items of MF_MT_CHUNK elements, multi_tensor.h) of all tensors:
- * `starts` holds each tensor's first chunk (n + 1 entries). */
+ * `starts` holds each tensor's first chunk (n + 1 entries); `threads` is the thread
+ * count for a pass over all of them (threads_for). */
 typedef struct {
   int64_t *starts;
   int64_t total;
+  int threads;
 } chunk_table;
 
 static mf_status chunk_table_make(const mf_tensor *t, int64_t n, chunk_table *ct) {
   ct->starts = (int64_t *)malloc((size_t)(n + 1) * sizeof(int64_t));
   if (!ct->starts) return mf_error(MF_ERR_NOMEM, "grads: out of host memory");
   ct->total = mf_mt_prefix(n > 0 ? &t[0].numel : NULL, sizeof *t, NULL, n, MF_MT_CHUNK, ct->starts);
+  int64_t elems = 0;
+  for (int64_t i = 0; i < n; i++) elems += t[i].numel;
+  ct->threads = threads_for(elems);
   return MF_OK;
 }
 
@@ -90,10 +99,6 @@ static void chunk_locate(const chunk_table *ct, int64_t n, int64_t c, const mf_t
   int64_t rest = t[i].numel - *first;
   *len = rest < MF_MT_CHUNK ? rest : MF_MT_CHUNK;
 }
-
-/* Threads for a pass over `elems` elements: one below ~64K elements (a parallel
- * region costs more than the work). */
-static int threads_for(int64_t elems) { return elems < 65536 ? 1 : mf_get_num_threads(); }
 
 /* ---- unscale + non-finite check --------------------------------------------------- */
 
@@ -147,10 +152,8 @@ static mf_status unscale_cpu(mf_tensor *g, int64_t n, float inv, int write, int 
   chunk_table ct;
   mf_status st = chunk_table_make(g, n, &ct);
   if (st) return st;
-  int64_t elems = 0;
-  for (int64_t i = 0; i < n; i++) elems += g[i].numel;
   uint32_t bad = 0;
-#pragma omp parallel for schedule(static) reduction(| : bad) num_threads(threads_for(elems))
+#pragma omp parallel for schedule(static) reduction(| : bad) num_threads(ct.threads)
   for (int64_t c = 0; c < ct.total; c++) {
     int64_t ti, first, len;
     chunk_locate(&ct, n, c, g, &ti, &first, &len);
@@ -193,35 +196,30 @@ enum { NORM_L2 = 0, NORM_L1 = 1, NORM_INF = 2, NORM_P = 3 };
  * short enough that float accumulation loses nothing that matters), each block's sum
  * added into a double. */
 #define MF_NORM_BLOCK 1024
-MF_VEC_CLONES static double sum_sq_f32(const float *restrict x, int64_t n) {
+/* The one loop of both sums; `square` is a constant at each call, so after inlining
+ * each caller (and each of its target clones) is the loop of its own operation. */
+static inline __attribute__((always_inline)) double sum_f32(const float *restrict x, int64_t n,
+                                                            int square) {
   double total = 0.0;
   int64_t i = 0;
   for (; i + MF_NORM_BLOCK <= n; i += MF_NORM_BLOCK) {
     float lane[16] = {0};
     for (int64_t j = 0; j < MF_NORM_BLOCK; j += 16)
-      for (int k = 0; k < 16; k++) lane[k] += x[i + j + k] * x[i + j + k];
+      for (int k = 0; k < 16; k++) {
+        const float v = x[i + j + k];
+        lane[k] += square ? v * v : fabsf(v);
+      }
     float s = 0.0f;
     for (int k = 0; k < 16; k++) s += lane[k];
     total += s;
   }
-  for (; i < n; i++) total += (double)x[i] * x[i];
+  for (; i < n; i++) total += square ? (double)x[i] * x[i] : fabs((double)x[i]);
   return total;
 }
 
-MF_VEC_CLONES static double sum_abs_f32(const float *restrict x, int64_t n) {
-  double total = 0.0;
-  int64_t i = 0;
-  for (; i + MF_NORM_BLOCK <= n; i += MF_NORM_BLOCK) {
-    float lane[16] = {0};
-    for (int64_t j = 0; j < MF_NORM_BLOCK; j += 16)
-      for (int k = 0; k < 16; k++) lane[k] += fabsf(x[i + j + k]);
-    float s = 0.0f;
-    for (int k = 0; k < 16; k++) s += lane[k];
-    total += s;
-  }
-  for (; i < n; i++) total += fabs((double)x[i]);
-  return total;
-}
+MF_VEC_CLONES static double sum_sq_f32(const float *restrict x, int64_t n) { return sum_f32(x, n, 1); }
+
+MF_VEC_CLONES static double sum_abs_f32(const float *restrict x, int64_t n) { return sum_f32(x, n, 0); }
 
 /* max |x| as a double: the integer max of the magnitude bits orders like the floats,
  * and NaN sorts above inf, so NaN propagates. */
@@ -281,9 +279,7 @@ static mf_status grad_norm_cpu(const mf_tensor *g, int64_t n, double norm_type, 
     return mf_error(MF_ERR_NOMEM, "grad_norm: out of host memory");
   }
   const int kind = norm_kind(norm_type);
-  int64_t elems = 0;
-  for (int64_t i = 0; i < n; i++) elems += g[i].numel;
-#pragma omp parallel for schedule(static) num_threads(threads_for(elems))
+#pragma omp parallel for schedule(static) num_threads(ct.threads)
   for (int64_t c = 0; c < ct.total; c++) {
     int64_t ti, first, len;
     chunk_locate(&ct, n, c, g, &ti, &first, &len);
@@ -352,9 +348,7 @@ mf_status mf_clip_grads(mf_tensor *grads, int64_t n, const mf_tensor *norm, floa
   if (coef == 1.0f) return MF_OK; /* x * 1 is x: nothing to write */
   chunk_table ct;
   if ((st = chunk_table_make(grads, n, &ct))) return st;
-  int64_t elems = 0;
-  for (int64_t i = 0; i < n; i++) elems += grads[i].numel;
-#pragma omp parallel for schedule(static) num_threads(threads_for(elems))
+#pragma omp parallel for schedule(static) num_threads(ct.threads)
   for (int64_t c = 0; c < ct.total; c++) {
     int64_t ti, first, len;
     chunk_locate(&ct, n, c, grads, &ti, &first, &len);

@@ -80,20 +80,71 @@ static int check_len(Py_ssize_t got, Py_ssize_t want, const char *name) {
   return 0;
 }
 
+/* The per-stage lists every planner call but plan_sqrt takes, as malloc'ed C arrays
+ * (stages_free releases them). */
+typedef struct {
+  int64_t *in, *saved;
+  double *cost; /* null where the call got None for forward_cost */
+  Py_ssize_t n;
+} stages;
+
+/* input_bytes, saved_bytes and forward_cost (None only where none_ok) into s, their
+ * lengths checked against input_bytes'. Returns 0, or -1 with an exception naming the
+ * bad argument; s is stages_free'd by the caller either way. */
+static int stages_parse(stages *s, PyObject *in_obj, PyObject *saved_obj, PyObject *cost_obj,
+                        int none_ok) {
+  Py_ssize_t n2, n3;
+  if (int64_list(in_obj, "input_bytes", &s->in, &s->n) < 0) return -1;
+  if (int64_list(saved_obj, "saved_bytes", &s->saved, &n2) < 0) return -1;
+  if (check_len(n2, s->n, "saved_bytes") < 0) return -1;
+  if (none_ok && cost_obj == Py_None) return 0;
+  if (double_list(cost_obj, "forward_cost", &s->cost, &n3) < 0) return -1;
+  return check_len(n3, s->n, "forward_cost");
+}
+
+static void stages_free(stages *s) {
+  free(s->in);
+  free(s->saved);
+  free(s->cost);
+}
+
+/* A plan's segments as the C API writes them: segment j ends (exclusive) at end[j] and
+ * is checkpointed where ckpt[j]. */
+typedef struct {
+  int64_t *end;
+  uint8_t *ckpt;
+} segments;
+
+/* Room for n segments (at least one). Returns 0, or -1 with MemoryError; s is
+ * segments_free'd by the caller either way. */
+static int segments_alloc(segments *s, Py_ssize_t n) {
+  const size_t m = (size_t)(n > 0 ? n : 1);
+  s->end = malloc(sizeof(int64_t) * m);
+  s->ckpt = malloc(m);
+  if (s->end && s->ckpt) return 0;
+  PyErr_NoMemory();
+  return -1;
+}
+
+static void segments_free(segments *s) {
+  free(s->end);
+  free(s->ckpt);
+}
+
 /* [(start, end, checkpointed), ...] */
-static PyObject *segments_to_list(int64_t ns, const int64_t *seg_end, const uint8_t *seg_ckpt) {
+static PyObject *segments_to_list(int64_t ns, const segments *sg) {
   PyObject *list = PyList_New((Py_ssize_t)ns);
   if (!list) return NULL;
   int64_t start = 0;
   for (int64_t j = 0; j < ns; j++) {
-    PyObject *t = Py_BuildValue("(LLO)", (long long)start, (long long)seg_end[j],
-                                seg_ckpt[j] ? Py_True : Py_False);
+    PyObject *t = Py_BuildValue("(LLO)", (long long)start, (long long)sg->end[j],
+                                sg->ckpt[j] ? Py_True : Py_False);
     if (!t) {
       Py_DECREF(list);
       return NULL;
     }
     PyList_SET_ITEM(list, (Py_ssize_t)j, t); /* steals t */
-    start = seg_end[j];
+    start = sg->end[j];
   }
   return list;
 }
@@ -104,43 +155,30 @@ static PyObject *py_plan_budget(PyObject *self, PyObject *args) {
   (void)self;
   PyObject *in_obj, *saved_obj, *cost_obj, *result = NULL;
   long long budget, max_slots = 0;
-  int64_t *in = NULL, *saved = NULL, *seg_end = NULL;
-  double *cost = NULL;
-  uint8_t *seg_ckpt = NULL;
-  Py_ssize_t n, n2, n3;
+  stages s = {0};
+  segments sg = {0};
   if (!PyArg_ParseTuple(args, "OOOL|L:plan_budget", &in_obj, &saved_obj, &cost_obj, &budget,
                         &max_slots))
     return NULL;
-  if (int64_list(in_obj, "input_bytes", &in, &n) < 0) goto finish;
-  if (int64_list(saved_obj, "saved_bytes", &saved, &n2) < 0) goto finish;
-  if (double_list(cost_obj, "forward_cost", &cost, &n3) < 0) goto finish;
-  if (check_len(n2, n, "saved_bytes") < 0 || check_len(n3, n, "forward_cost") < 0) goto finish;
-  seg_end = malloc(sizeof(int64_t) * (size_t)(n > 0 ? n : 1));
-  seg_ckpt = malloc((size_t)(n > 0 ? n : 1));
-  if (!seg_end || !seg_ckpt) {
-    PyErr_NoMemory();
+  if (stages_parse(&s, in_obj, saved_obj, cost_obj, 0) < 0 || segments_alloc(&sg, s.n) < 0)
     goto finish;
-  }
   mf_plan_info info;
   mf_status st;
   Py_BEGIN_ALLOW_THREADS
-  st = mf_plan_budget((int64_t)n, in, saved, cost, (int64_t)budget, (int64_t)max_slots,
-                      seg_end, seg_ckpt, &info);
+  st = mf_plan_budget((int64_t)s.n, s.in, s.saved, s.cost, (int64_t)budget, (int64_t)max_slots,
+                      sg.end, sg.ckpt, &info);
   Py_END_ALLOW_THREADS
   if (st) {
     mf_py_raise(st);
     goto finish;
   }
-  PyObject *segs = segments_to_list(info.n_segments, seg_end, seg_ckpt);
-  if (!segs) goto finish;
-  result = Py_BuildValue("(NLdLO)", segs, (long long)info.memory_bytes, info.recompute_cost,
-                         (long long)info.unit_bytes, info.exact ? Py_True : Py_False);
+  PyObject *segs = segments_to_list(info.n_segments, &sg);
+  if (segs)
+    result = Py_BuildValue("(NLdLO)", segs, (long long)info.memory_bytes, info.recompute_cost,
+                           (long long)info.unit_bytes, info.exact ? Py_True : Py_False);
 finish:
-  free(in);
-  free(saved);
-  free(cost);
-  free(seg_end);
-  free(seg_ckpt);
+  stages_free(&s);
+  segments_free(&sg);
   return result;
 }
 
@@ -148,24 +186,17 @@ finish:
 static PyObject *py_plan_min_budget(PyObject *self, PyObject *args) {
   (void)self;
   PyObject *in_obj, *saved_obj, *result = NULL;
-  int64_t *in = NULL, *saved = NULL, out = 0;
-  Py_ssize_t n, n2;
+  stages s = {0};
+  int64_t out = 0;
   if (!PyArg_ParseTuple(args, "OO:plan_min_budget", &in_obj, &saved_obj)) return NULL;
-  if (int64_list(in_obj, "input_bytes", &in, &n) < 0) goto finish;
-  if (int64_list(saved_obj, "saved_bytes", &saved, &n2) < 0) goto finish;
-  if (check_len(n2, n, "saved_bytes") < 0) goto finish;
-  mf_status st;
-  Py_BEGIN_ALLOW_THREADS
-  st = mf_plan_min_budget((int64_t)n, in, saved, &out);
-  Py_END_ALLOW_THREADS
-  if (st) {
-    mf_py_raise(st);
-    goto finish;
+  if (stages_parse(&s, in_obj, saved_obj, Py_None, 1) == 0) {
+    mf_status st;
+    Py_BEGIN_ALLOW_THREADS
+    st = mf_plan_min_budget((int64_t)s.n, s.in, s.saved, &out);
+    Py_END_ALLOW_THREADS
+    result = st ? mf_py_raise(st) : PyLong_FromLongLong((long long)out);
   }
-  result = PyLong_FromLongLong((long long)out);
-finish:
-  free(in);
-  free(saved);
+  stages_free(&s);
   return result;
 }
 
@@ -178,23 +209,14 @@ static PyObject *py_plan_sqrt(PyObject *self, PyObject *arg) {
     mf_error(MF_ERR_VALUE, "n: the chain needs at least one stage, got %lld", n);
     return mf_py_raise(MF_ERR_VALUE);
   }
-  int64_t *seg_end = malloc(sizeof(int64_t) * (size_t)n);
-  uint8_t *seg_ckpt = malloc((size_t)n);
+  segments sg = {0};
   PyObject *result = NULL;
   int64_t ns = 0;
-  if (!seg_end || !seg_ckpt) {
-    PyErr_NoMemory();
-    goto finish;
+  if (segments_alloc(&sg, (Py_ssize_t)n) == 0) {
+    mf_status st = mf_plan_sqrt((int64_t)n, sg.end, sg.ckpt, &ns);
+    result = st ? mf_py_raise(st) : segments_to_list(ns, &sg);
   }
-  mf_status st = mf_plan_sqrt((int64_t)n, seg_end, seg_ckpt, &ns);
-  if (st) {
-    mf_py_raise(st);
-    goto finish;
-  }
-  result = segments_to_list(ns, seg_end, seg_ckpt);
-finish:
-  free(seg_end);
-  free(seg_ckpt);
+  segments_free(&sg);
   return result;
 }
 
@@ -203,66 +225,46 @@ finish:
 static PyObject *py_plan_evaluate(PyObject *self, PyObject *args) {
   (void)self;
   PyObject *in_obj, *saved_obj, *cost_obj, *segs_obj, *result = NULL, *seq = NULL;
-  int64_t *in = NULL, *saved = NULL, *seg_end = NULL;
-  double *cost = NULL;
-  uint8_t *seg_ckpt = NULL;
-  Py_ssize_t n, n2, n3;
+  stages s = {0};
+  segments sg = {0};
   if (!PyArg_ParseTuple(args, "OOOO:plan_evaluate", &in_obj, &saved_obj, &cost_obj, &segs_obj))
     return NULL;
-  if (int64_list(in_obj, "input_bytes", &in, &n) < 0) goto finish;
-  if (int64_list(saved_obj, "saved_bytes", &saved, &n2) < 0) goto finish;
-  if (check_len(n2, n, "saved_bytes") < 0) goto finish;
-  if (cost_obj != Py_None) {
-    if (double_list(cost_obj, "forward_cost", &cost, &n3) < 0) goto finish;
-    if (check_len(n3, n, "forward_cost") < 0) goto finish;
-  }
+  if (stages_parse(&s, in_obj, saved_obj, cost_obj, 1) < 0) goto finish;
   seq = PySequence_Fast(segs_obj, "segments: expected a sequence of (start, end, checkpointed)");
   if (!seq) goto finish;
   Py_ssize_t ns = PySequence_Fast_GET_SIZE(seq);
-  seg_end = malloc(sizeof(int64_t) * (size_t)(ns > 0 ? ns : 1));
-  seg_ckpt = malloc((size_t)(ns > 0 ? ns : 1));
-  if (!seg_end || !seg_ckpt) {
-    PyErr_NoMemory();
-    goto finish;
-  }
+  if (segments_alloc(&sg, ns) < 0) goto finish;
   int64_t expect_start = 0;
   for (Py_ssize_t j = 0; j < ns; j++) {
     PyObject *item = PySequence_Fast_GET_ITEM(seq, j);
-    long long s, e;
+    long long b, e;
     int c;
-    if (!PyTuple_Check(item) || !PyArg_ParseTuple(item, "LLp", &s, &e, &c)) {
+    if (!PyTuple_Check(item) || !PyArg_ParseTuple(item, "LLp", &b, &e, &c)) {
       PyErr_Clear();
       PyErr_Format(mf_py_TypeError,
                    "segments[%zd]: expected a tuple (start, end, checkpointed)", j);
       goto finish;
     }
-    if (s != expect_start) {
+    if (b != expect_start) {
       PyErr_Format(mf_py_ValueError,
                    "segments[%zd]: starts at %lld, expected %lld (segments must be "
                    "contiguous, in order, from 0)",
-                   j, s, (long long)expect_start);
+                   j, b, (long long)expect_start);
       goto finish;
     }
-    seg_end[j] = (int64_t)e;
-    seg_ckpt[j] = (uint8_t)c;
+    sg.end[j] = (int64_t)e;
+    sg.ckpt[j] = (uint8_t)c;
     expect_start = (int64_t)e;
   }
   int64_t mem = 0;
   double rc = 0.0;
-  mf_status st = mf_plan_evaluate((int64_t)n, in, saved, cost, (int64_t)ns, seg_end, seg_ckpt,
-                                  &mem, &rc);
-  if (st) {
-    mf_py_raise(st);
-    goto finish;
-  }
-  result = Py_BuildValue("(Ld)", (long long)mem, rc);
+  mf_status st = mf_plan_evaluate((int64_t)s.n, s.in, s.saved, s.cost, (int64_t)ns, sg.end,
+                                  sg.ckpt, &mem, &rc);
+  result = st ? mf_py_raise(st) : Py_BuildValue("(Ld)", (long long)mem, rc);
 finish:
   Py_XDECREF(seq);
-  free(in);
-  free(saved);
-  free(cost);
-  free(seg_end);
-  free(seg_ckpt);
+  stages_free(&s);
+  segments_free(&sg);
   return result;
 }
 
