@@ -201,14 +201,15 @@ static mf_status enqueue(mf_host_queue *q, job *j, int64_t *seq) {
     free(j);
     return mf_error(MF_ERR_VALUE, "host queue: stopped; it takes no more jobs");
   }
-  j->seq = ++q->submitted;
+  const int64_t number = j->seq = ++q->submitted;
   j->next = NULL;
   if (q->tail) q->tail->next = j;
   else q->head = j;
   q->tail = j;
   pthread_cond_signal(&q->work);
   pthread_mutex_unlock(&q->mu);
-  if (seq) *seq = j->seq;
+  /* not j->seq: once the lock is released the queue thread may have run and freed j */
+  if (seq) *seq = number;
   return MF_OK;
 }
 
