@@ -90,12 +90,12 @@ def step_ms(dtype, kw, n, reps):
     return (time.perf_counter() - t0) / reps * 1e3
 
 
-def child(steps: int, inner: int) -> dict:
+def child(steps: int, inner: int, sets) -> dict:
     """In a process with MEMFIT_CPU_ISA set: {set: {rounding: core-ns per param}}."""
     memfit.set_num_threads(1)
     torch.set_num_threads(1)
     fns, numel = {}, {}
-    for name, dtype, roundings in RUNS:
+    for name, dtype, roundings in [r for r in RUNS if r[0] in sets]:
         label = run_label(name, dtype)
         for rounding in roundings:
             opt, numel[label] = make_opt(SETS[name], dtype, ROUNDING_KW[rounding])
@@ -103,7 +103,7 @@ def child(steps: int, inner: int) -> dict:
     keys = list(fns)
     med = interleaved_medians({i: fns[k] for i, k in enumerate(keys)}, inner, "cpu", warmup=1,
                               clock="cpu")
-    out = {run_label(name, dtype): {} for name, dtype, _ in RUNS}
+    out = {run_label(name, dtype): {} for name, dtype, _ in RUNS if name in sets}
     for i, (label, rounding) in enumerate(keys):
         out[label][rounding] = med[i] / steps / numel[label] * 1e9
     return {"kernel": memfit.cpu_kernels() if hasattr(memfit, "cpu_kernels") else None, "ns": out}
@@ -113,16 +113,17 @@ def run_label(name: str, dtype) -> str:
     return name if dtype == torch.bfloat16 else f"{name} {str(dtype).replace('torch.', '')}"
 
 
-def run_child(isa: str, pythonpath: str | None, steps: int, inner: int) -> dict:
+def run_child(isa: str, pythonpath: str | None, steps: int, inner: int, sets) -> dict:
     env = dict(os.environ, MEMFIT_CPU_ISA=isa, OMP_NUM_THREADS="1")
     if pythonpath:
         env["PYTHONPATH"] = pythonpath
     r = subprocess.run([sys.executable, os.path.abspath(__file__), "--child", "--steps", str(steps),
-                        "--inner", str(inner)], env=env, capture_output=True, text=True, check=True)
+                        "--inner", str(inner), "--sets", ",".join(sets)], env=env,
+                       capture_output=True, text=True, check=True)
     return json.loads(r.stdout.strip().splitlines()[-1])
 
 
-def sr_table(isas, rounds, steps, inner, against):
+def sr_table(isas, rounds, steps, inner, against, sets):
     builds = {"this": None}
     if against:
         builds["against"] = against
@@ -130,7 +131,7 @@ def sr_table(isas, rounds, steps, inner, against):
     for _ in range(rounds):
         for isa in isas:
             for b, path in builds.items():
-                runs[(b, isa)].append(run_child(isa, path, steps, inner))
+                runs[(b, isa)].append(run_child(isa, path, steps, inner, sets))
     rows, result = [], {}
     for (b, isa), rs in runs.items():
         for name in rs[0]["ns"]:
@@ -163,10 +164,15 @@ def main(argv=None):
     ap.add_argument("--against-python", default=None,
                     help="PYTHONPATH of another memfit build to alternate with (table 2)")
     ap.add_argument("--skip-dtypes", action="store_true", help="only table 2")
+    ap.add_argument("--sets", default=",".join(SETS), help=f"table 2's sets, of: {', '.join(SETS)}")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
+    sets = [x for x in args.sets.split(",") if x]
+    unknown = sorted(set(sets) - set(SETS))
+    if unknown:
+        ap.error(f"--sets: unknown {unknown}; known: {list(SETS)}")
     if args.child:
-        print(json.dumps(child(args.steps, args.inner)))
+        print(json.dumps(child(args.steps, args.inner, sets)))
         return
     payload = {"meta": metadata("cpu"), "numel": args.numel, "reps": args.reps}
     if not args.skip_dtypes:
@@ -181,7 +187,7 @@ def main(argv=None):
         print(f"\nbf16 AdamW8bit, 1 thread, core-ns per parameter (process time), median of "
               f"{args.inner} interleaved turns x {args.rounds} process(es)")
         payload["sr_over_nearest"] = sr_table(isas, args.rounds, args.steps, args.inner,
-                                              args.against_python)
+                                              args.against_python, sets)
     path = write_json("bench_param_store", payload)
     print(f"wrote {path}")
 
