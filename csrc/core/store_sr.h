@@ -9,7 +9,7 @@
  * change) is two 64-bit multiplies. AVX2 and SSE2 have no 64-bit multiply: GCC's vector
  * form of the loop spent three vpmuludq, shifts and adds on each, and more again
  * packing 64-bit lanes into 16-bit outputs, so the stochastic-rounding step cost
- * 1.7-1.8x the nearest-even one on AVX2 and 1.4-1.7x on the generic kernel (AVX-512 has
+ * 1.7-1.9x the nearest-even one on AVX2 and 1.4-2.0x on the generic kernel (AVX-512 has
  * vpmullq and GCC's loop meets issue 40's 1.3x there; benchmarks/RESULTS.md,
  * "Stochastic-rounding store per kernel variant"). What the hand-written form uses:
  *  - bf16 compares only bits 0..15 of the hash (mf_f32_to_bf16_sr), and those are
