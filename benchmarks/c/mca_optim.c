@@ -155,3 +155,26 @@ MCA_LOOP(mca_search_tree4_avx2, MF_TARGET_AVX2, "search_tree4_avx2 elems=8 isa=a
 STORES(generic, , 8)
 STORES(avx2, MF_TARGET_AVX2, 16)
 STORES(avx512, MF_TARGET_AVX512, 32)
+
+/* The bf16 stochastic-rounding stores that the generic (SSE2) and AVX2 kernels ship
+ * (csrc/core/store_sr.h, whose loops carry the markers: regions
+ * store_bf16_sr_sse2_hand, store_bf16_sr_avx2_hand); GCC's form of the scalar loop
+ * above (store_bf16_sr_*) is what AVX-512 ships and what the other two did before. */
+__attribute__((noinline)) void mca_store_bf16_sr_sse2_hand(const float *restrict v, int64_t n, uint64_t z0,
+                                                           uint16_t *restrict out) {
+  sr_store_bf16_sse2(v, n, z0, out);
+}
+MF_TARGET_AVX2 __attribute__((noinline)) void mca_store_bf16_sr_avx2_hand(const float *restrict v, int64_t n,
+                                                                          uint64_t z0, uint16_t *restrict out) {
+  sr_store_bf16_avx2(v, n, z0, out);
+}
+/* and float16's (regions store_f16_sr_sse2_hand, store_f16_sr_avx2_hand; GCC keeps the
+ * scalar loop scalar: its subnormal branch) */
+__attribute__((noinline)) void mca_store_f16_sr_sse2_hand(const float *restrict v, int64_t n, uint64_t z0,
+                                                          uint16_t *restrict out) {
+  sr_store_f16_sse2(v, n, z0, out);
+}
+MF_TARGET_AVX2 __attribute__((noinline)) void mca_store_f16_sr_avx2_hand(const float *restrict v, int64_t n,
+                                                                         uint64_t z0, uint16_t *restrict out) {
+  sr_store_f16_avx2(v, n, z0, out);
+}

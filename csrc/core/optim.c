@@ -133,7 +133,8 @@ MF_INLINE void block_step_impl(const mf_optim_hparams *h, const mf_optim_consts 
 #endif
       update_any(h->kind, c, ns, n, p, g, s[0], s[1]);
   }
-  if (dt != MF_FLOAT32) store_params(h, t, p, first, n);
+  /* (the AVX2 and AVX-512 kernels store after this: block_step_avx2, _avx512) */
+  if (dt != MF_FLOAT32 && isa == ISA_GENERIC) store_params(h, t, p, first, n, isa);
   for (int k = 0; k < ns && fmt != MF_STATE_FP32; k++) {
     float *absmax = (float *)am[k]->data + blk0;
     for (int64_t j = 0; j < nsub; j++) {
@@ -167,6 +168,9 @@ MF_TARGET_AVX2 static void block_step_avx2(const mf_optim_hparams *h, const mf_o
                                            const quant_ctx *qc, const mf_optim_tensor *t,
                                            int64_t first, int64_t n, thread_bufs *b) {
   block_step_impl(h, c, ns, fmt, bs, qc, t, first, n, b, ISA_AVX2);
+  /* the updated parameters are still in b->p; store_params_avx2 cannot be called from
+   * block_step_impl, which has no AVX2 target (GCC would not inline it) */
+  if (t->param.dtype != MF_FLOAT32) store_params_avx2(h, t, b->p, first, n);
 }
 
 MF_TARGET_AVX512 static void block_step_avx512(const mf_optim_hparams *h,
@@ -175,6 +179,7 @@ MF_TARGET_AVX512 static void block_step_avx512(const mf_optim_hparams *h,
                                                const quant_ctx *qc, const mf_optim_tensor *t,
                                                int64_t first, int64_t n, thread_bufs *b) {
   block_step_impl(h, c, ns, fmt, bs, qc, t, first, n, b, ISA_AVX512);
+  if (t->param.dtype != MF_FLOAT32) store_params_avx512(h, t, b->p, first, n);
 }
 #endif
 

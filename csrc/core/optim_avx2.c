@@ -39,6 +39,7 @@ static inline void tables_init(thread_bufs *b, const quant_ctx *qc, int ns) {
 }
 
 #define update_half update_avx2 /* (optim_cpu.h) */
+#define store_half store_params_avx2
 
 /* 8-bit codes: the table values by scalar loads (load_code8), not gathers. */
 MF_TARGET_AVX2 static inline void dequant64_8(const thread_bufs *b, int k, const float *code,

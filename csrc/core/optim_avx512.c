@@ -28,6 +28,7 @@ typedef __m512i fused_acc;
 
 /* The plain update loop: with mask registers its selects cost little. */
 #define update_half update_loop
+#define store_half store_params_avx512 /* (optim_cpu.h) */
 
 MF_TARGET_AVX512 static inline fused_acc acc_zero(void) { return _mm512_setzero_si512(); }
 

@@ -9,6 +9,7 @@
 #include "code_lut.h"
 #include "cpu_isa.h" /* kernel variants per ISA, picked at run time */
 #include "memfit/optim.h"
+#include "store_sr.h" /* the bf16 stochastic-rounding store by hand (AVX2, SSE2) */
 
 #if defined(__GNUC__)
 #define MF_INLINE static inline __attribute__((always_inline))
@@ -163,10 +164,20 @@ MF_INLINE void load_params(const mf_optim_tensor *t, int64_t first, int64_t n, f
   }
 }
 
+/* The seed state z of element `first` of t's stochastic rounding: element first + i
+ * rounds with mf_hash64_mix(z + i * MF_HASH64_STEP) = mf_hash64(seed, index_base +
+ * first + i). */
+MF_INLINE uint64_t sr_state(const mf_optim_hparams *h, const mf_optim_tensor *t, int64_t first) {
+  return mf_optim_sr_seed(h, t->sr_stream) + MF_HASH64_STEP * ((uint64_t)(t->index_base + first) + 1u);
+}
+
 /* Writes updated half-precision parameters: Kahan-compensated, stochastic or
- * nearest-even rounding (mf_optim_store_param). */
+ * nearest-even rounding (mf_optim_store_param). `isa` (ISA_*, a constant in each
+ * kernel): the stochastic-rounding loops of the generic x86-64 kernel are the SSE2 ones
+ * of store_sr.h; the AVX2 and AVX-512 kernels call store_params_avx2 / _avx512
+ * instead; other CPUs take GCC's form of the scalar loop. */
 MF_INLINE void store_params(const mf_optim_hparams *h, const mf_optim_tensor *t,
-                            const float *restrict v, int64_t first, int64_t n) {
+                            const float *restrict v, int64_t first, int64_t n, const int isa) {
   /* mf_optim_store_param's three cases, each a loop of its own with the dtype a constant:
    * called per element, its branches kept the loop scalar, and stochastic rounding cost
    * several times the rest of the step (benchmarks/RESULTS.md, "bf16 parameters"). */
@@ -181,9 +192,14 @@ MF_INLINE void store_params(const mf_optim_hparams *h, const mf_optim_tensor *t,
   } else if (h->stochastic_round) {
     /* element i's bits are mf_hash64(seed, base + i): its state z stepped by an add per
      * element (mf_hash64_mix), a vector induction once vectorised */
-    const uint64_t seed = mf_optim_sr_seed(h, t->sr_stream);
-    const uint64_t z0 = seed + MF_HASH64_STEP * ((uint64_t)(t->index_base + first) + 1u);
-    uint64_t z = z0;
+    uint64_t z = sr_state(h, t, first);
+#ifdef MF_X86_SIMD
+    if (bf && isa == ISA_GENERIC) sr_store_bf16_sse2(v, n, z, out);
+    else if (isa == ISA_GENERIC) sr_store_f16_sse2(v, n, z, out);
+    else
+#else
+    (void)isa;
+#endif
     if (bf)
       for (int64_t i = 0; i < n; i++, z += MF_HASH64_STEP)
         out[i] = mf_f32_to_bf16_sr(v[i], (uint32_t)mf_hash64_mix(z));
@@ -272,6 +288,29 @@ MF_TARGET_AVX2_FMA static inline void update_avx2(mf_optim_kind kind, const mf_o
                                               float *restrict s1, float *restrict s2) {
   if (kind == MF_OPT_ADAMW || kind == MF_OPT_ADAM) update_adam_avx2(kind, c, n, p, g, s1, s2);
   else update_any(kind, c, ns, n, p, g, s1, s2);
+}
+
+/* store_params for the AVX2 kernels (the fused one and block_step_avx2): the
+ * stochastic-rounding loops by hand (store_sr.h). Functions of their own with the
+ * kernel's target, because GCC inlines an AVX2 function only into one with AVX2 too
+ * (store_params has none) and, not inlined, the store was a call per 64 elements. */
+MF_TARGET_AVX2 MF_INLINE void store_params_avx2(const mf_optim_hparams *h, const mf_optim_tensor *t,
+                                                const float *restrict v, int64_t first, int64_t n) {
+  uint16_t *out = (uint16_t *)t->param.data + first;
+  if (t->comp.data || !h->stochastic_round) store_params(h, t, v, first, n, ISA_AVX2);
+  else if (t->param.dtype == MF_BFLOAT16) sr_store_bf16_avx2(v, n, sr_state(h, t, first), out);
+  else sr_store_f16_avx2(v, n, sr_state(h, t, first), out);
+}
+
+/* The AVX-512 kernels': bf16 by GCC's form of the scalar loop (with vpmullq the hash's
+ * multiplies are cheap: within 1.3x of nearest), fp16 by the AVX2 loop (GCC keeps the
+ * scalar one scalar: its subnormal branch). */
+MF_TARGET_AVX512 MF_INLINE void store_params_avx512(const mf_optim_hparams *h, const mf_optim_tensor *t,
+                                                    const float *restrict v, int64_t first, int64_t n) {
+  if (!t->comp.data && h->stochastic_round && t->param.dtype == MF_FLOAT16)
+    sr_store_f16_avx2(v, n, sr_state(h, t, first), (uint16_t *)t->param.data + first);
+  else
+    store_params(h, t, v, first, n, ISA_AVX512);
 }
 
 /* code[q[0..7]] by eight scalar loads: on AVX2 faster than an 8-lane gather, which is

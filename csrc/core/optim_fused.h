@@ -39,6 +39,8 @@
  *   update_half(kind, c, ns, n, ...)  the update of HALF elements: update_loop, or a
  *                                     faster form with the same bits (AdEMAMix, the one
  *                                     three-state kind, takes update_ademamix instead)
+ *   store_half(h, t, v, first, n)     the store of updated half-precision parameters:
+ *                                     store_params, or a faster form with the same bits
  *   tables_init(b, qc, ns)            per-thread lookup tables, once per step call
  *                                     (one per code: FUSED_TABLE)
  *   dequant64_8(b, k, code, q, absmax, out), dequant64_4(code, q, absmax, out)
@@ -154,7 +156,7 @@ MF_INLINE FUSED_TARGET void fused_round(const mf_optim_kind kind, const int ns, 
                      s->codes[k] + (bits == 8 ? at_prev + x : (at_prev + x) / 2));
     }
     if (update) {
-      if (!f32) store_params(s->h, t, s->p + at, s->first + at, GROUP);
+      if (!f32) store_half(s->h, t, s->p + at, s->first + at, GROUP);
       for (int k = 0; k < ns; k++) mx[k] = acc_absmax64(mx[k], cur[k] + o);
     }
   }
