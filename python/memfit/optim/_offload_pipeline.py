@@ -69,13 +69,18 @@ def make_chunks(slots: list, chunk_bytes: int) -> list:
     return chunks
 
 
+# memfit's own step() as its class defines it (a base of _MemfitOptimizer: _torch_step),
+# before torch's Optimizer wraps the class's step for its hooks
+_MEMFIT_STEP = next(c.__dict__["step"] for c in _MemfitOptimizer.__mro__ if "step" in c.__dict__)
+
+
 def chunkable(inner) -> bool:
     """Whether the wrapped optimizer's step is memfit's own, unchanged: then the
     pipeline cuts it into chunks. Otherwise (a step replaced on the instance or
     overridden by a subclass, step hooks registered on the wrapped optimizer itself)
     its ``step()`` runs whole, after every gradient has landed, as it is."""
     step = type(inner).step
-    return (getattr(step, "__wrapped__", step) is _MemfitOptimizer.__dict__["step"]
+    return (getattr(step, "__wrapped__", step) is _MEMFIT_STEP
             and "step" not in inner.__dict__
             and not inner._optimizer_step_pre_hooks and not inner._optimizer_step_post_hooks)
 
