@@ -27,14 +27,40 @@ class _Worker:
         self._queue = None  # started by the first job
         self._stopped = False
 
-    def submit(self, job) -> None:
+    def _open(self):
         if self._stopped:
             raise RuntimeError("CPUOffloadOptimizer: the optimizer was closed; build a new one")
         if self._queue is None:
             from memfit import _C
 
             self._queue = _C.HostQueue(self._threads)
-        self._queue.submit(job)
+        return self._queue
+
+    def submit(self, job) -> int:
+        """A Python job (the queue's thread takes the GIL for the call); its number."""
+        return self._open().submit(job)
+
+    def submit_copy(self, dst, src, stream: int = 0, event: int = 0) -> int:
+        """A native job (no GIL): dst <- src byte for byte, both contiguous, of the same
+        size in bytes (memcpy on the host; cudaMemcpyAsync on ``stream``, then
+        ``event`` recorded, when one is on a GPU; handles as ints). The queue holds both
+        tensors until the copy has run. Its number."""
+        return self._open().submit_copy(dst, src, stream, event)
+
+    def submit_event_wait(self, event: int) -> int:
+        """A native job (no GIL): cudaEventSynchronize(event). Its number."""
+        return self._open().submit_event_wait(event)
+
+    def reach(self, job: int) -> None:
+        """Blocks until job ``job`` has run, raising nothing: an error a job raised stays
+        for the next :meth:`wait`."""
+        if self._queue is not None:
+            self._queue.wait(job, raise_error=False)
+
+    @property
+    def completed(self) -> int:
+        """The number of the last job that has run (jobs run in order)."""
+        return self._queue.completed if self._queue is not None else 0
 
     def on_thread(self) -> bool:
         """Whether the caller is the worker's own thread (a job)."""
