@@ -379,6 +379,8 @@ def enqueue_chunk(opt, run, ci, mine, landed, calls) -> None:
                                  event.cuda_event if last and event is not None else 0)
     for s in mine:
         s.h2d_done = event
+    if event is not None:
+        worker.copies_done = event  # waited for when the worker stops (_Worker.stop)
     if opt._events is not None:
         # a native job cannot log: this job runs right after the chunk's copies are issued
         # (done, on the CPU), which is what chunk_h2d means (the log's one GIL take per

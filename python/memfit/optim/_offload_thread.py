@@ -26,6 +26,11 @@ class _Worker:
         self._threads = threads  # the pool's threads for the host step (0: the process's)
         self._queue = None  # started by the first job
         self._stopped = False
+        # the CUDA event recorded after the last copy back queued (_offload_pipeline): its
+        # native copies read the pinned masters behind torch's back (torch's pinned
+        # allocator records no use for them), so stop() waits for them before the
+        # masters can be freed and their memory handed out again
+        self.copies_done = None
 
     def _open(self):
         if self._stopped:
@@ -77,6 +82,8 @@ class _Worker:
             return
         self._stopped = True
         if self._queue is not None:
+            if self.copies_done is not None:  # (kept referenced: the wait reads it)
+                self._queue.submit_event_wait(self.copies_done.cuda_event)
             self._queue.stop()
 
 
