@@ -22,6 +22,12 @@ reverse of the parameters' order, the proxy torch's DDP buckets use); a step tha
 after backward (every mode here) steps them in the parameters' order, so that the
 first layers' parameters are back first, for the next forward (``overlap_forward``,
 :class:`InFlight`).
+
+On the worker (the host queue), only each chunk's step is a Python job: the waits before
+it (its gradients' landing, the last copies of its masters to the device) and its
+parameters' copies back are native jobs of the queue, which never take the GIL
+(:func:`enqueue_chunk`; a parameter whose bytes are not row-major keeps torch's copy,
+:func:`copies_natively`).
 """
 
 from __future__ import annotations
