@@ -136,3 +136,41 @@ def test_zero_grad_does_not_wait_for_the_chunks(offload_gradients, set_to_none, 
         release.clear()
     assert_same(model, ref_model, opt, ref)
     opt.close()
+
+
+def test_zero_grad_leaves_a_chunks_error_to_the_next_wait(monkeypatch):
+    """overlap_forward=True: a chunk whose step raises does not make zero_grad() raise
+    (it waits for nothing); the error is raised, once, by the next API that waits for the
+    whole step (state_dict here). zero_grad() inside step() is still refused while the
+    chunks are in flight (called from the step of the tensors kept on the device, on the
+    caller's thread), clearing nothing."""
+    model = make_model()
+    opt = CPUOffloadOptimizer(model.parameters(), mo.AdamW8bit, lr=1e-2, chunk_bytes=1,
+                              overlap_forward=True, offload_gradients=True,
+                              keep_on_device_below=100)  # the biases stay on the device
+    failing = opt._slot_of[id(model[2].weight)].host
+    step_bucket = opt.optimizer._step_bucket
+    refused = []
+
+    def failing_step_bucket(group, hp, device, fmt, items, *a):
+        if items[0][0] is failing:
+            raise KeyError("chunk failed")
+        if items[0][0] is model[0].bias:  # the caller's thread, the chunks queued
+            assert opt._inflight.pending
+            with pytest.raises(RuntimeError, match="nothing was cleared") as e:
+                opt.zero_grad()
+            refused.append(str(e.value))
+            assert model[0].bias.grad is not None
+        return step_bucket(group, hp, device, fmt, items, *a)
+
+    monkeypatch.setattr(opt.optimizer, "_step_bucket", failing_step_bucket)
+    loss_of(model, batch(0, torch.float32)).backward()
+    opt.step()
+    assert len(refused) == 1
+    opt.zero_grad()
+    assert all(p.grad is None for p in model.parameters())
+    with pytest.raises(KeyError, match="chunk failed"):
+        opt.state_dict()
+    assert all(s.host.grad is None for s in opt._slots)  # the queued clearing ran
+    opt.state_dict()  # taken: raised once
+    opt.close()
