@@ -174,3 +174,44 @@ def test_zero_grad_leaves_a_chunks_error_to_the_next_wait(monkeypatch):
     assert all(s.host.grad is None for s in opt._slots)  # the queued clearing ran
     opt.state_dict()  # taken: raised once
     opt.close()
+
+
+def test_the_next_backward_waits_for_zero_grads_queued_clearing(monkeypatch):
+    """offload_gradients=True, overlap_forward=True, 2 backwards a step: zero_grad()'s
+    clearing of the host gradients is held on the worker (until the test releases it,
+    or 30 s pass) while the next forward runs. The step stays in flight until that job
+    has run, so the first gradient of the next backward waits for it instead of landing
+    beside it (which left the next landing writing into the host gradient it adds to);
+    both backwards' gradients are summed (bits as the wrapped optimizer)."""
+    from memfit.optim import _offload_grads
+
+    model, ref_model = make_model(), make_model()
+    opt = CPUOffloadOptimizer(model.parameters(), mo.AdamW8bit, lr=1e-2, chunk_bytes=1,
+                              overlap_forward=True, offload_gradients=True)
+    ref = mo.AdamW8bit(ref_model.parameters(), lr=1e-2)
+    release, timed_out = threading.Event(), []
+    clear = _offload_grads.clear_host_grads
+
+    def held_clear(o, set_to_none):
+        if not release.wait(30):
+            timed_out.append(True)
+        return clear(o, set_to_none)
+
+    monkeypatch.setattr(_offload_grads, "clear_host_grads", held_clear)
+    for s in range(3):
+        for m, o in ((model, opt), (ref_model, ref)):
+            for a in range(2):
+                if o is opt and a == 0:  # the clearing is still held during the forward
+                    threading.Timer(0.2, release.set).start()
+                elif o is opt:  # the clearing has run before the second backward
+                    release.set()
+                    opt._worker.reach(opt._worker._queue.signal())
+                    release.clear()
+                loss_of(m, batch(2 * s + a, torch.float32)).backward()
+            o.step()
+            o.zero_grad()
+    release.set()
+    opt.state_dict()  # waits for the last step (overlap_forward: no forward after it)
+    assert not timed_out
+    assert_same(model, ref_model, opt, ref)
+    opt.close()

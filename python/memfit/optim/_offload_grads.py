@@ -144,4 +144,8 @@ def clear_in_flight(self, set_to_none: bool) -> None:
     error a chunk raised is raised by the next API that waits for the whole step, not
     here."""
     clear_device_grads(self, set_to_none)
-    self._worker.submit(lambda: clear_host_grads(self, set_to_none))
+    job = self._worker.submit(lambda: clear_host_grads(self, set_to_none))
+    # the step stays in flight until this job has run too: otherwise a forward that saw
+    # every chunk's copies issued would end it, and the next backward's gradients would
+    # land (_to_host reads s.claimed) while the clearing may still be dropping them
+    self._inflight.until(job)

@@ -210,6 +210,12 @@ class InFlight:
             self._of[id(s.dev)] = marker
         self._worker, self._last = worker, job
 
+    def until(self, job: int) -> None:
+        """The step stays in flight (the pre-hook stays, and the APIs that wait for the
+        whole step still wait) until the worker's job ``job`` has run as well."""
+        if self._of:
+            self._last = job
+
     @property
     def pending(self) -> bool:
         return bool(self._of)
