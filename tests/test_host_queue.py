@@ -61,9 +61,12 @@ def test_first_error_is_raised_by_wait_and_later_jobs_still_run():
     q.submit(lambda: seen.append(2))
     q.submit(lambda: 1 / 0)  # a second error: dropped, the first one is raised
     q.submit(lambda: seen.append(3))
+    q.wait(q.signal(), raise_error=False)  # every job has run; the error stays kept
+    assert seen == [1, 2, 3]
+    with pytest.raises(memfit.MemfitTypeError, match="raise_error"):
+        q.wait(raise_error=0)
     with pytest.raises(KeyError, match="first") as info:
         q.wait()
-    assert seen == [1, 2, 3]
     gc.collect()
     assert refs and refs[0]() is None  # the traceback's frames were cleared
     assert info.value.__traceback__ is not None

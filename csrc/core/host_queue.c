@@ -278,9 +278,10 @@ int64_t mf_host_queue_completed(mf_host_queue *q) {
   return c;
 }
 
-mf_status mf_host_queue_wait(mf_host_queue *q, int64_t seq, void **payload) {
-  if (payload) *payload = NULL;
-  pthread_mutex_lock(&q->mu);
+/* Called with q->mu held: waits (releasing it) until job seq (<= 0: every job so far)
+ * has run; returns with q->mu held, or unlocked with an error for a job that will never
+ * run. */
+static mf_status reach_locked(mf_host_queue *q, int64_t seq) {
   if (seq <= 0) seq = q->submitted;
   if (seq > q->submitted) {
     const int64_t submitted = q->submitted;
@@ -294,6 +295,21 @@ mf_status mf_host_queue_wait(mf_host_queue *q, int64_t seq, void **payload) {
                     "queue (it would wait forever)");
   }
   while (q->completed < seq) pthread_cond_wait(&q->done, &q->mu);
+  return MF_OK;
+}
+
+mf_status mf_host_queue_reach(mf_host_queue *q, int64_t seq) {
+  pthread_mutex_lock(&q->mu);
+  const mf_status st = reach_locked(q, seq);
+  if (st == MF_OK) pthread_mutex_unlock(&q->mu);
+  return st;
+}
+
+mf_status mf_host_queue_wait(mf_host_queue *q, int64_t seq, void **payload) {
+  if (payload) *payload = NULL;
+  pthread_mutex_lock(&q->mu);
+  const mf_status reached = reach_locked(q, seq);
+  if (reached != MF_OK) return reached;
   mf_status st = q->err;
   if (st != MF_OK) {
     mf_error(st, "%s", q->err_msg);

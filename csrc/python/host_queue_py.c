@@ -14,8 +14,10 @@
  *                              .cuda_stream, an event's .cuda_event)
  *   q.submit_event_wait(event) -> job   cudaEventSynchronize(event) on the queue's thread
  *   q.signal() -> ticket       a ticket: completes when every job before it has
- *   q.wait(ticket=None)        blocks (GIL released) until that job, or every job, has
+ *   q.wait(ticket=None, raise_error=True)
+ *                              blocks (GIL released) until that job, or every job, has
  *                              run; raises the first error kept since the last wait
+ *                              (raise_error=False: leaves it kept for the next wait)
  *   q.stop()                   takes no more jobs; lets the queued ones run; joins
  *
  * A copy's arrays are kept alive here until its job has run (released by the next call
@@ -301,9 +303,13 @@ static PyObject *HostQueue_signal(HostQueueObject *self, PyObject *noargs) {
 }
 
 static PyObject *HostQueue_wait(HostQueueObject *self, PyObject *args, PyObject *kwargs) {
-  static char *kwlist[] = {"ticket", NULL};
-  PyObject *ticket_obj = Py_None;
-  if (!PyArg_ParseTupleAndKeywords(args, kwargs, "|O:wait", kwlist, &ticket_obj)) return NULL;
+  static char *kwlist[] = {"ticket", "raise_error", NULL};
+  PyObject *ticket_obj = Py_None, *raise_obj = Py_True;
+  if (!PyArg_ParseTupleAndKeywords(args, kwargs, "|OO:wait", kwlist, &ticket_obj, &raise_obj))
+    return NULL;
+  if (!PyBool_Check(raise_obj))
+    return PyErr_Format(mf_py_TypeError, "raise_error: expected True or False, got %s",
+                        Py_TYPE(raise_obj)->tp_name);
   long long ticket = 0;
   if (ticket_obj != Py_None) {
     if (PyBool_Check(ticket_obj) || !PyLong_Check(ticket_obj))
@@ -318,8 +324,10 @@ static PyObject *HostQueue_wait(HostQueueObject *self, PyObject *args, PyObject 
   if (!self->q) Py_RETURN_NONE; /* stopped: every job has run */
   mf_status st;
   void *payload = NULL;
+  const int take = raise_obj == Py_True;
   Py_BEGIN_ALLOW_THREADS
-  st = mf_host_queue_wait(self->q, (int64_t)ticket, &payload);
+  st = take ? mf_host_queue_wait(self->q, (int64_t)ticket, &payload)
+            : mf_host_queue_reach(self->q, (int64_t)ticket);
   Py_END_ALLOW_THREADS
   release_done(self);
   if (payload) { /* a job's Python exception, raised here as it was */
@@ -372,7 +380,8 @@ static PyMethodDef HostQueue_methods[] = {
     {"signal", (PyCFunction)HostQueue_signal, METH_NOARGS,
      "signal() -> ticket: completes once every job before it has run."},
     {"wait", (PyCFunction)(void (*)(void))HostQueue_wait, METH_VARARGS | METH_KEYWORDS,
-     "wait(ticket=None): until that job (None: every job) has run; raises the first error."},
+     "wait(ticket=None, raise_error=True): until that job (None: every job) has run; raises "
+     "the first error (raise_error=False: leaves it for the next wait)."},
     {"stop", (PyCFunction)HostQueue_stop, METH_NOARGS,
      "stop(): no more jobs; the queued ones run; the thread ends (joined unless it is this)."},
     {NULL, NULL, 0, NULL}};

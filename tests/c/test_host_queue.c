@@ -75,6 +75,8 @@ static void test_order_errors_tickets(void) {
   }
   int64_t ticket = 0;
   CHECK(mf_host_queue_signal(q, &ticket) == MF_OK && ticket == N_JOBS + 1);
+  CHECK(mf_host_queue_reach(q, ticket) == MF_OK); /* reached: the error stays kept */
+  CHECK(mf_host_queue_reach(q, ticket + 1) == MF_ERR_VALUE); /* no such job */
   const mf_status st = mf_host_queue_wait(q, ticket, NULL);
   CHECK(st == MF_ERR_VALUE, "got %d", (int)st); /* the first error (job 3), not job 5's */
   CHECK(strstr(mf_last_error(), "job 3 failed") != NULL, "%s", mf_last_error());

@@ -75,6 +75,12 @@ int64_t mf_host_queue_completed(mf_host_queue *q);
  * may be NULL when the caller keeps none). Call without holding locks the jobs need
  * (the Python bindings release the GIL). */
 mf_status mf_host_queue_wait(mf_host_queue *q, int64_t job, void **payload);
+/* mf_host_queue_wait that leaves a kept error where it is, for the next
+ * mf_host_queue_wait (the offloader's forward waits for one chunk's copies this way; its
+ * errors are raised by the next API that waits for the whole step). Returns MF_OK once
+ * job `job` has run; MF_ERR_VALUE for a job not submitted, or a later job of the queue
+ * waited for from its own thread. */
+mf_status mf_host_queue_reach(mf_host_queue *q, int64_t job);
 /* Keeps (status, msg, payload) as the queue's error if none is kept: returns 1 (the
  * queue now owns payload), else 0 (the caller still does). */
 int mf_host_queue_keep_error(mf_host_queue *q, mf_status status, const char *msg, void *payload);

@@ -2,8 +2,9 @@
 "Host buffers"): the copy into a host buffer on the side stream (:func:`to_host`), its
 landing on the worker, where it becomes or is added to the host gradient (:func:`land`;
 with step_in_backward the tensor steps there), and the gradients a caller assigned on the
-device (:func:`adopt_device_grads`). Functions of the optimizer (``self``), bound as its
-methods ``_to_host``, ``_land`` and ``_adopt_device_grads``."""
+device (:func:`adopt_device_grads`), and how zero_grad clears them (:func:`clear_in_flight`).
+Functions of the optimizer (``self``), the first three bound as its methods ``_to_host``,
+``_land`` and ``_adopt_device_grads``."""
 
 from __future__ import annotations
 
@@ -96,3 +97,55 @@ def _into_host_grad(self, s, h, staged, positions, replace) -> None:
             else:
                 h.grad.add_(staged)  # gradient accumulation, as autograd adds on the device
             self._staging.release(staged)
+
+
+def _zero(g) -> None:
+    """zero_grad(set_to_none=False) on one gradient, as torch's zero_grad does it (host
+    gradients are views of the arena: zeroed in place, never replaced)."""
+    if g.grad_fn is not None:
+        g.detach_()
+    else:
+        g.requires_grad_(False)
+    g.zero_()
+
+
+def clear_device_grads(self, set_to_none: bool) -> None:
+    """zero_grad on the model's tensors (the offloaded ones and those kept on the device)."""
+    with torch.no_grad():
+        for s in self._slots:
+            if s.dev.grad is not None:
+                if set_to_none:
+                    s.dev.grad = None
+                else:
+                    _zero(s.dev.grad)
+
+
+def clear_host_grads(self, set_to_none: bool) -> None:
+    """zero_grad on the host copies' gradients (dropped: the arena view or spill buffer
+    goes back, :meth:`_drop_host_grad`; or zeroed in place)."""
+    with torch.no_grad():
+        for s in self._slots:
+            if s.host is not s.dev and s.host.grad is not None:
+                if set_to_none:
+                    self._drop_host_grad(s)
+                else:
+                    _zero(s.host.grad)
+
+
+def clear_in_flight(self, set_to_none: bool) -> None:
+    """zero_grad while the last step's chunks may still be on the worker
+    (overlap_forward): it does not wait for them. The device gradients are cleared at
+    once: the chunks never read them (their copies out were issued by step(), and the
+    compute stream waits for those copies before anything after step() runs). The host
+    gradients, which the chunks step with, are cleared by a job on the worker, after
+    every chunk (the worker runs its jobs in order). Nobody sees them before that job
+    has run: every API that reads the host gradients waits for the whole step, and so
+    does the next backward's first gradient hook (offload_gradients, ``_take_grad``). An
+    error a chunk raised is raised by the next API that waits for the whole step, not
+    here."""
+    clear_device_grads(self, set_to_none)
+    job = self._worker.submit(lambda: clear_host_grads(self, set_to_none))
+    # the step stays in flight until this job has run too: otherwise a forward that saw
+    # every chunk's copies issued would end it, and the next backward's gradients would
+    # land (_to_host reads s.claimed) while the clearing may still be dropping them
+    self._inflight.until(job)

@@ -22,11 +22,15 @@ reverse of the parameters' order, the proxy torch's DDP buckets use); a step tha
 after backward (every mode here) steps them in the parameters' order, so that the
 first layers' parameters are back first, for the next forward (``overlap_forward``,
 :class:`InFlight`).
+
+On the worker (the host queue), only each chunk's step is a Python job: the waits before
+it (its gradients' landing, the last copies of its masters to the device) and its
+parameters' copies back are native jobs of the queue, which never take the GIL
+(:func:`enqueue_chunk`; a parameter whose bytes are not row-major keeps torch's copy,
+:func:`copies_natively`).
 """
 
 from __future__ import annotations
-
-import threading
 
 import torch
 
@@ -167,27 +171,50 @@ class InFlight:
     """The chunks of the last step whose parameters may still be on their way to the
     device (``overlap_forward=True``: step() returns once every chunk is queued).
 
-    Each chunk has a marker: a threading.Event the worker sets once the chunk's copy
-    back has been issued (on the CPU: done), and on a GPU the CUDA event of that copy.
-    While markers are pending a module forward pre-hook (global, installed by
-    :meth:`install`, removed as soon as nothing is pending) makes each module wait for
-    the parameters it registers itself (``module._parameters``): the host waits for the
-    marker and, on a GPU, the current stream for the copy. A parameter read by another
-    module's forward than its own is not waited for: that is overlap_forward's rule."""
+    Each chunk has a marker: the number of its last job on the worker (its copies back
+    are issued once that job has run; on the CPU: done) and, on a GPU, its CUDA event
+    (recorded after its copies on the h2d stream: one event per chunk, made once,
+    :meth:`event`). While markers are pending a module forward pre-hook (global,
+    installed by :meth:`install`, removed as soon as nothing is pending) makes each
+    module wait for the parameters it registers itself (``module._parameters``): the
+    host waits for the chunk's last job (raising nothing: an error of a chunk is raised
+    by the next API that waits for the whole step) and, on a GPU, the current stream for
+    the copy. A parameter read by another module's forward than its own is not waited
+    for: that is overlap_forward's rule."""
 
     def __init__(self):
         self._of = {}       # id(device parameter) -> its chunk's marker
-        self._last = None   # the last marker added: the worker sets them in order
+        self._last = None   # the last job of the last chunk added (jobs run in order)
+        self._worker = None
         self._handle = None
+        self._events = {}   # chunk index -> its CUDA event (made once, re-recorded each step)
 
-    @staticmethod
-    def marker() -> list:
-        return [threading.Event(), None]  # set once issued; the copy's CUDA event
+    def event(self, ci: int, stream):
+        """Chunk ci's CUDA event, recorded after its copies back on ``stream`` (the h2d
+        stream; None on the CPU: no event). Made once and recorded there at once, so
+        that it has a CUDA handle (torch makes an event's handle at its first record)
+        for the queue's native copies to record and wait for."""
+        if stream is None:
+            return None
+        e = self._events.get(ci)
+        if e is None:
+            e = self._events[ci] = torch.cuda.Event()
+            e.record(stream)
+        return e
 
-    def add(self, slots, marker) -> None:
+    def add(self, slots, worker, job: int, event) -> None:
+        """Chunk ``slots``' copies back are issued once ``worker``'s job ``job`` has run
+        (and, on a GPU, done at CUDA event ``event``)."""
+        marker = (job, event)
         for s in slots:
             self._of[id(s.dev)] = marker
-        self._last = marker
+        self._worker, self._last = worker, job
+
+    def until(self, job: int) -> None:
+        """The step stays in flight (the pre-hook stays, and the APIs that wait for the
+        whole step still wait) until the worker's job ``job`` has run as well."""
+        if self._of:
+            self._last = job
 
     @property
     def pending(self) -> bool:
@@ -203,10 +230,10 @@ class InFlight:
                 for p in module._parameters.values():
                     m = of.get(id(p)) if p is not None else None
                     if m is not None:
-                        m[0].wait()
+                        self._worker.reach(m[0])  # (the GIL released while it waits)
                         if m[1] is not None:
                             torch.cuda.current_stream(p.device).wait_event(m[1])
-                if self._last is not None and self._last[0].is_set():
+                if self._last is not None and self._worker.completed >= self._last:
                     self.clear(hooks)  # the copies of every chunk are issued
             self._handle = torch.nn.modules.module.register_module_forward_pre_hook(
                 wait_for_own_parameters)
@@ -230,7 +257,7 @@ class _Run:
     def __init__(self, grad_scale, found_inf):
         self.grad_scale, self.found_inf = grad_scale, found_inf
         self.failed = False
-        self.markers = []
+        self.events = []  # the CUDA events native jobs wait for: alive until the step ends
 
     def begin(self, opt) -> None:
         """Worker: the scaler's tensors on the host, once for every call (on a GPU this
@@ -244,26 +271,23 @@ class _Run:
             self.failed = True
             raise
 
-    def chunk(self, opt, ci, slots, landed, calls, after, marker) -> None:
-        """Worker: chunk ci's gradients have landed (CUDA event ``landed``); it steps and
-        its parameters go back to the device (after CUDA event ``after``)."""
+    def chunk(self, opt, ci, slots, calls, by_torch, event) -> None:
+        """Worker: chunk ci steps (its gradients have landed and the last copies of its
+        masters to the device have read them: the native waits queued before this job).
+        Its parameters that the queue cannot copy byte for byte (``by_torch``) go back
+        to the device here, and on a GPU, when no native copy follows (``event`` given),
+        the chunk's CUDA event is recorded after them."""
         try:
             if self.failed:
                 return
-            if landed is not None:
-                landed.synchronize()
             opt._log("chunk_landed", ci)
-            for s in slots:  # the last copy of this master to the device has read it
-                if s.h2d_done is not None:
-                    s.h2d_done.synchronize()
             opt._log("chunk_step_start", ci)
             step_bucket = opt.optimizer._step_bucket
             with torch.no_grad():  # (thread-local: the worker's own)
                 for call in calls:
                     step_bucket(*call, self.grad_scale, self.found_inf)
             opt._log("chunk_step_end", ci)
-            copy_back(opt, slots, after, marker)
-            opt._log("chunk_h2d", ci)
+            copy_back(opt, by_torch, event)
         except BaseException:
             self.failed = True
             raise
@@ -271,13 +295,10 @@ class _Run:
             if not opt._offload_grads:  # consumed (else kept until zero_grad, as p.grad)
                 for s in slots:
                     opt._drop_host_grad(s)
-            marker[0].set()
 
     def end(self, opt, slots) -> None:
         """Worker: the optimizer step is over (sr_step advances, as step() advances it,
         unless a chunk raised); whatever a failed chunk left is dropped."""
-        for m in self.markers:
-            m[0].set()
         if not opt._offload_grads:
             for s in slots:
                 if s.host.grad is not None:
@@ -285,6 +306,7 @@ class _Run:
         if not self.failed:
             opt.optimizer._advance_sr_step()
             opt.optimizer._optimizer_step_code()
+        self.events.clear()
         opt._log("host_step_end")
 
 
@@ -305,24 +327,78 @@ def copy_in(opt, slots):
         return opt._d2h.record_event()
 
 
-def copy_back(opt, slots, after, marker=None) -> None:
-    """Worker: ``slots``' updated parameters host -> device, after CUDA event ``after``
-    of the compute stream (kernels queued before the step may still read them); the
-    copy's CUDA event goes to ``marker``."""
+NATIVE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)  # what the queue's views take
+
+
+def copies_natively(opt, s) -> bool:
+    """Whether slot s's parameter goes back to the device as a native job of the queue
+    (a byte copy, no GIL: memcpy on the CPU, cudaMemcpyAsync on a GPU): only when the
+    master and the device tensor are both contiguous (row-major), of the same dtype and
+    byte size, on the CPU or a CUDA device. Anything else (a transposed or channels_last
+    parameter, whose bytes are not in row-major order) keeps torch's ``copy_``, which
+    follows the strides."""
+    d, h = s.dev, s.host
+    on = "cuda" if opt._h2d is not None else "cpu"
+    return (d.device.type == on and h.device.type == "cpu" and d.dtype == h.dtype
+            and d.dtype in NATIVE_DTYPES and d.numel() == h.numel()
+            and d.is_contiguous() and h.is_contiguous())
+
+
+def copy_back(opt, slots, event=None) -> None:
+    """Worker: ``slots``' updated parameters host -> device by torch (the ones
+    :func:`copies_natively` refuses), on the h2d stream (which waits for the compute
+    stream's point before the step: :func:`step`); then CUDA event ``event`` is recorded
+    there, if given."""
     with torch.no_grad():
         if opt._h2d is None:
             for s in slots:
                 s.dev.detach().copy_(s.host)
             return
-        opt._h2d.wait_event(after)
         with torch.cuda.stream(opt._h2d):
             for s in slots:
                 s.dev.detach().copy_(s.host, non_blocking=True)
-            done = opt._h2d.record_event()
-        for s in slots:
-            s.h2d_done = done
-        if marker is not None:
-            marker[1] = done
+        if event is not None:
+            event.record(opt._h2d)
+
+
+def enqueue_chunk(opt, run, ci, mine, landed, calls) -> None:
+    """Queues chunk ci on the worker, in order: native waits (its gradients' landing,
+    the previous copies of its masters to the device: on a GPU), its step (a Python
+    job), its parameters' copies back (native jobs, FIFO after the step), and with the
+    event log on a Python job that logs ``chunk_h2d``; then marks it in flight."""
+    worker, h2d = opt._worker, opt._h2d
+    event = opt._inflight.event(ci, h2d)
+    waits = {}
+    if landed is not None:
+        waits[id(landed)] = landed
+    for s in mine:  # the last copy of each master to the device has read it
+        if s.h2d_done is not None:
+            waits[id(s.h2d_done)] = s.h2d_done
+    for e in waits.values():
+        run.events.append(e)  # alive until the wait has run (run.end drops them)
+        worker.submit_event_wait(e.cuda_event)
+    native, by_torch = [], []
+    for s in mine:
+        (native if copies_natively(opt, s) else by_torch).append(s)
+    job = worker.submit(lambda: run.chunk(opt, ci, mine, calls, by_torch,
+                                          None if native else event))
+    stream = h2d.cuda_stream if h2d is not None else 0
+    for k, s in enumerate(native):
+        # the queue holds both tensors until the copy has run; on a GPU the last copy
+        # records the chunk's event (the stream orders every copy of the chunk before it)
+        last = k == len(native) - 1
+        job = worker.submit_copy(s.dev.detach(), s.host, stream,
+                                 event.cuda_event if last and event is not None else 0)
+    for s in mine:
+        s.h2d_done = event
+    if event is not None:
+        worker.copies_done = event  # waited for when the worker stops (_Worker.stop)
+    if opt._events is not None:
+        # a native job cannot log: this job runs right after the chunk's copies are issued
+        # (done, on the CPU), which is what chunk_h2d means (the log's one GIL take per
+        # chunk, only while the log is on)
+        job = worker.submit(lambda: opt._log("chunk_h2d", ci))
+    opt._inflight.add(mine, worker, job, event)
 
 
 def step(opt, grad_scale, found_inf) -> None:
@@ -354,6 +430,10 @@ def step(opt, grad_scale, found_inf) -> None:
         raise
     run = _Run(grad_scale, found_inf)
     opt._worker.submit(lambda: run.begin(opt))
+    if after is not None:
+        # every copy back of this step (issued on the worker, later) comes after the
+        # kernels queued so far on the compute stream, which may still read the parameters
+        opt._h2d.wait_event(after)
     try:
         for ci in range(len(opt._chunks) - 1, -1, -1):  # the parameters' order
             mine = [s for s in opt._chunks[ci] if id(s) in have]
@@ -364,13 +444,7 @@ def step(opt, grad_scale, found_inf) -> None:
                 opt._log("chunk_d2h_start", ci)
                 landed = copy_in(opt, mine)
                 opt._log("chunk_d2h_end", ci)
-            marker = InFlight.marker()
-            run.markers.append(marker)
-            opt._inflight.add(mine, marker)
-            calls = calls_of(planned, [s.host for s in mine])
-            opt._worker.submit(lambda ci=ci, mine=mine, landed=landed, calls=calls,
-                               marker=marker:
-                               run.chunk(opt, ci, mine, landed, calls, after, marker))
+            enqueue_chunk(opt, run, ci, mine, landed, calls_of(planned, [s.host for s in mine]))
         # the tensors kept on the device (keep_on_device_below) step there, on this
         # thread (the caller's stream), while the worker steps the chunks
         with torch.no_grad():
@@ -389,10 +463,13 @@ def step(opt, grad_scale, found_inf) -> None:
 def whole(opt, slots, have, grad_scale, found_inf, after) -> None:
     """The wrapped optimizer's own step() (not chunkable): every gradient lands, then one
     host step, then every copy back."""
+    landed = []  # alive until the worker has waited for them (below)
     for s in slots:
         if id(s) in have and not opt._offload_grads:
-            landed = copy_in(opt, [s])
-            opt._worker.submit(lambda s=s, landed=landed: landed and landed.synchronize())
+            e = copy_in(opt, [s])
+            if e is not None:
+                landed.append(e)
+                opt._worker.submit_event_wait(e.cuda_event)  # native: no GIL
     opt._worker.submit(lambda: opt._host_step(slots, grad_scale, found_inf, after))
     try:
         opt._worker.wait()

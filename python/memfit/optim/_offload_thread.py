@@ -26,15 +26,46 @@ class _Worker:
         self._threads = threads  # the pool's threads for the host step (0: the process's)
         self._queue = None  # started by the first job
         self._stopped = False
+        # the CUDA event recorded after the last copy back queued (_offload_pipeline): its
+        # native copies read the pinned masters behind torch's back (torch's pinned
+        # allocator records no use for them), so stop() waits for them before the
+        # masters can be freed and their memory handed out again
+        self.copies_done = None
 
-    def submit(self, job) -> None:
+    def _open(self):
         if self._stopped:
             raise RuntimeError("CPUOffloadOptimizer: the optimizer was closed; build a new one")
         if self._queue is None:
             from memfit import _C
 
             self._queue = _C.HostQueue(self._threads)
-        self._queue.submit(job)
+        return self._queue
+
+    def submit(self, job) -> int:
+        """A Python job (the queue's thread takes the GIL for the call); its number."""
+        return self._open().submit(job)
+
+    def submit_copy(self, dst, src, stream: int = 0, event: int = 0) -> int:
+        """A native job (no GIL): dst <- src byte for byte, both contiguous, of the same
+        size in bytes (memcpy on the host; cudaMemcpyAsync on ``stream``, then
+        ``event`` recorded, when one is on a GPU; handles as ints). The queue holds both
+        tensors until the copy has run. Its number."""
+        return self._open().submit_copy(dst, src, stream, event)
+
+    def submit_event_wait(self, event: int) -> int:
+        """A native job (no GIL): cudaEventSynchronize(event). Its number."""
+        return self._open().submit_event_wait(event)
+
+    def reach(self, job: int) -> None:
+        """Blocks until job ``job`` has run, raising nothing: an error a job raised stays
+        for the next :meth:`wait`."""
+        if self._queue is not None:
+            self._queue.wait(job, raise_error=False)
+
+    @property
+    def completed(self) -> int:
+        """The number of the last job that has run (jobs run in order)."""
+        return self._queue.completed if self._queue is not None else 0
 
     def on_thread(self) -> bool:
         """Whether the caller is the worker's own thread (a job)."""
@@ -51,6 +82,8 @@ class _Worker:
             return
         self._stopped = True
         if self._queue is not None:
+            if self.copies_done is not None:  # (kept referenced: the wait reads it)
+                self._queue.submit_event_wait(self.copies_done.cuda_event)
             self._queue.stop()
 
 

@@ -576,31 +576,22 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clears the gradients on the device and on the host. Refused (RuntimeError,
         nothing cleared) while a step is in flight: during :meth:`step`, or with
-        step_in_backward between a backward and its step()."""
+        step_in_backward between a backward and its step(). With ``overlap_forward``
+        it does not wait for the last step's chunks: the device gradients are cleared
+        at once, the host ones by a job queued after the chunks that read them."""
         if self._stepping or any(s.stepped for s in self._slots):
             raise RuntimeError(
                 "CPUOffloadOptimizer.zero_grad: called in the middle of a step (parameters "
                 "were stepped during backward and step() has not been called yet); call "
                 "step() first; nothing was cleared")
+        if self._inflight.pending:  # overlap_forward: the last step's chunks may still run
+            self._sync_hooks()
+            _offload_grads.clear_in_flight(self, set_to_none)
+            return
         self._settle()
         self._sync_hooks()  # parameters unfrozen since the last step: hooked from now on
-        with torch.no_grad():
-            for s in self._slots:
-                for t in {id(s.dev): s.dev, id(s.host): s.host}.values():
-                    if t.grad is None:
-                        continue
-                    if set_to_none:
-                        if t is s.host and s.host is not s.dev:
-                            self._drop_host_grad(s)
-                        else:
-                            t.grad = None
-                    else:
-                        # as torch's zero_grad (host gradients are views of the arena)
-                        if t.grad.grad_fn is not None:
-                            t.grad.detach_()
-                        else:
-                            t.grad.requires_grad_(False)
-                        t.grad.zero_()
+        _offload_grads.clear_device_grads(self, set_to_none)
+        _offload_grads.clear_host_grads(self, set_to_none)
 
     def clip_grad_norm_(self, max_norm, norm_type=2.0, error_if_nonfinite=False, foreach=None):
         """torch.nn.utils.clip_grad_norm_ over the gradients the step reads (on the host
