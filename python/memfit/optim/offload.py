@@ -40,6 +40,7 @@ import torch
 from memfit._C import MemfitTypeError, MemfitValueError
 from memfit.amp.in_kernel import TORCH_FLAG
 from memfit.optim import _dtensor
+from memfit.optim._offload_delayed import Delayed, undelayed_steps
 from memfit.optim._offload_norms import LandedNorms
 from memfit.optim._offload_staging import Staging
 from memfit.optim._offload_thread import _host_threads, _release, _weak_hook, _Worker
@@ -88,6 +89,9 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
         host_threads: the threads of the host step (memfit's core, on the worker
             thread only); default: the cores this process may use, less one for the
             training thread.
+        delayed_update: step() returns before the host step, whose update reaches the
+            device at the next step() or :meth:`flush` (ZeRO-Offload's, docs/offload.md):
+            True from the second step on, n after n undelayed steps; off by default.
 
     ``param_groups`` are the wrapped optimizer's groups (an LR scheduler changes the
     host step's lr), with ``'params'`` the tensors whose ``.grad`` the step reads: the
@@ -101,7 +105,8 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
     _memfit_scale_in_kernel = True  # grad_scale/found_inf reach the wrapped step (amp/in_kernel.py)
 
     def __init__(self, params, optimizer_class=None, *, offload_gradients=False,
-                 step_in_backward=False, offload=True, host_threads=None, **kwargs):
+                 step_in_backward=False, offload=True, host_threads=None,
+                 delayed_update=False, **kwargs):
         if optimizer_class is None:
             from memfit.optim.optimizers import AdamW8bit as optimizer_class
         if not (isinstance(optimizer_class, type) and issubclass(optimizer_class, _MemfitOptimizer)):
@@ -121,6 +126,7 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
                                    "backward on the device); else use optimizer_class directly")
         if not offload and offload_gradients:
             raise MemfitValueError("offload_gradients=True needs offload=True")
+        undelayed = undelayed_steps(delayed_update, offload=offload, step_in_backward=step_in_backward)
         if step_in_backward:
             # the gradients are consumed in backward, so torch's scaler has nothing left to
             # unscale: torch's flag makes it hand its scale to step(), which refuses it with
@@ -216,6 +222,8 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
         # would give them (_MemfitOptimizer._sr_positions: the same random bits), made at
         # the first gradient of each backward
         self._positions = None
+        # delayed_update: the step in flight, the update not yet on the device; None if off
+        self._delayed = Delayed(self, undelayed) if undelayed else None
 
     # -- lifecycle ------------------------------------------------------------------------
 
@@ -247,9 +255,17 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
         if not self._finalizer.alive:
             return
         try:
-            self._worker.wait()
+            self.flush()  # delayed_update: the last update reaches the model
         finally:
             self._finalizer()
+
+    def flush(self) -> None:
+        """Waits for the work in flight; with delayed_update puts the last update on the
+        device: before evaluating or saving (docs/offload.md, "Delayed update")."""
+        if self._delayed is not None:
+            self._delayed.flush(self)
+        else:
+            self._worker.wait()
 
     def __enter__(self):
         return self
@@ -276,7 +292,8 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
         # the caller may change the gradients through these (a scaler's unscale_, whose
         # kernel leaves their version counters as they were): the norms taken as they
         # landed no longer count (forgotten once every landing has recorded its norm)
-        groups = self._landed_groups()
+        groups = (self._delayed.groups(self) if self._delayed is not None
+                  else self._landed_groups())
         self._norms.forget()
         return groups
 
@@ -500,6 +517,8 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
         try:
             if self._in_backward:
                 self._step_in_backward_done(grad_scale, found_inf)
+            elif self._delayed is not None:
+                self._delayed.step(self, grad_scale, found_inf)  # returns before the host step
             else:
                 self._step(grad_scale, found_inf)
         except BaseException:
@@ -607,6 +626,8 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
                 "CPUOffloadOptimizer.zero_grad: called in the middle of a step (parameters "
                 "were stepped during backward and step() has not been called yet); call "
                 "step() first; nothing was cleared")
+        if self._delayed is not None and self._delayed.zero_grad(self, set_to_none):
+            return  # the step in flight goes on (it drops its own gradients)
         self._worker.wait()
         self._sync_hooks()  # parameters unfrozen since the last step: hooked from now on
         with torch.no_grad():
@@ -656,7 +677,7 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
         """The wrapped optimizer's state dict (loads into ``optimizer_class`` over the same
         parameters, and back). The state-dict hooks registered on this optimizer run as
         torch runs them (pre-hooks first, post-hooks on the finished dict)."""
-        self._worker.wait()
+        self.flush()  # delayed_update: the model's parameters include the last update too
         for hook in list(self._optimizer_state_dict_pre_hooks.values()):
             hook(self)
         return run_state_dict_post_hooks(self, self.optimizer.state_dict())
@@ -678,8 +699,11 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
     @torch.no_grad()
     def reload_params(self) -> None:
         """Copies the model's parameters into the host copies: call it after changing the
-        parameters outside the optimizer (``load_state_dict`` calls it)."""
+        parameters outside the optimizer (``load_state_dict`` calls it; with delayed_update
+        an update not yet on the device is dropped: :meth:`flush` first to keep it)."""
         self._worker.wait()
+        if self._delayed is not None:
+            self._delayed.discard()
         for s in self._slots:
             if s.host is not s.dev:
                 s.host.copy_(s.dev.detach())
