@@ -81,8 +81,11 @@ def run(opt, model, dtype, steps, accum=2, clip=None, flush_at=(), scaler=None, 
         if clip is not None:
             if scaler:
                 scaler.unscale_(opt)
-            opt.clip_grad_norm_(clip) if opt._offload_grads else torch.nn.utils.clip_grad_norm_(
-                [p for g in opt.param_groups for p in g["params"]], clip)
+            if opt._offload_grads:
+                opt.clip_grad_norm_(clip)
+            else:
+                torch.nn.utils.clip_grad_norm_([p for g in opt.param_groups for p in g["params"]],
+                                               clip)
         if lr_at is not None and t == lr_at[0]:
             opt.param_groups[0]["lr"] = lr_at[1]
         if scaler:
