@@ -19,7 +19,7 @@ the copies are real copies and the streams are no-ops, so the same code is teste
   copies of the updated parameters on another side stream;
 - :meth:`step` returns only when every update has landed (on the CPU) or the current
   CUDA stream waits for the copies (no host sync on the GPU): the next forward never
-  reads a parameter before its update.
+  reads a parameter before its update (``delayed_update``: it does, _offload_delayed).
 
 ``step_in_backward=True`` steps each tensor as soon as its gradient is ready, during
 backward, and frees the gradient (torchtune's recipe): on the host (``offload=True``,
