@@ -26,7 +26,7 @@ def equal(a, b):
 
 
 def reference(cls, kw, dtype, steps, undelayed=1, accum=2, clip=None, flush_at=(),
-              scaler=None, inf_at=None, lr_at=None):
+              scaler=None, inf_at=None, lr_at=None, set_to_none=True, step_size=2):
     """The delayed schedule by hand: ``dev`` runs forward and backward; the wrapped
     optimizer steps ``master`` with dev's gradients; after step t, dev holds the
     parameters after t (an undelayed step, the first ``undelayed``, or a flush at t) or
@@ -34,7 +34,7 @@ def reference(cls, kw, dtype, steps, undelayed=1, accum=2, clip=None, flush_at=(
     parameters after each step() and the master model and optimizer at the end."""
     dev, master = make_model(dtype), make_model(dtype)
     ref = cls(groups(master, cls), **kw)
-    sched = torch.optim.lr_scheduler.StepLR(ref, step_size=2, gamma=0.5)
+    sched = torch.optim.lr_scheduler.StepLR(ref, step_size=step_size, gamma=0.5)
     after = []
     for t in range(1, steps + 1):
         for a in range(accum):
@@ -44,7 +44,11 @@ def reference(cls, kw, dtype, steps, undelayed=1, accum=2, clip=None, flush_at=(
             loss = loss_of(dev, x)
             (scaler.scale(loss) if scaler else loss).backward()
         for p, q in zip(dev.parameters(), master.parameters()):
-            q.grad, p.grad = p.grad, None
+            q.grad = p.grad.clone()
+            if set_to_none:
+                p.grad = None
+            else:
+                p.grad.zero_()
         if clip is not None:
             if scaler:
                 scaler.unscale_(ref)
@@ -68,7 +72,7 @@ def reference(cls, kw, dtype, steps, undelayed=1, accum=2, clip=None, flush_at=(
 
 
 def run(opt, model, dtype, steps, accum=2, clip=None, flush_at=(), scaler=None, inf_at=None,
-        lr_at=None, check=None):
+        lr_at=None, check=None, set_to_none=True):
     """The training loop a user writes, with the offloader; ``check(t)`` after each step."""
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
     for t in range(1, steps + 1):
@@ -94,7 +98,7 @@ def run(opt, model, dtype, steps, accum=2, clip=None, flush_at=(), scaler=None, 
         else:
             opt.step()
         sched.step()
-        opt.zero_grad()
+        opt.zero_grad(set_to_none=set_to_none)
         if t in flush_at:
             opt.flush()
         if check is not None:
@@ -145,6 +149,23 @@ def test_undelayed_steps_first_and_flushes(offload_gradients):
     # the schedule differs from delaying every step after the first
     other, _, _ = reference(mo.AdamW8bit, kw, torch.bfloat16, steps)
     assert not equal(other[-1], expect[-1])
+    opt.flush()
+    assert_same(model, master, opt, ref)
+
+
+def test_gradients_kept_on_the_device_and_zeroed_in_place():
+    """offload_gradients=False with zero_grad(set_to_none=False): the device gradients
+    are zeroed without waiting for the step in flight, and the next backward adds into
+    them, as for the wrapped optimizer."""
+    kw, steps = dict(lr=1e-2), 4
+    expect, master, ref = reference(mo.AdamW8bit, kw, torch.bfloat16, steps, set_to_none=False)
+    model = make_model(torch.bfloat16)
+    opt = CPUOffloadOptimizer(groups(model), mo.AdamW8bit, delayed_update=True, **kw)
+    seen = []
+    run(opt, model, torch.bfloat16, steps, set_to_none=False,
+        check=lambda t: seen.append(params_of(model)))
+    assert all(p.grad is not None and not p.grad.any() for p in model.parameters())
+    assert all(equal(a, b) for a, b in zip(seen, expect))
     opt.flush()
     assert_same(model, master, opt, ref)
 
@@ -208,26 +229,34 @@ def test_step_returns_before_the_host_step_and_the_loop_does_not_wait():
 
     opt.optimizer.register_step_pre_hook(hold)
     gate.set()
-    loss_of(model, batch(0, torch.float32)).backward()
+    loss_of(model, batch(1, torch.float32)).backward()
     opt.step()  # undelayed: waits for the host step
     sched.step()
     opt.zero_grad()
     theta1 = params_of(model)
     gate.clear()
     entered.clear()
-    loss_of(model, batch(1, torch.float32)).backward()
+    loss_of(model, batch(2, torch.float32)).backward()
     opt.step()  # delayed: returns while the host step is held
     assert entered.wait(30) and not gate.is_set()
     sched.step()  # no wait: param_groups while the step is in flight
     assert opt.param_groups[0]["lr"] == 2.5e-3  # the scheduler's write, for the next step
     opt.zero_grad()
-    loss_of(model, batch(2, torch.float32)).backward()  # lands in the second arena
+    loss_of(model, batch(3, torch.float32)).backward()  # lands in the second arena
     assert equal(params_of(model), theta1) and not gate.is_set()
     gate.set()
+    state = opt.state  # waits for step 2: its states, not those of step 1
+    assert all(st["step"].item() == 2 for st in state.values())
+    assert equal(params_of(model), theta1)  # only a step() or flush() moves the model
     opt.step()
+    sched.step()
     opt.flush()
     assert lrs == [1e-2, 5e-3, 2.5e-3]  # each step used the lr it was called with
     assert opt.optimizer.param_groups[0]["sr_step"] == 3
+    # step 2 read its own gradients (batch 3's landed beside them), with its own lr
+    _, master, ref = reference(mo.AdamW8bit, dict(lr=1e-2), torch.float32, 3, accum=1,
+                               step_size=1)
+    assert_same(model, master, opt, ref)
     opt.close()
 
 
