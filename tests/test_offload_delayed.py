@@ -26,12 +26,15 @@ def equal(a, b):
 
 
 def reference(cls, kw, dtype, steps, undelayed=1, accum=2, clip=None, flush_at=(),
-              scaler=None, inf_at=None, lr_at=None, set_to_none=True, step_size=2):
+              scaler=None, inf_at=None, lr_at=None, set_to_none=True, step_size=2,
+              skip_calls_no_step=False):
     """The delayed schedule by hand: ``dev`` runs forward and backward; the wrapped
     optimizer steps ``master`` with dev's gradients; after step t, dev holds the
     parameters after t (an undelayed step, the first ``undelayed``, or a flush at t) or
-    those before it (a delayed step: update t reaches dev at step t+1). Returns dev's
-    parameters after each step() and the master model and optimizer at the end."""
+    those before it (a delayed step: update t reaches dev at step t+1); unchanged when a
+    scaler skips the optimizer's step() (``skip_calls_no_step``: torch's default path,
+    at ``inf_at``). Returns dev's parameters after each step() and the master model and
+    optimizer at the end."""
     dev, master = make_model(dtype), make_model(dtype)
     ref = cls(groups(master, cls), **kw)
     sched = torch.optim.lr_scheduler.StepLR(ref, step_size=step_size, gamma=0.5)
@@ -64,6 +67,8 @@ def reference(cls, kw, dtype, steps, undelayed=1, accum=2, clip=None, flush_at=(
         sched.step()
         ref.zero_grad()
         now = before if t > undelayed and t not in flush_at else params_of(master)
+        if skip_calls_no_step and t == inf_at:
+            now = params_of(dev)
         with torch.no_grad():
             for p, v in zip(dev.parameters(), now):
                 p.copy_(v)
@@ -189,17 +194,21 @@ def test_clipping_and_lr_changes_with_delay():
 
 
 @pytest.mark.filterwarnings("ignore:.*already NaN/Inf before backward")
+@pytest.mark.parametrize("kind", ["memfit", "torch"])
 @pytest.mark.parametrize("offload_gradients", [False, True], ids=["grads-dev", "grads-host"])
-def test_memfit_scaler_with_delay_skips_the_step_with_inf(offload_gradients):
+def test_scaler_with_delay_skips_the_step_with_inf(offload_gradients, kind):
     """memfit's GradScaler hands found_inf (known before step()) and its scale (copied at
     step(): the scaler's update changes it in place while the step is in flight): the
     step with an inf gradient changes nothing, the update before it still reaches the
-    device."""
+    device. torch's scaler (its default path) does not call step() then: the update
+    before it reaches the device at the next step()."""
     kw, steps = dict(lr=1e-2), 6
-    mk = lambda: memfit.amp.GradScaler("cpu", init_scale=2.0**10)  # noqa: E731
+    mk = ((lambda: memfit.amp.GradScaler("cpu", init_scale=2.0**10)) if kind == "memfit"
+          else (lambda: torch.amp.GradScaler("cpu", init_scale=2.0**10)))
     rscaler, scaler = mk(), mk()
     expect, master, ref = reference(mo.AdamW8bit, kw, torch.float32, steps, clip=1.0,
-                                    scaler=rscaler, inf_at=4)
+                                    scaler=rscaler, inf_at=4,
+                                    skip_calls_no_step=kind == "torch")
     model = make_model()
     opt = CPUOffloadOptimizer(groups(model), mo.AdamW8bit, offload_gradients=offload_gradients,
                               delayed_update=True, **kw)
