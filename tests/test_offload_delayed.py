@@ -379,6 +379,20 @@ def test_an_error_in_the_delayed_step_surfaces_at_the_next_wait():
     assert not equal(params_of(model), before)
 
 
+def test_a_step_after_close_raises_and_changes_nothing():
+    model = make_model()
+    opt = CPUOffloadOptimizer(groups(model), mo.AdamW8bit, offload_gradients=True,
+                              delayed_update=True, lr=1e-2)
+    run(opt, model, torch.float32, 2)
+    opt.close()
+    before, groups_before = params_of(model), copy.deepcopy(opt.optimizer.state_dict())
+    with pytest.raises(RuntimeError, match="closed"):
+        opt.step()  # no gradient: nothing submitted before the step itself
+    assert opt._delayed.front is None and not opt._delayed._pending
+    assert equal(params_of(model), before)
+    assert opt.state_dict()["param_groups"] == groups_before["param_groups"]
+
+
 def test_refusals_name_the_argument():
     model = make_model()
     for bad, err in (("yes", MemfitTypeError), (1.5, MemfitTypeError), (0, MemfitValueError),

@@ -145,17 +145,6 @@ class Delayed:
         front = inner.param_groups
         back = [dict(g) for g in front]      # this step's hyperparameters
         before = [dict(g) for g in back]     # to tell what the step changes in them
-        if opt._offload_grads:
-            # the next backward lands in the other arena (this one is the step's)
-            if not self._spare:
-                self._spare.append(Staging([s.host for s in slots], pinned=opt._d2h is not None,
-                                           ring=True))
-            opt._staging, self._spare[0] = self._spare[0], opt._staging
-        for s in slots:
-            s.claimed = False  # the next gradient goes straight to its arena view
-        self._pending[:] = stepped
-        self.front = front
-        inner.param_groups = back
 
         def job():
             try:
@@ -179,7 +168,28 @@ class Delayed:
                 inner.param_groups = front
                 self.front = None
 
-        worker.submit(job)
+        if opt._offload_grads:
+            # the next backward lands in the other arena (this one is the step's)
+            if not self._spare:
+                self._spare.append(Staging([s.host for s in slots], pinned=opt._d2h is not None,
+                                           ring=True))
+            opt._staging, self._spare[0] = self._spare[0], opt._staging
+        claimed = [s.claimed for s in slots]
+        for s in slots:
+            s.claimed = False  # the next gradient goes straight to its arena view
+        self._pending[:] = stepped
+        self.front = front
+        inner.param_groups = back
+        try:
+            worker.submit(job)
+        except BaseException:  # a closed optimizer: as it was, the gradients kept
+            inner.param_groups, self.front = front, None
+            self._pending.clear()
+            for s, c in zip(slots, claimed):
+                s.claimed = c
+            if opt._offload_grads:
+                opt._staging, self._spare[0] = self._spare[0], opt._staging
+            raise
 
     # -- waiting -------------------------------------------------------------------------
 
