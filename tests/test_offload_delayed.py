@@ -27,7 +27,7 @@ def equal(a, b):
 
 def reference(cls, kw, dtype, steps, undelayed=1, accum=2, clip=None, flush_at=(),
               scaler=None, inf_at=None, lr_at=None, set_to_none=True, step_size=2,
-              skip_calls_no_step=False):
+              skip_calls_no_step=False, in_kernel=False):
     """The delayed schedule by hand: ``dev`` runs forward and backward; the wrapped
     optimizer steps ``master`` with dev's gradients; after step t, dev holds the
     parameters after t (an undelayed step, the first ``undelayed``, or a flush at t) or
@@ -37,6 +37,8 @@ def reference(cls, kw, dtype, steps, undelayed=1, accum=2, clip=None, flush_at=(
     optimizer at the end."""
     dev, master = make_model(dtype), make_model(dtype)
     ref = cls(groups(master, cls), **kw)
+    if in_kernel:
+        memfit.amp.scale_in_kernel(ref)
     sched = torch.optim.lr_scheduler.StepLR(ref, step_size=step_size, gamma=0.5)
     after = []
     for t in range(1, steps + 1):
@@ -194,24 +196,28 @@ def test_clipping_and_lr_changes_with_delay():
 
 
 @pytest.mark.filterwarnings("ignore:.*already NaN/Inf before backward")
-@pytest.mark.parametrize("kind", ["memfit", "torch"])
+@pytest.mark.parametrize("kind", ["memfit", "torch", "torch-in-kernel"])
 @pytest.mark.parametrize("offload_gradients", [False, True], ids=["grads-dev", "grads-host"])
 def test_scaler_with_delay_skips_the_step_with_inf(offload_gradients, kind):
     """memfit's GradScaler hands found_inf (known before step()) and its scale (copied at
     step(): the scaler's update changes it in place while the step is in flight): the
     step with an inf gradient changes nothing, the update before it still reaches the
-    device. torch's scaler (its default path) does not call step() then: the update
-    before it reaches the device at the next step()."""
+    device; torch's after memfit.amp.scale_in_kernel too. torch's scaler on its default
+    path does not call step() then: the update before it reaches the device at the next
+    step()."""
     kw, steps = dict(lr=1e-2), 6
     mk = ((lambda: memfit.amp.GradScaler("cpu", init_scale=2.0**10)) if kind == "memfit"
           else (lambda: torch.amp.GradScaler("cpu", init_scale=2.0**10)))
     rscaler, scaler = mk(), mk()
     expect, master, ref = reference(mo.AdamW8bit, kw, torch.float32, steps, clip=1.0,
                                     scaler=rscaler, inf_at=4,
-                                    skip_calls_no_step=kind == "torch")
+                                    skip_calls_no_step=kind == "torch",
+                                    in_kernel=kind == "torch-in-kernel")
     model = make_model()
     opt = CPUOffloadOptimizer(groups(model), mo.AdamW8bit, offload_gradients=offload_gradients,
                               delayed_update=True, **kw)
+    if kind == "torch-in-kernel":
+        memfit.amp.scale_in_kernel(opt)
     seen = []
     run(opt, model, torch.float32, steps, clip=1.0, scaler=scaler, inf_at=4,
         check=lambda t: seen.append(params_of(model)))
