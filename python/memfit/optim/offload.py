@@ -292,8 +292,7 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
         # the caller may change the gradients through these (a scaler's unscale_, whose
         # kernel leaves their version counters as they were): the norms taken as they
         # landed no longer count (forgotten once every landing has recorded its norm)
-        groups = (self._delayed.groups(self) if self._delayed is not None
-                  else self._landed_groups())
+        groups = self._delayed.groups(self) if self._delayed is not None else self._landed_groups()
         self._norms.forget()
         return groups
 
