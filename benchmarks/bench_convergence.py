@@ -17,7 +17,13 @@ loss averaged over the last 100 steps, per seed and averaged; the relative diffe
 to torch AdamW. Criterion of the issues: AdamW8bit within 2%, AdamW4bit within 5%; a pure-bf16 model
 (bf16 weights and gradients, no fp32 master copy) with AdamW8bit and stochastic
 rounding, or with a Kahan compensation buffer (kahan=True), within 3% (nearest rounding
-shown for contrast).
+shown for contrast). The offloaded recipes (CPUOffloadOptimizer over AdamW8bit, gradients
+on the host) measure the quality cost of the one-step-delayed update (issue 40 §5:
+"offload AdamW8bit delayed" against "offload AdamW8bit", which is memfit AdamW8bit bit
+for bit; "... after 40": the first 40 steps undelayed, as ZeRO-Offload warms up):
+
+    python benchmarks/bench_convergence.py --optimizers "offload AdamW8bit" \
+        "offload AdamW8bit delayed" "offload AdamW8bit delayed after 40"
 Writes benchmarks/out/bench_convergence-<time>.json and a PNG of the curves (when
 matplotlib is installed).
 """
@@ -37,6 +43,7 @@ import numpy as np
 import torch
 
 import memfit.optim as mo
+from memfit.optim import CPUOffloadOptimizer
 
 CONTEXT, EMB, HIDDEN, VOCAB = 32, 48, 512, 128
 
@@ -86,6 +93,13 @@ OPTIMIZERS = {
     "bf16 AdamW8bit SR": lambda p, lr: mo.AdamW8bit(p, lr=lr, bf16_stochastic_round=True),
     "bf16 AdamW8bit RNE": lambda p, lr: mo.AdamW8bit(p, lr=lr, bf16_stochastic_round=False),
     "bf16 AdamW8bit Kahan": lambda p, lr: mo.AdamW8bit(p, lr=lr, kahan=True),
+    # states on the host; delayed: each step's update reaches the model one step later
+    "offload AdamW8bit": lambda p, lr: CPUOffloadOptimizer(p, mo.AdamW8bit, lr=lr,
+                                                           offload_gradients=True),
+    "offload AdamW8bit delayed": lambda p, lr: CPUOffloadOptimizer(
+        p, mo.AdamW8bit, lr=lr, offload_gradients=True, delayed_update=True),
+    "offload AdamW8bit delayed after 40": lambda p, lr: CPUOffloadOptimizer(
+        p, mo.AdamW8bit, lr=lr, offload_gradients=True, delayed_update=40),
 }
 PARAM_DTYPE = {"bf16 AdamW8bit SR": torch.bfloat16, "bf16 AdamW8bit RNE": torch.bfloat16,
                "bf16 AdamW8bit Kahan": torch.bfloat16}
@@ -112,6 +126,8 @@ def fit(model, opt, train, held, steps, batch, seed, context=CONTEXT):
         opt.step()
         curve.append(loss.item())
     secs = time.perf_counter() - t0
+    if hasattr(opt, "flush"):
+        opt.flush()  # a delayed update: the last step's update reaches the model
     with torch.no_grad():
         held_loss = float(np.mean([torch.nn.functional.cross_entropy(model(x).float(), y).item()
                                    for x, y in batches(held, 40, 512, 4242, context)]))
@@ -184,7 +200,7 @@ def main(argv=None):
         return
     fig, ax = plt.subplots(figsize=(8, 5))
     colors = dict(zip(OPTIMIZERS, ["black", "tab:blue", "tab:orange", "tab:green", "tab:red", "tab:purple",
-                                   "tab:brown"]))
+                                   "tab:brown", "tab:gray", "tab:olive", "tab:cyan", "tab:pink"]))
     k = 25
     for r in results:
         c = np.convolve(r["curve"], np.ones(k) / k, mode="valid")

@@ -361,13 +361,13 @@ def copy_back(opt, slots, event=None) -> None:
             event.record(opt._h2d)
 
 
-def enqueue_chunk(opt, run, ci, mine, landed, calls) -> None:
+def enqueue_chunk(opt, run, ci, mine, landed, calls, copy=True) -> None:
     """Queues chunk ci on the worker, in order: native waits (its gradients' landing,
     the previous copies of its masters to the device: on a GPU), its step (a Python
-    job), its parameters' copies back (native jobs, FIFO after the step), and with the
-    event log on a Python job that logs ``chunk_h2d``; then marks it in flight."""
-    worker, h2d = opt._worker, opt._h2d
-    event = opt._inflight.event(ci, h2d)
+    job), its parameters' copies back (:func:`enqueue_copies`), then marks it in flight.
+    ``copy=False`` (delayed_update, _offload_delayed): no copy back is queued; the
+    update is applied later by :func:`enqueue_copies`."""
+    worker = opt._worker
     waits = {}
     if landed is not None:
         waits[id(landed)] = landed
@@ -377,11 +377,32 @@ def enqueue_chunk(opt, run, ci, mine, landed, calls) -> None:
     for e in waits.values():
         run.events.append(e)  # alive until the wait has run (run.end drops them)
         worker.submit_event_wait(e.cuda_event)
-    native, by_torch = [], []
-    for s in mine:
-        (native if copies_natively(opt, s) else by_torch).append(s)
+    if not copy:
+        worker.submit(lambda: run.chunk(opt, ci, mine, calls, [], None))
+        return
+    native = [s for s in mine if copies_natively(opt, s)]
+    by_torch = [s for s in mine if s not in native]
+    event = opt._inflight.event(ci, opt._h2d)
     job = worker.submit(lambda: run.chunk(opt, ci, mine, calls, by_torch,
                                           None if native else event))
+    job = enqueue_copies(opt, ci, mine, native, job)
+    opt._inflight.add(mine, worker, job, event)
+
+
+def enqueue_copies(opt, ci, mine, native=None, job=None) -> int:
+    """Queues chunk ci's parameters' copies back to the device (``mine``: its slots):
+    native jobs (FIFO after whatever is queued: its step), torch's copies of the others
+    as a Python job unless ``native`` is given (then the chunk's step makes them), and
+    with the event log a Python job that logs ``chunk_h2d``. On a GPU the last copy
+    records the chunk's CUDA event, which each slot's ``h2d_done`` then is. Returns the
+    number of the last job queued (``job`` if none)."""
+    worker, h2d = opt._worker, opt._h2d
+    event = opt._inflight.event(ci, h2d)
+    if native is None:
+        native = [s for s in mine if copies_natively(opt, s)]
+        by_torch = [s for s in mine if s not in native]
+        if by_torch:
+            job = worker.submit(lambda: copy_back(opt, by_torch, None if native else event))
     stream = h2d.cuda_stream if h2d is not None else 0
     for k, s in enumerate(native):
         # the queue holds both tensors until the copy has run; on a GPU the last copy
@@ -398,13 +419,17 @@ def enqueue_chunk(opt, run, ci, mine, landed, calls) -> None:
         # (done, on the CPU), which is what chunk_h2d means (the log's one GIL take per
         # chunk, only while the log is on)
         job = worker.submit(lambda: opt._log("chunk_h2d", ci))
-    opt._inflight.add(mine, worker, job, event)
+    return job
 
 
-def step(opt, grad_scale, found_inf) -> None:
+def step(opt, grad_scale, found_inf, delayed=None) -> None:
     """CPUOffloadOptimizer.step() in every mode but step_in_backward: the chunks are
     queued on the worker; returns once all are done (or, with overlap_forward, once all
-    are queued: the next forward waits per module, :class:`InFlight`)."""
+    are queued: the next forward waits per module, :class:`InFlight`). ``delayed`` (a
+    list, delayed_update): returns once all are queued, with no copy back queued (nor,
+    for a step that cannot be chunked, made): _offload_delayed applies the update later;
+    True is appended to the list once the step's jobs are queued (a step that raises
+    before that queued none)."""
     slots = [s for s in opt._slots if s.host is not s.dev]
     if opt._offload_grads:
         opt._adopt_device_grads()
@@ -419,7 +444,7 @@ def step(opt, grad_scale, found_inf) -> None:
     after = (torch.cuda.current_stream(opt._device).record_event()
              if opt._h2d is not None else None)
     if not chunkable(opt.optimizer):
-        whole(opt, slots, have, grad_scale, found_inf, after)
+        whole(opt, slots, have, grad_scale, found_inf, after, delayed)
         return
     try:
         planned = plan_calls(opt.optimizer)  # raises here, before anything changes
@@ -430,6 +455,8 @@ def step(opt, grad_scale, found_inf) -> None:
         raise
     run = _Run(grad_scale, found_inf)
     opt._worker.submit(lambda: run.begin(opt))
+    if delayed is not None:
+        delayed.append(True)
     if after is not None:
         # every copy back of this step (issued on the worker, later) comes after the
         # kernels queued so far on the compute stream, which may still read the parameters
@@ -444,7 +471,8 @@ def step(opt, grad_scale, found_inf) -> None:
                 opt._log("chunk_d2h_start", ci)
                 landed = copy_in(opt, mine)
                 opt._log("chunk_d2h_end", ci)
-            enqueue_chunk(opt, run, ci, mine, landed, calls_of(planned, [s.host for s in mine]))
+            enqueue_chunk(opt, run, ci, mine, landed, calls_of(planned, [s.host for s in mine]),
+                          copy=delayed is None)
         # the tensors kept on the device (keep_on_device_below) step there, on this
         # thread (the caller's stream), while the worker steps the chunks
         with torch.no_grad():
@@ -460,9 +488,10 @@ def step(opt, grad_scale, found_inf) -> None:
         torch.cuda.current_stream(opt._device).wait_stream(opt._d2h)
 
 
-def whole(opt, slots, have, grad_scale, found_inf, after) -> None:
+def whole(opt, slots, have, grad_scale, found_inf, after, delayed=None) -> None:
     """The wrapped optimizer's own step() (not chunkable): every gradient lands, then one
-    host step, then every copy back."""
+    host step, then every copy back (``delayed``, as :func:`step`'s: none, and returns
+    once the step is queued)."""
     landed = []  # alive until the worker has waited for them (below)
     for s in slots:
         if id(s) in have and not opt._offload_grads:
@@ -470,7 +499,12 @@ def whole(opt, slots, have, grad_scale, found_inf, after) -> None:
             if e is not None:
                 landed.append(e)
                 opt._worker.submit_event_wait(e.cuda_event)  # native: no GIL
-    opt._worker.submit(lambda: opt._host_step(slots, grad_scale, found_inf, after))
+    opt._worker.submit(lambda: opt._host_step(slots, grad_scale, found_inf, after,
+                                              copy_back=delayed is None))
+    if delayed is not None:
+        delayed.append(True)
+        opt._worker.submit(landed.clear)  # (the events stay alive until the step has run)
+        return
     try:
         opt._worker.wait()
     finally:

@@ -56,9 +56,9 @@ class _Worker:
         """A native job (no GIL): cudaEventSynchronize(event). Its number."""
         return self._open().submit_event_wait(event)
 
-    def reach(self, job: int) -> None:
-        """Blocks until job ``job`` has run, raising nothing: an error a job raised stays
-        for the next :meth:`wait`."""
+    def reach(self, job=None) -> None:
+        """Blocks until job ``job`` (None: every job submitted) has run, raising nothing:
+        an error a job raised stays for the next :meth:`wait`."""
         if self._queue is not None:
             self._queue.wait(job, raise_error=False)
 

@@ -21,7 +21,8 @@ the copies are real copies and the streams are no-ops, so the same code is teste
 - :meth:`step` returns only when every update has landed (on the CPU) or the current
   CUDA stream waits for the copies (no host sync on the GPU): the next forward never
   reads a parameter before its update (``overlap_forward=True``: each module's forward
-  waits for its own parameters instead).
+  waits for its own parameters instead; ``delayed_update``: it reads them before the
+  update, which the next step() puts on the device, _offload_delayed).
 
 ``step_in_backward=True`` steps each tensor as soon as its gradient is ready, during
 backward, and frees the gradient (torchtune's recipe): on the host (``offload=True``,
@@ -44,6 +45,7 @@ from memfit.amp.in_kernel import TORCH_FLAG
 from memfit.optim import _dtensor
 from memfit.optim import _offload_grads
 from memfit.optim import _offload_pipeline as pipeline
+from memfit.optim._offload_delayed import Delayed, undelayed_steps
 from memfit.optim._offload_found_inf import LandedFlags
 from memfit.optim._offload_norms import LandedNorms
 from memfit.optim._offload_staging import Staging
@@ -102,6 +104,9 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
         keep_on_device_below: tensors with fewer elements stay on the device and are
             stepped there by the wrapped optimizer (torchao keeps those under 4096);
             default 0: every tensor is offloaded.
+        delayed_update: step() returns before the host step, whose update reaches the
+            device at the next step() or :meth:`flush` (ZeRO-Offload's, docs/offload.md):
+            True from the second step on, n after n undelayed steps; off by default.
 
     ``param_groups`` are the wrapped optimizer's groups (an LR scheduler changes the
     host step's lr), with ``'params'`` the tensors whose ``.grad`` the step reads: the
@@ -117,7 +122,7 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
     def __init__(self, params, optimizer_class=None, *, offload_gradients=False,
                  step_in_backward=False, offload=True, host_threads=None,
                  chunk_bytes=pipeline.DEFAULT_CHUNK_BYTES, overlap_forward=False,
-                 keep_on_device_below=0, **kwargs):
+                 keep_on_device_below=0, delayed_update=False, **kwargs):
         if optimizer_class is None:
             from memfit.optim.optimizers import AdamW8bit as optimizer_class
         if not (isinstance(optimizer_class, type) and issubclass(optimizer_class, _MemfitOptimizer)):
@@ -146,6 +151,8 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
         threads = _host_threads(host_threads)
         pipeline.check_count("chunk_bytes", chunk_bytes, 1)
         pipeline.check_count("keep_on_device_below", keep_on_device_below, 0)
+        undelayed = undelayed_steps(delayed_update, offload=offload, step_in_backward=step_in_backward,
+                                    overlap_forward=overlap_forward, keep=keep_on_device_below)
         groups = _groups_of(params)
         device, seen = None, set()
         for gi, g in enumerate(groups):
@@ -241,6 +248,8 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
         # would give them (_MemfitOptimizer._sr_positions: the same random bits), made at
         # the first gradient of each backward
         self._positions = None
+        # delayed_update: the step in flight, the update not yet on the device; None if off
+        self._delayed = Delayed(self, undelayed) if undelayed else None
 
     # -- lifecycle ------------------------------------------------------------------------
 
@@ -272,9 +281,17 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
         if not self._finalizer.alive:
             return
         try:
-            self._settle()
+            self.flush()  # delayed_update: the last update reaches the model
         finally:
             self._finalizer()
+
+    def flush(self) -> None:
+        """Waits for the work in flight; with delayed_update puts the last update on the
+        device: before evaluating or saving (docs/offload.md, "Delayed update")."""
+        if self._delayed is not None:
+            self._delayed.flush(self)
+        else:
+            self._settle()
 
     def __enter__(self):
         return self
@@ -302,7 +319,7 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
         # the caller may change the gradients through these (a scaler's unscale_, whose
         # kernel leaves their version counters as they were): the norms taken as they
         # landed no longer count (forgotten once every landing has recorded its norm)
-        groups = self._landed_groups()
+        groups = self._delayed.groups(self) if self._delayed is not None else self._landed_groups()
         self._norms.forget()
         return groups
 
@@ -414,12 +431,13 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
         if self._events is not None:
             self._events.append((time.perf_counter_ns(), kind, detail))
 
-    def _host_step(self, slots, grad_scale, found_inf, after, positions=None) -> None:
+    def _host_step(self, slots, grad_scale, found_inf, after, positions=None,
+                   copy_back=True) -> None:
         """Worker: the wrapped optimizer's own step over the host gradients of ``slots``
         (every host gradient there is; with ``positions``, the step in backward of
         ``slots`` alone, _MemfitOptimizer._step_params), then their updated parameters go
         to the device (after CUDA event ``after`` of the compute stream) and their host
-        gradients are dropped when the step consumed them."""
+        gradients are dropped when the step consumed them (``copy_back=False``: not copied)."""
         for s in slots:  # the previous copy of this master to the device has read it
             if s.h2d_done is not None:
                 s.h2d_done.synchronize()
@@ -444,6 +462,8 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
                     continue
                 if not self._offload_grads or self._in_backward:
                     self._drop_host_grad(s)  # consumed; else kept until zero_grad, as torch keeps p.grad
+                if not copy_back:  # delayed_update: applied later (_offload_delayed)
+                    continue
                 if self._h2d is None:
                     s.dev.detach().copy_(s.host)
                     continue
@@ -475,6 +495,8 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
         try:
             if self._in_backward:
                 self._step_in_backward_done(grad_scale, found_inf)
+            elif self._delayed is not None:
+                self._delayed.step(self, grad_scale, found_inf)  # returns before the host step
             else:
                 self._step(grad_scale, found_inf)
         except BaseException:
@@ -584,6 +606,8 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
                 "CPUOffloadOptimizer.zero_grad: called in the middle of a step (parameters "
                 "were stepped during backward and step() has not been called yet); call "
                 "step() first; nothing was cleared")
+        if self._delayed is not None and self._delayed.zero_grad(self, set_to_none):
+            return  # the step in flight goes on (it drops its own gradients)
         if self._inflight.pending:  # overlap_forward: the last step's chunks may still run
             self._sync_hooks()
             _offload_grads.clear_in_flight(self, set_to_none)
@@ -622,7 +646,7 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
         """The wrapped optimizer's state dict (loads into ``optimizer_class`` over the same
         parameters, and back). The state-dict hooks registered on this optimizer run as
         torch runs them (pre-hooks first, post-hooks on the finished dict)."""
-        self._settle()
+        self.flush()  # delayed_update: the model's parameters include the last update too
         for hook in list(self._optimizer_state_dict_pre_hooks.values()):
             hook(self)
         return run_state_dict_post_hooks(self, self.optimizer.state_dict())
@@ -644,8 +668,11 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
     @torch.no_grad()
     def reload_params(self) -> None:
         """Copies the model's parameters into the host copies: call it after changing the
-        parameters outside the optimizer (``load_state_dict`` calls it)."""
+        parameters outside the optimizer (``load_state_dict`` calls it; with delayed_update
+        an update not yet on the device is dropped: :meth:`flush` first to keep it)."""
         self._settle()
+        if self._delayed is not None:
+            self._delayed.discard()
         for s in self._slots:
             if s.host is not s.dev:
                 s.host.copy_(s.dev.detach())
