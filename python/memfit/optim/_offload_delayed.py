@@ -178,12 +178,6 @@ class Delayed:
         self._pending[:] = [(ci, mine) for ci, chunk in enumerate(opt._chunks)
                             if (mine := [s for s in chunk if id(s) in have])]
         handle, queued = _Handle(opt), []
-        try:
-            pipeline.step(handle, grad_scale, found_inf, delayed=queued)
-        finally:
-            if not queued:  # refused before any job (a closed optimizer): as it was
-                inner.param_groups, self.front = front, None
-                self._pending.clear()
         consumed = [s for s in slots if id(s) in have]
         offload_grads = opt._offload_grads
 
@@ -200,15 +194,26 @@ class Delayed:
             inner.param_groups = front
             self.front = None
 
-        worker.submit(end)
-        if offload_grads:
-            # the next backward lands in the other arena (this one is the step's)
-            if not self._spare:
-                self._spare.append(Staging([s.host for s in slots], pinned=opt._d2h is not None,
-                                           ring=True))
-            opt._staging, self._spare[0] = self._spare[0], opt._staging
-            for s in slots:
-                s.claimed = False  # the next gradient goes straight to its arena view
+        try:
+            pipeline.step(handle, grad_scale, found_inf, delayed=queued)
+        finally:
+            if not queued:  # refused before any job (closed, or the checks): as it was
+                inner.param_groups, self.front = front, None
+                self._pending.clear()
+            else:  # (also when a chunk's copy in raised: the chunks before it step)
+                worker.submit(end)
+                if offload_grads:
+                    self._swap_arenas(opt)
+
+    def _swap_arenas(self, opt) -> None:
+        """The next backward lands in the other arena (this one is the step's)."""
+        slots = self._slots
+        if not self._spare:
+            self._spare.append(Staging([s.host for s in slots], pinned=opt._d2h is not None,
+                                       ring=True))
+        opt._staging, self._spare[0] = self._spare[0], opt._staging
+        for s in slots:
+            s.claimed = False  # the next gradient goes straight to its arena view
 
     # -- waiting -------------------------------------------------------------------------
 
