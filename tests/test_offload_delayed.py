@@ -7,6 +7,7 @@ gives)."""
 import copy
 import gc
 import threading
+import weakref
 
 import memfit
 import memfit.optim as mo
@@ -338,6 +339,33 @@ def test_chunked_step_in_flight_reads_its_own_gradients_and_queues_no_copy(offlo
     _, master, ref = reference(mo.AdamW8bit, kw, torch.float32, 3, accum=1, step_size=100)
     assert_same(model, master, opt, ref, skip=("params", "initial_lr"))  # (ref's scheduler)
     opt.close()
+
+
+def test_dropped_with_a_chunked_step_in_flight_is_collected_and_applies_it():
+    """The delayed step's queued jobs do not hold the offloader (_offload_delayed._Handle):
+    dropped while its step is held on the worker, it is collected at once, and its
+    finalizer waits for the step and puts the update on the model."""
+    _, master, _ = reference(mo.AdamW8bit, dict(lr=1e-2), torch.float32, 2, accum=1,
+                             step_size=100)
+    model = make_model()
+    opt = CPUOffloadOptimizer(groups(model), mo.AdamW8bit, offload_gradients=True,
+                              delayed_update=True, chunk_bytes=1, lr=1e-2)
+    log = opt._events = HeldLog()
+    log.gate.set()
+    loss_of(model, batch(1, torch.float32)).backward()
+    opt.step()
+    opt.zero_grad()
+    log.gate.clear()
+    loss_of(model, batch(2, torch.float32)).backward()
+    opt.step()  # delayed, held before its first chunk
+    assert log.entered.wait(30)
+    ref = weakref.ref(opt)
+    timer = threading.Timer(0.2, log.gate.set)  # the finalizer waits for the step
+    timer.start()
+    del opt
+    assert ref() is None and log.gate.is_set()
+    assert equal(params_of(model), params_of(master))
+    timer.join()
 
 
 def test_state_dict_includes_the_last_update_and_resumes_bit_exactly():
