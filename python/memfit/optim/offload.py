@@ -151,7 +151,8 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
         threads = _host_threads(host_threads)
         pipeline.check_count("chunk_bytes", chunk_bytes, 1)
         pipeline.check_count("keep_on_device_below", keep_on_device_below, 0)
-        undelayed = undelayed_steps(delayed_update, offload=offload, step_in_backward=step_in_backward,
+        undelayed = undelayed_steps(delayed_update, offload=offload,
+                                    step_in_backward=step_in_backward,
                                     overlap_forward=overlap_forward, keep=keep_on_device_below)
         groups = _groups_of(params)
         device, seen = None, set()
