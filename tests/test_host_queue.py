@@ -163,8 +163,10 @@ def test_a_queue_dropped_by_its_own_job_drains_then_ends():
     holder = [q]
     src = np.arange(1 << 16, dtype=np.float32)
     dst = np.zeros_like(src)
-    q.submit(lambda: (time.sleep(0.05), holder.clear()))  # the last reference, on its thread
+    queued = threading.Event()  # the job waits until the copy is queued behind it
+    q.submit(lambda: (queued.wait(10), holder.clear()))  # the last reference, on its thread
     q.submit_copy(dst, src)  # queued after that job: still runs, its arrays still held
+    queued.set()
     del q, src
     assert live_after(before) == before
     assert np.array_equal(dst, np.arange(1 << 16, dtype=np.float32))

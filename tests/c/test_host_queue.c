@@ -3,6 +3,7 @@
  * by its own job, every pool thread running once per run. Run under ASan + UBSan by
  * tests/test_c_core.py (leaks and use-after-free of the self-freeing path show there). */
 #define _POSIX_C_SOURCE 199309L /* nanosleep */
+#include <stdatomic.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -58,6 +59,14 @@ static mf_status destroy_job(mf_host_queue *q, void *ctx) {
 static void sleep_ms(int ms) {
   struct timespec ts = {0, ms * 1000000L};
   nanosleep(&ts, NULL);
+}
+
+/* Holds the queue thread until the test has queued what must come after (*ctx set):
+ * else on a slow machine (qemu) the thread runs a job before the next one is queued. */
+static mf_status gate_job(mf_host_queue *q, void *ctx) {
+  (void)q;
+  for (int t = 0; t < 5000 && !atomic_load((atomic_int *)ctx); t++) sleep_ms(1);
+  return MF_OK;
 }
 
 static void test_order_errors_tickets(void) {
@@ -121,13 +130,16 @@ static void test_destroyed_by_its_own_job(void) {
   mf_host_queue *q = NULL;
   CHECK(mf_host_queue_create(3, NULL, &q) == MF_OK);
   log_t log = {{0}, 0};
+  atomic_int queued = 0;
+  CHECK(mf_host_queue_submit(q, gate_job, &queued, NULL) == MF_OK);
   CHECK(mf_host_queue_submit(q, destroy_job, NULL, NULL) == MF_OK);
   for (int i = 10; i < 20; i++) { /* queued after it: they still run */
     append_ctx *a = (append_ctx *)malloc(sizeof *a);
     a->log = &log;
     a->i = i;
-    mf_host_queue_submit(q, append_job, a, NULL);
+    CHECK(mf_host_queue_submit(q, append_job, a, NULL) == MF_OK);
   }
+  atomic_store(&queued, 1);
   for (int t = 0; t < 500 && mf_host_queue_live() > 0; t++) sleep_ms(10);
   CHECK(mf_host_queue_live() == 0);
   CHECK(log.n == 10, "%d", log.n);
