@@ -147,24 +147,12 @@ def calls_of(planned: dict, tensors) -> list:
 
 
 def positions(inner, stepping) -> dict:
-    """``inner._sr_positions(stepping)`` (the numbers the step in backward steps each
-    tensor with, _MemfitOptimizer._step_params) with the buckets numbered by state
-    format alone, as :func:`plan_calls` numbers them: a tensor kept on the device
-    (``keep_on_device_below``) draws the bits it would draw among the host copies, as
-    in the wrapped optimizer's step() with every parameter on one device. The bucket
-    itself stays (device, format): what _step_params checks."""
-    out = {}
-    for gi, group in enumerate(inner.param_groups):
-        counts = {}  # format -> [its bucket's number, parameters so far]
-        for i, p in enumerate(group["params"]):
-            if id(p) in stepping:
-                bucket = inner._bucket(group, p)
-                at = counts.get(bucket[1])
-                if at is None:
-                    at = counts[bucket[1]] = [len(counts), 0]
-                out[id(p)] = (gi, i, bucket, at[0], at[1])
-                at[1] += 1
-    return out
+    """The numbers the step in backward steps each tensor with (_step_params), the
+    buckets numbered by state format alone, as :func:`plan_calls` numbers them: a
+    tensor kept on the device (``keep_on_device_below``) draws the bits it would draw
+    among the host copies, as in the wrapped optimizer's step() with every parameter on
+    one device."""
+    return inner._sr_positions(stepping, by_format=True)
 
 
 class InFlight:
@@ -344,6 +332,14 @@ def copies_natively(opt, s) -> bool:
             and d.is_contiguous() and h.is_contiguous())
 
 
+def split_copies(opt, slots) -> tuple:
+    """(the slots whose parameters go back as native copies, the others: torch's)."""
+    native, by_torch = [], []
+    for s in slots:
+        (native if copies_natively(opt, s) else by_torch).append(s)
+    return native, by_torch
+
+
 def copy_back(opt, slots, event=None) -> None:
     """Worker: ``slots``' updated parameters host -> device by torch (the ones
     :func:`copies_natively` refuses), on the h2d stream (which waits for the compute
@@ -380,8 +376,7 @@ def enqueue_chunk(opt, run, ci, mine, landed, calls, copy=True) -> None:
     if not copy:
         worker.submit(lambda: run.chunk(opt, ci, mine, calls, [], None))
         return
-    native = [s for s in mine if copies_natively(opt, s)]
-    by_torch = [s for s in mine if s not in native]
+    native, by_torch = split_copies(opt, mine)
     event = opt._inflight.event(ci, opt._h2d)
     job = worker.submit(lambda: run.chunk(opt, ci, mine, calls, by_torch,
                                           None if native else event))
@@ -399,8 +394,7 @@ def enqueue_copies(opt, ci, mine, native=None, job=None) -> int:
     worker, h2d = opt._worker, opt._h2d
     event = opt._inflight.event(ci, h2d)
     if native is None:
-        native = [s for s in mine if copies_natively(opt, s)]
-        by_torch = [s for s in mine if s not in native]
+        native, by_torch = split_copies(opt, mine)
         if by_torch:
             job = worker.submit(lambda: copy_back(opt, by_torch, None if native else event))
     stream = h2d.cuda_stream if h2d is not None else 0

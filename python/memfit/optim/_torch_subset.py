@@ -21,19 +21,24 @@ from memfit.optim import _core
 class _SubsetStepMixin:
     """_sr_positions and _step_params (the offloader's; step() does not use them)."""
 
-    def _sr_positions(self, stepping) -> dict:
+    def _sr_positions(self, stepping, by_format: bool = False) -> dict:
         """{id(p): (group index, index in the group, bucket, bucket index, position in
         the bucket)} for each parameter p whose id is in ``stepping``: the numbers step()
-        gives p when exactly these parameters have gradients. Changes nothing."""
+        gives p when exactly these parameters have gradients. Changes nothing.
+        ``by_format``: the buckets are numbered by state format alone, as if every
+        parameter were on one device (the offloader's tensors kept on the device draw
+        the bits they would draw among the host copies); the bucket returned stays
+        (device, format), what _step_params checks."""
         out = {}
         for gi, group in enumerate(self.param_groups):
-            counts = {}  # bucket -> [its index, parameters so far]
+            counts = {}  # bucket (or its format) -> [its index, parameters so far]
             for i, p in enumerate(group["params"]):
                 if id(p) in stepping:
                     bucket = self._bucket(group, p)
-                    at = counts.get(bucket)
+                    key = bucket[1] if by_format else bucket
+                    at = counts.get(key)
                     if at is None:
-                        at = counts[bucket] = [len(counts), 0]
+                        at = counts[key] = [len(counts), 0]
                     out[id(p)] = (gi, i, bucket, at[0], at[1])
                     at[1] += 1
         return out
